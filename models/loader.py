@@ -1,0 +1,87 @@
+"""Open any supported checkpoint: a GGUF file or an HF safetensors folder.
+
+`load_model(path)` returns a `LoadedModel` (model, tokenizer, chat format, source info); the
+architecture decides the model file. Every problem surfaces as a one-line `GGUFError` subclass.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from .common import ConfigError
+from .gguf import GGUFError, GGUFFile, UnsupportedArchitectureError
+
+SUPPORTED_ARCHITECTURES = ("gemma4", "gemma3")
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # Gemma4Model | Gemma3Model
+    arch: str
+    path: Path
+    tokenizer: Optional[Any] = None  # models.tokenizer.Tokenizer
+    chat: Optional[Any] = None  # models.chat.ChatFormat
+    source: Any = None  # the GGUFFile / HFCheckpoint
+
+    @property
+    def config(self):
+        return self.model.cfg
+
+
+def open_gguf(path: str | Path) -> GGUFFile:
+    """Open a GGUF whose architecture we can run (one-line error otherwise)."""
+    f = GGUFFile(path)
+    f.check_architecture(SUPPORTED_ARCHITECTURES)
+    return f
+
+
+def load_model(path: str | Path, dtype=torch.float32, device="cpu", with_tokenizer: bool = True) -> LoadedModel:
+    path = Path(path)
+    if path.is_dir():
+        return _load_hf(path, dtype, device)
+    f = open_gguf(path)
+    try:
+        if f.architecture == "gemma4":
+            from .gemma4 import load_gemma4
+            model = load_gemma4(f, dtype=dtype, device=device)
+        else:
+            from .gemma3 import load_gemma3
+            model = load_gemma3(f, dtype=dtype, device=device)
+    except ConfigError as e:
+        raise GGUFError(path, str(e)) from None
+    tok = chat = None
+    if with_tokenizer and "tokenizer.ggml.tokens" in f.metadata:
+        from .chat import ChatFormat
+        from .tokenizer import Tokenizer
+        tok = Tokenizer.from_metadata(f.metadata)
+        chat = ChatFormat.from_metadata(f.metadata)
+    return LoadedModel(model, f.architecture, path, tok, chat, f)
+
+
+def _load_hf(path: Path, dtype, device) -> LoadedModel:
+    import json
+
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise GGUFError(path, "not a model folder (no config.json)")
+    try:
+        model_type = json.loads(cfg_file.read_text()).get("model_type", "")
+    except ValueError as e:
+        raise GGUFError(cfg_file, f"unreadable config.json: {e}") from None
+    if not str(model_type).startswith("gemma4"):
+        raise UnsupportedArchitectureError(
+            path, f"unsupported model_type '{model_type}' (supported: gemma4, gemma4_text)")
+    from .hf import load_gemma4_hf
+    try:
+        model, ckpt = load_gemma4_hf(path, dtype=dtype, device=device)
+    except (ConfigError, KeyError) as e:
+        raise GGUFError(path, f"bad config.json: {e}") from None
+    tok = None
+    if (path / "tokenizer.json").is_file():
+        from .tokenizer import Tokenizer
+        if hasattr(Tokenizer, "from_hf_file"):
+            tok = Tokenizer.from_hf_file(path / "tokenizer.json")
+    return LoadedModel(model, "gemma4", path, tok, None, ckpt)

@@ -1,0 +1,103 @@
+"""Our Gemma-4 forward against llama.cpp (the oracle) and against a float64 run of itself.
+
+Tiny random models written with the gguf writer, F32 and quantized to Q4_K_M by llama.cpp's own
+quantizer. Prompts run past the sliding window so masking, KV sharing and proportional RoPE all
+show up in the logits.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from models.gemma4 import Gemma4Config, Gemma4Model, load_gemma4
+from models.gguf import GGUFFile
+from tiny_models import TinySpec, llama_cpp_logits, quantize_gguf, write_tiny_gemma4
+
+SPECS = {
+    # E-series-like: PLE, KV sharing, sliding + full layers with different head dims, 2x FFN.
+    "e-series-8L": TinySpec(),
+    "e-series-5L-2kv": TinySpec(n_layer=5, pattern=[True, True, False, True, False], n_kv_shared=2,
+                                n_head=4, n_kv_head=2, ple_width=0, sliding_window=5, double_wide=False),
+    # llama.cpp maps shared layers to first-2 (sliding) / first-1 (full); keep layouts it can load.
+    "e-series-12L": TinySpec(n_layer=12, n_kv_shared=6, sliding_window=11, ple_width=64,
+                             pattern=[(i + 1) % 6 != 0 for i in range(12)]),
+}
+
+
+def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+
+
+def _prompt(n_vocab: int, n: int, seed: int = 1) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [2] + rng.integers(5, n_vocab, size=n - 1).tolist()
+
+
+@pytest.fixture(scope="module", params=list(SPECS))
+def tiny(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(request.param)
+    f32 = write_tiny_gemma4(d / "f32.gguf", SPECS[request.param], seed=7)
+    q4 = quantize_gguf(f32, d / "q4km.gguf")
+    return request.param, f32, q4
+
+
+def _ours(path, tokens, dtype=torch.float32, cfg_patch=None) -> np.ndarray:
+    f = GGUFFile(path)
+    model = load_gemma4(f, dtype=dtype)
+    if cfg_patch:
+        cfg_patch(model)
+    return model.forward(torch.tensor(tokens)).double().numpy()
+
+
+@pytest.mark.parametrize("quant", ["f32", "q4km"])
+def test_logits_match_llama_cpp(tiny, quant):
+    name, f32, q4 = tiny
+    path = f32 if quant == "f32" else q4
+    tokens = _prompt(SPECS[name].n_vocab, 40)
+    ref = llama_cpp_logits(path, tokens)
+    ours = _ours(path, tokens)
+    cos = _cosines(ours, ref)
+    top1 = (ours.argmax(-1) == ref.argmax(-1)).mean()
+    print(f"{name}/{quant}: min cosine {cos.min():.5f}, top-1 agreement {top1:.3f}")
+    assert cos.min() >= 0.99, f"worst position {cos.argmin()}: cosine {cos.min():.5f}"
+    assert top1 >= 0.9
+
+
+def test_float32_equals_float64_reference(tiny):
+    name, _, q4 = tiny
+    tokens = _prompt(SPECS[name].n_vocab, 40, seed=3)
+    c = _cosines(_ours(q4, tokens), _ours(q4, tokens, dtype=torch.float64))
+    assert c.min() >= 0.99999, c.min()
+
+
+def test_quantized_file_really_holds_k_quants(tiny):
+    _, _, q4 = tiny
+    types = {t.type_name for t in GGUFFile(q4)}
+    assert {"Q4_K", "Q6_K"} & types, types
+
+
+def test_wrong_kv_source_is_caught(tmp_path):
+    """The comparison above must go red if a shared layer reads the wrong source layer's KV."""
+    spec = TinySpec()
+    path = write_tiny_gemma4(tmp_path / "m.gguf", spec, seed=11)
+    cfg = Gemma4Config.from_gguf(GGUFFile(path))
+    assert cfg.kv_shared_layers == ((4, 2), (5, 2), (6, 2), (7, 3))
+    tokens = _prompt(spec.n_vocab, 24)
+    ref = llama_cpp_logits(path, tokens)
+    good = _cosines(_ours(path, tokens), ref)
+    assert good.min() >= 0.99
+
+    def misroute(model):
+        c = model.cfg
+        # Same-type but wrong source: sliding shared layers read layer 0 instead of the last one.
+        wrong = tuple((layer, 0 if c.is_sliding[layer] else src) for layer, src in c.kv_shared_layers)
+        bad = dataclasses.replace(c)
+        object.__setattr__(bad, "kv_shared_layers", wrong)
+        model.cfg = bad
+
+    bad = _cosines(_ours(path, tokens, cfg_patch=misroute), ref)
+    assert bad.min() < 0.99, f"a misrouted KV source went unnoticed (min cosine {bad.min():.4f})"

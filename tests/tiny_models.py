@@ -1,0 +1,240 @@
+"""Tiny random Gemma-4 GGUFs that llama.cpp loads, written with the `gguf` writer.
+
+Weights are tame (norm weights near 1, small init) so random models stay numerically well
+conditioned: the comparison with llama.cpp then measures structure, not noise amplification.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+from gguf import GGUFWriter
+
+SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>", "<|think|>"]
+USER_DEFINED = ["<|channel>", "<channel|>", "<|tool_response>"]
+WORDS = ["\n", "\n\n", "▁", "▁t", "th", "▁th", "he", "▁the", "in", "er", "an", "▁a", "on", "re"]
+
+
+def tiny_vocab(n_vocab: int) -> tuple[list[str], list[int], list[str]]:
+    """A small `gemma4` BPE vocab: specials, 256 byte tokens, letters and a few merges."""
+    tokens = list(SPECIALS) + list(USER_DEFINED)
+    types = [3] * len(SPECIALS) + [4] * len(USER_DEFINED)
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [6] * 256
+    chars = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [chr(c) for c in range(ord("A"), ord("Z") + 1)]
+    chars += list("0123456789.,!?'-:;()")
+    for t in WORDS + chars:
+        if len(tokens) < n_vocab and t not in tokens:
+            tokens.append(t)
+            types.append(1)
+    i = 0
+    while len(tokens) < n_vocab:
+        tokens.append(f"<unused{i}>")
+        types.append(1)
+        i += 1
+    merges = ["▁ t", "t h", "▁ th", "h e", "▁th e", "i n", "e r", "a n", "▁ a", "o n", "r e", "\n \n"]
+    return tokens, types, merges
+
+
+@dataclass
+class TinySpec:
+    """Shape of a tiny Gemma-4. Defaults: an E-series-like 8-layer model with every feature on."""
+
+    n_layer: int = 8
+    d_model: int = 256
+    n_vocab: int = 384
+    n_head: int = 2
+    n_kv_head: int | list[int] = 1
+    hd_sliding: int = 64
+    hd_full: int = 128
+    pattern: Optional[list[bool]] = None  # True = sliding; default [S,S,S,F] repeated
+    sliding_window: int = 8
+    ffn: int | list[int] = 512
+    n_kv_shared: int = 4
+    ple_width: int = 32
+    partial_rotary: float = 0.25
+    softcap: Optional[float] = 30.0
+    n_expert: int = 0
+    n_expert_used: int = 0
+    expert_ffn: int = 0
+    v_on_full_layers: bool = True  # False: 31B-style, no attn_v on full layers (V = raw K)
+    double_wide: bool = True  # E2B-style 2x FFN on KV-shared layers (written as an array)
+    tied: bool = True
+    extra: dict = field(default_factory=dict)
+
+    def layer_pattern(self) -> list[bool]:
+        if self.pattern is not None:
+            return list(self.pattern)
+        return [(i + 1) % 4 != 0 for i in range(self.n_layer - 1)] + [False]
+
+
+def write_tiny_gemma4(path: Path, spec: TinySpec, seed: int = 0) -> Path:
+    """Write an F32 GGUF of a random Gemma-4 text model shaped by `spec`; returns `path`."""
+    rng = np.random.default_rng(seed)
+    arch = "gemma4"
+    L, d, V, P = spec.n_layer, spec.d_model, spec.n_vocab, spec.ple_width
+    sliding = spec.layer_pattern()
+    first = L - spec.n_kv_shared
+    n_kv = spec.n_kv_head if isinstance(spec.n_kv_head, list) else [spec.n_kv_head] * L
+    if isinstance(spec.ffn, list):
+        ffn = spec.ffn
+    else:
+        ffn = [spec.ffn * 2 if spec.double_wide and i >= first else spec.ffn for i in range(L)]
+
+    def mat(out_dim, in_dim, gain=1.0):
+        return (rng.standard_normal((out_dim, in_dim)) * gain / np.sqrt(in_dim)).astype(np.float32)
+
+    def norm(n, spread=0.1):
+        return (1.0 + spread * rng.standard_normal(n)).astype(np.float32)
+
+    w = GGUFWriter(str(path), arch=arch)
+    w.add_name("tiny-gemma4")
+    w.add_uint32(f"{arch}.block_count", L)
+    w.add_uint32(f"{arch}.context_length", 4096)
+    w.add_uint32(f"{arch}.embedding_length", d)
+    if len(set(ffn)) == 1:
+        w.add_uint32(f"{arch}.feed_forward_length", ffn[0])
+    else:
+        w.add_array(f"{arch}.feed_forward_length", [int(f) for f in ffn])
+    w.add_uint32(f"{arch}.attention.head_count", spec.n_head)
+    if len(set(n_kv)) == 1:
+        w.add_uint32(f"{arch}.attention.head_count_kv", n_kv[0])
+    else:
+        w.add_array(f"{arch}.attention.head_count_kv", [int(n) for n in n_kv])
+    for suffix, hd in (("", spec.hd_full), ("_swa", spec.hd_sliding)):
+        w.add_uint32(f"{arch}.attention.key_length{suffix}", hd)
+        w.add_uint32(f"{arch}.attention.value_length{suffix}", hd)
+        w.add_uint32(f"{arch}.rope.dimension_count{suffix}", hd)
+    w.add_float32(f"{arch}.rope.freq_base", 1_000_000.0)
+    w.add_float32(f"{arch}.rope.freq_base_swa", 10_000.0)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
+    w.add_uint32(f"{arch}.attention.sliding_window", spec.sliding_window)
+    w.add_array(f"{arch}.attention.sliding_window_pattern", [bool(s) for s in sliding])
+    w.add_uint32(f"{arch}.attention.shared_kv_layers", spec.n_kv_shared)
+    w.add_uint32(f"{arch}.embedding_length_per_layer_input", P)
+    if spec.softcap:
+        w.add_float32(f"{arch}.final_logit_softcapping", spec.softcap)
+    if spec.n_expert:
+        w.add_uint32(f"{arch}.expert_count", spec.n_expert)
+        w.add_uint32(f"{arch}.expert_used_count", spec.n_expert_used)
+        w.add_uint32(f"{arch}.expert_feed_forward_length", spec.expert_ffn)
+    tokens, types, merges = tiny_vocab(V)
+    w.add_string("tokenizer.ggml.model", "gemma4")
+    w.add_array("tokenizer.ggml.tokens", tokens)
+    w.add_array("tokenizer.ggml.scores", [-1000.0] * V)
+    w.add_array("tokenizer.ggml.token_type", types)
+    w.add_array("tokenizer.ggml.merges", merges)
+    w.add_uint32("tokenizer.ggml.bos_token_id", 2)
+    w.add_uint32("tokenizer.ggml.eos_token_id", 1)
+    w.add_uint32("tokenizer.ggml.unknown_token_id", 3)
+    w.add_uint32("tokenizer.ggml.padding_token_id", 0)
+    w.add_bool("tokenizer.ggml.add_bos_token", True)
+    w.add_bool("tokenizer.ggml.add_space_prefix", False)
+    for k, v in spec.extra.items():
+        w.add_key_value(k, v[0], v[1])
+
+    t = {}
+    t["token_embd.weight"] = (rng.standard_normal((V, d)) * 0.15).astype(np.float32)
+    if not spec.tied:
+        t["output.weight"] = mat(V, d)
+    t["output_norm.weight"] = norm(d)
+    n_rot_pairs = int(spec.partial_rotary * spec.hd_full / 2)
+    t["rope_freqs.weight"] = np.array([1.0 if j < n_rot_pairs else 1e30 for j in range(spec.hd_full // 2)],
+                                      dtype=np.float32)
+    if P:
+        t["per_layer_token_embd.weight"] = (rng.standard_normal((V, L * P)) * 0.05).astype(np.float32)
+        t["per_layer_model_proj.weight"] = mat(L * P, d)
+        t["per_layer_proj_norm.weight"] = norm(P)
+    for i in range(L):
+        b = f"blk.{i}."
+        hd = spec.hd_sliding if sliding[i] else spec.hd_full
+        nh, nk = spec.n_head, n_kv[i]
+        t[b + "attn_norm.weight"] = norm(d)
+        t[b + "attn_q.weight"] = mat(nh * hd, d)
+        # q·k with scale 1.0: q/k norm weights of hd^-1/4 keep attention logits ~N(0, 1) instead of
+        # ~N(0, hd), so the random model is not chaotic (4-bit noise would otherwise flip softmaxes).
+        qk_gain = hd ** -0.25
+        t[b + "attn_q_norm.weight"] = norm(hd) * qk_gain
+        if i < first:
+            t[b + "attn_k.weight"] = mat(nk * hd, d)
+            t[b + "attn_k_norm.weight"] = norm(hd) * qk_gain
+            if sliding[i] or spec.v_on_full_layers:
+                t[b + "attn_v.weight"] = mat(nk * hd, d)
+        t[b + "attn_output.weight"] = mat(d, nh * hd)
+        t[b + "post_attention_norm.weight"] = norm(d)
+        t[b + "ffn_norm.weight"] = norm(d)
+        t[b + "ffn_gate.weight"] = mat(ffn[i], d)
+        t[b + "ffn_up.weight"] = mat(ffn[i], d)
+        t[b + "ffn_down.weight"] = mat(d, ffn[i])
+        t[b + "post_ffw_norm.weight"] = norm(d)
+        t[b + "layer_output_scale.weight"] = np.array([0.6 + 0.4 * rng.random()], dtype=np.float32)
+        if P:
+            t[b + "inp_gate.weight"] = mat(P, d)
+            t[b + "proj.weight"] = mat(d, P)
+            t[b + "post_norm.weight"] = norm(d)
+        if spec.n_expert:
+            E, I = spec.n_expert, spec.expert_ffn
+            t[b + "ffn_gate_inp.weight"] = mat(E, d, gain=4.0)
+            t[b + "ffn_gate_inp.scale"] = norm(d)
+            t[b + "pre_ffw_norm_2.weight"] = norm(d)
+            t[b + "post_ffw_norm_1.weight"] = norm(d)
+            t[b + "post_ffw_norm_2.weight"] = norm(d)
+            t[b + "ffn_gate_up_exps.weight"] = np.stack([mat(2 * I, d) for _ in range(E)])
+            t[b + "ffn_down_exps.weight"] = np.stack([mat(d, I) for _ in range(E)])
+            t[b + "ffn_down_exps.scale"] = (0.5 + rng.random(E)).astype(np.float32)
+    for name, arr in t.items():
+        w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
+
+
+_QUIET = []
+
+
+def quiet_llama_cpp() -> None:
+    """Silence llama.cpp's C log (its Python callback chokes on non-UTF-8 log bytes)."""
+    import ctypes
+
+    import llama_cpp
+
+    if not _QUIET:
+        @llama_cpp.llama_log_callback
+        def _noop(level, text, user_data):
+            pass
+
+        _QUIET.append(_noop)  # keep the ctypes callback alive
+        llama_cpp.llama_log_set(_noop, ctypes.c_void_p(0))
+
+
+def quantize_gguf(src: Path, dst: Path, ftype: str = "Q4_K_M") -> Path:
+    """Quantize with llama.cpp's own quantizer (`llama_cpp.llama_model_quantize`)."""
+    import llama_cpp
+
+    quiet_llama_cpp()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.nthread = 2
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize failed with {rc}")
+    return Path(dst)
+
+
+def llama_cpp_logits(path: Path, tokens: list[int], n_ctx: int = 512) -> np.ndarray:
+    """llama.cpp's logits for every position of `tokens` ([n_tokens, vocab] float32), F32 KV cache."""
+    import llama_cpp
+
+    quiet_llama_cpp()
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
+                          logits_all=True, type_k=0, type_v=0, n_threads=2, verbose=False,
+                          flash_attn=False)
+    try:
+        llm.eval(tokens)
+        return np.array(llm.scores[: len(tokens)], dtype=np.float32)
+    finally:
+        llm.close()
