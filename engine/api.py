@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from models.gguf import GGUFError, GGUFFile
+from models.gguf import GGUFError
 from models.loader import LoadedModel, load_model, open_gguf
 
 from .generate import GenerationResult, generate

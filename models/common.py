@@ -18,6 +18,18 @@ class ConfigError(ValueError):
     """A model configuration that cannot describe a valid model (one-line message)."""
 
 
+def vocab_size_of(gguf, declared: int = 0) -> int:
+    """Vocabulary size: the tokenizer's token list, else the embedding rows, else `{arch}.vocab_size`."""
+    tokens = gguf.metadata.get("tokenizer.ggml.tokens")
+    if tokens:
+        return len(tokens)
+    if "token_embd.weight" in gguf:
+        return int(gguf.tensor("token_embd.weight").shape[0])
+    if declared:
+        return int(declared)
+    raise ConfigError(f"{gguf.path.name}: no vocabulary (no tokenizer.ggml.tokens, no token_embd.weight)")
+
+
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
     """x * (mean(x^2) + eps)^-1/2 [* weight] over the last dim; float32 at least, cast back."""
     xf = x if x.dtype in (torch.float32, torch.float64) else x.float()
@@ -102,6 +114,38 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
 
 def softcap(x: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
     return x if not cap else torch.tanh(x / cap) * cap
+
+
+class DecoderModel:
+    """The whole pass, shared by the model files; each family provides embed / layer / norm / head.
+
+    `embed(tokens)` -> (x [T, d], per-layer inputs [T, L, P] or None); `layer(i, x, pos, pl_i, cache,
+    trace)` -> x; `norm(x)` -> post-final-norm y; `head(y)` -> logits.
+    """
+
+    cfg: object
+    device: torch.device
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, pos: Optional[torch.Tensor] = None,
+                cache: Optional["KVStore"] = None, logits_rows: Optional[torch.Tensor] = None,
+                trace: Trace = None) -> torch.Tensor:
+        """tokens [T] int64 at positions pos [T] (default 0..T-1) -> logits [R, V] for `logits_rows`
+        (default: every row). Writes K/V of the owning layers into `cache` (a fresh one if None)."""
+        tokens = tokens.to(self.device)
+        pos = torch.arange(tokens.shape[0], device=self.device) if pos is None else pos.to(self.device)
+        cache = DenseKVCache() if cache is None else cache
+        x, pl = self.embed(tokens)
+        if trace:
+            trace("inp_scaled", -1, x)
+        for i in range(self.cfg.n_layer):
+            x = self.layer(i, x, pos, None if pl is None else pl[:, i], cache, trace)
+        if logits_rows is not None:
+            x = x[logits_rows]
+        y = self.norm(x)
+        if trace:
+            trace("result_norm", -1, y)
+        return self.head(y)
 
 
 class KVStore(Protocol):

@@ -12,7 +12,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from .common import (ConfigError, DenseKVCache, KVStore, Trace, apply_rope, attention,
+from .common import (ConfigError, DecoderModel, KVStore, Trace, vocab_size_of, apply_rope, attention,
                      embedding_rows, gelu_tanh, linear, rms_norm, rope_inv_freq, softcap)
 
 
@@ -82,7 +82,7 @@ class Gemma3Config:
         cap = key("final_logit_softcapping", None)
         return cls(
             n_layer=L, d_model=d,
-            vocab_size=len(m.get("tokenizer.ggml.tokens", ())) or int(gguf.tensor("token_embd.weight").shape[0]),
+            vocab_size=vocab_size_of(gguf, key("vocab_size", 0)),
             n_head=n_head, n_kv_head=int(key("attention.head_count_kv", n_head)), head_dim=hd,
             ffn_width=int(key("feed_forward_length")), is_sliding=is_sliding, sliding_window=window,
             rope_base_full=float(key("rope.freq_base", 1e6)),
@@ -113,7 +113,7 @@ def tensor_plan(cfg: Gemma3Config, present: set[str]) -> dict[str, tuple[int, ..
     return plan
 
 
-class Gemma3Model:
+class Gemma3Model(DecoderModel):
     """Same interface as `Gemma4Model`: embed / layer / norm / head / forward."""
 
     def __init__(self, cfg: Gemma3Config, weights: Mapping[str, Any], dtype=torch.float32, device="cpu"):
@@ -155,20 +155,6 @@ class Gemma3Model:
 
     def head(self, y: torch.Tensor) -> torch.Tensor:
         return softcap(linear(y, self.head_w), self.cfg.final_softcap)
-
-    @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, pos: Optional[torch.Tensor] = None,
-                cache: Optional[KVStore] = None, logits_rows: Optional[torch.Tensor] = None,
-                trace: Trace = None) -> torch.Tensor:
-        tokens = tokens.to(self.device)
-        pos = torch.arange(tokens.shape[0], device=self.device) if pos is None else pos.to(self.device)
-        cache = DenseKVCache() if cache is None else cache
-        x, _ = self.embed(tokens)
-        for i in range(self.cfg.n_layer):
-            x = self.layer(i, x, pos, None, cache, trace)
-        if logits_rows is not None:
-            x = x[logits_rows]
-        return self.head(self.norm(x))
 
 
 def load_gemma3(gguf, dtype=torch.float32, device="cpu") -> Gemma3Model:

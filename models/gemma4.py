@@ -11,7 +11,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from .common import (ConfigError, DenseKVCache, KVStore, Trace, apply_rope, attention,
+from .common import (ConfigError, DecoderModel, KVStore, Trace, vocab_size_of, apply_rope, attention,
                      embedding_rows, gelu_tanh, linear, rms_norm, rope_inv_freq, softcap)
 
 
@@ -130,7 +130,7 @@ class Gemma4Config:
         return cls(
             n_layer=L,
             d_model=int(key("embedding_length")),
-            vocab_size=len(m.get("tokenizer.ggml.tokens", ())) or int(gguf.tensor("token_embd.weight").shape[0]),
+            vocab_size=vocab_size_of(gguf, key("vocab_size", 0)),
             n_head=n_head,
             n_kv_head=_per_layer(key("attention.head_count_kv", n_head), L, "head_count_kv"),
             head_dim=tuple(hd_s if s else hd_f for s in is_sliding),
@@ -284,7 +284,7 @@ def tensor_plan(cfg: Gemma4Config, present: set[str]) -> dict[str, Optional[tupl
     return plan
 
 
-class Gemma4Model:
+class Gemma4Model(DecoderModel):
     """The forward pass of §3 over a weight dict keyed by GGUF names.
 
     `forward` runs one sequence: tokens [T] at positions [T] against a KVStore. The engine calls the
@@ -348,7 +348,7 @@ class Gemma4Model:
             trace("l_out", i, x)
         return x
 
-    def _mlp(self, i: int, m: torch.Tensor, prefix: str = "ffn") -> torch.Tensor:
+    def _mlp(self, i: int, m: torch.Tensor) -> torch.Tensor:
         w, b = self.w, f"blk.{i}."
         return linear(gelu_tanh(linear(m, w[b + "ffn_gate.weight"])) * linear(m, w[b + "ffn_up.weight"]),
                       w[b + "ffn_down.weight"])
@@ -385,28 +385,6 @@ class Gemma4Model:
     def head(self, y: torch.Tensor) -> torch.Tensor:
         """Logits (tied head + final softcap) for normed rows y [R, d] -> [R, V]."""
         return softcap(linear(y, self.head_w), self.cfg.final_softcap)
-
-    # --- whole pass ------------------------------------------------------------------------
-    @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, pos: Optional[torch.Tensor] = None,
-                cache: Optional[KVStore] = None, logits_rows: Optional[torch.Tensor] = None,
-                trace: Trace = None) -> torch.Tensor:
-        """tokens [T] int64 at positions pos [T] (default 0..T-1) -> logits [R, V] for `logits_rows`
-        (default: every row)."""
-        tokens = tokens.to(self.device)
-        pos = torch.arange(tokens.shape[0], device=self.device) if pos is None else pos.to(self.device)
-        cache = DenseKVCache() if cache is None else cache
-        x, pl = self.embed(tokens)
-        if trace:
-            trace("inp_scaled", -1, x)
-        for i in range(self.cfg.n_layer):
-            x = self.layer(i, x, pos, None if pl is None else pl[:, i], cache, trace)
-        if logits_rows is not None:
-            x = x[logits_rows]
-        y = self.norm(x)
-        if trace:
-            trace("result_norm", -1, y)
-        return self.head(y)
 
 
 def load_gemma4(gguf, dtype=torch.float32, device="cpu") -> Gemma4Model:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from models.gemma4 import Gemma4Config, Gemma4Model, load_gemma4
+from models.gemma4 import Gemma4Config, load_gemma4
 from models.gguf import GGUFFile
 from tiny_models import TinySpec, llama_cpp_logits, quantize_gguf, write_tiny_gemma4
 
@@ -24,6 +24,14 @@ SPECS = {
     # llama.cpp maps shared layers to first-2 (sliding) / first-1 (full); keep layouts it can load.
     "e-series-12L": TinySpec(n_layer=12, n_kv_shared=6, sliding_window=11, ple_width=64,
                              pattern=[(i + 1) % 6 != 0 for i in range(12)]),
+    # 26B-A4B shape: MoE block on every layer, per-layer KV heads, no attn_v on full layers (V = K).
+    "moe-26b-like": TinySpec(n_layer=4, pattern=[True, True, True, False], n_kv_shared=0, ple_width=0,
+                             n_head=4, n_kv_head=[2, 2, 2, 1], n_expert=4, n_expert_used=2, expert_ffn=256,
+                             double_wide=False, v_on_full_layers=False),
+    # 31B shape: dense, no PLE, no KV sharing, per-layer KV heads, V = raw K on full layers.
+    "dense-31b-like": TinySpec(n_layer=6, pattern=[True, True, False, True, True, False], n_kv_shared=0,
+                               ple_width=0, n_head=4, n_kv_head=[2, 2, 1, 2, 2, 1], double_wide=False,
+                               v_on_full_layers=False),
 }
 
 
