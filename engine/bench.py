@@ -51,9 +51,12 @@ def _llama_cpp(path: Path, prompt: list[int], n_decode: int, threads: int) -> di
         llm.eval(prompt)
         prefill_s = time.perf_counter() - t0
         ids = []
+        n_vocab = llm.n_vocab()
         t0 = time.perf_counter()
         for _ in range(n_decode):
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            # logits of the last evaluated row straight from the context (no copy of all rows)
+            last = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(n_vocab,))
+            tok = int(np.argmax(last))
             ids.append(tok)
             llm.eval([tok])
         decode_s = time.perf_counter() - t0

@@ -92,7 +92,6 @@ def load_gemma4_hf(folder: str | Path, dtype=torch.float32, device="cpu"):
 
     ckpt = HFCheckpoint(folder, gemma4.HF_GLOBAL_NAMES, gemma4.HF_LAYER_NAMES)
     cfg = gemma4.Gemma4Config.from_hf(ckpt.config)
-    # Files carry no vocab list we can trust for the size: take it from the embedding.
     present = ckpt.tensors
     weights = {name: ckpt.load(name, shape, dtype=dtype).to(device)
                for name, shape in gemma4.tensor_plan(cfg, present).items()}

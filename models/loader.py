@@ -71,7 +71,7 @@ def _load_hf(path: Path, dtype, device) -> LoadedModel:
         model_type = json.loads(cfg_file.read_text()).get("model_type", "")
     except ValueError as e:
         raise GGUFError(cfg_file, f"unreadable config.json: {e}") from None
-    if not str(model_type).startswith("gemma4"):
+    if model_type not in ("gemma4", "gemma4_text"):
         raise UnsupportedArchitectureError(
             path, f"unsupported model_type '{model_type}' (supported: gemma4, gemma4_text)")
     from .hf import load_gemma4_hf
