@@ -34,6 +34,8 @@ def _parser() -> argparse.ArgumentParser:
     _sampling_args(r)
     r.add_argument("--raw", action="store_true", help="no chat template: continue the text as is")
     r.add_argument("--json", action="store_true", help="end with one JSON object (ids, text, timings)")
+    r.add_argument("--exact", action="store_true",
+                   help="float32 weights (reference numerics) instead of the faster float16 CPU format")
 
     i = sub.add_parser("info", help="architecture, layer plan, tensor types and sizes")
     i.add_argument("model")
@@ -101,7 +103,7 @@ def cmd_tokenize(a) -> int:
 
 def cmd_run(a) -> int:
     from engine import api
-    lm = api.open_model(api.resolve_model(a.model))
+    lm = api.open_model(api.resolve_model(a.model), exact=a.exact)
     params = _params(a)
 
     def emit(text: str) -> None:
@@ -163,7 +165,7 @@ def cmd_chat(a) -> int:
         print("This is the bundled demo model, Gemma 3 270M: a small base model that rambles. "
               "Load a Gemma-4 GGUF with --model PATH for real answers.")
     print("Type a message and press Enter; an empty line or Ctrl-D quits.\n")
-    lm = api.open_model(path)
+    lm = api.open_model(path, exact=False)
     params = _params(a)
     while True:
         try:

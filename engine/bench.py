@@ -21,9 +21,9 @@ def _prompt(vocab: int, n: int) -> list[int]:
 
 
 @torch.inference_mode()
-def _ours(path: Path, prompt: list[int], n_decode: int) -> dict:
+def _ours(path: Path, prompt: list[int], n_decode: int, weight_dtype=torch.float16) -> dict:
     t0 = time.perf_counter()
-    lm = load_model(path, with_tokenizer=False)
+    lm = load_model(path, with_tokenizer=False, weight_dtype=weight_dtype)
     load_s = time.perf_counter() - t0
     model, cache = lm.model, DenseKVCache()
     t0 = time.perf_counter()

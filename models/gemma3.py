@@ -12,6 +12,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from .weights import load_weights
 from .common import (ConfigError, DecoderModel, KVStore, Trace, vocab_size_of, apply_rope, attention,
                      embedding_rows, gelu_tanh, linear, rms_norm, rope_inv_freq, softcap)
 
@@ -157,9 +158,8 @@ class Gemma3Model(DecoderModel):
         return softcap(linear(y, self.head_w), self.cfg.final_softcap)
 
 
-def load_gemma3(gguf, dtype=torch.float32, device="cpu") -> Gemma3Model:
+def load_gemma3(gguf, dtype=torch.float32, device="cpu", weight_dtype=None) -> Gemma3Model:
     gguf.check_architecture(("gemma3",))
     cfg = Gemma3Config.from_gguf(gguf)
-    weights = {name: gguf.load(name, shape, dtype=dtype).to(device)
-               for name, shape in tensor_plan(cfg, set(gguf.tensors)).items()}
+    weights = load_weights(gguf, tensor_plan(cfg, set(gguf.tensors)), dtype, device, weight_dtype)
     return Gemma3Model(cfg, weights, dtype=dtype, device=device)

@@ -11,6 +11,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
+from .weights import load_weights
 from .common import (ConfigError, DecoderModel, KVStore, Trace, vocab_size_of, apply_rope, attention,
                      embedding_rows, gelu_tanh, linear, rms_norm, rope_inv_freq, softcap)
 
@@ -387,11 +388,10 @@ class Gemma4Model(DecoderModel):
         return softcap(linear(y, self.head_w), self.cfg.final_softcap)
 
 
-def load_gemma4(gguf, dtype=torch.float32, device="cpu") -> Gemma4Model:
+def load_gemma4(gguf, dtype=torch.float32, device="cpu", weight_dtype=None) -> Gemma4Model:
     """Build a Gemma4Model from a `GGUFFile`: config, shape-checked dequantized weights."""
     gguf.check_architecture(("gemma4",))
     cfg = Gemma4Config.from_gguf(gguf)
     present = set(gguf.tensors)
-    weights = {name: gguf.load(name, shape, dtype=dtype).to(device)
-               for name, shape in tensor_plan(cfg, present).items()}
+    weights = load_weights(gguf, tensor_plan(cfg, present), dtype, device, weight_dtype)
     return Gemma4Model(cfg, weights, dtype=dtype, device=device)

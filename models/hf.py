@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .weights import load_weights
 from .gguf import GGUFError, MissingTensorError, TensorShapeError
 
 # Text weights sit under one of these prefixes (multimodal wrapper first).
@@ -86,13 +87,12 @@ class HFCheckpoint:
         return t.to(dtype)
 
 
-def load_gemma4_hf(folder: str | Path, dtype=torch.float32, device="cpu"):
+def load_gemma4_hf(folder: str | Path, dtype=torch.float32, device="cpu", weight_dtype=None):
     """A Gemma4Model from an HF checkpoint (google/gemma-4-E2B-it naming)."""
     from . import gemma4
 
     ckpt = HFCheckpoint(folder, gemma4.HF_GLOBAL_NAMES, gemma4.HF_LAYER_NAMES)
     cfg = gemma4.Gemma4Config.from_hf(ckpt.config)
     present = ckpt.tensors
-    weights = {name: ckpt.load(name, shape, dtype=dtype).to(device)
-               for name, shape in gemma4.tensor_plan(cfg, present).items()}
+    weights = load_weights(ckpt, gemma4.tensor_plan(cfg, present), dtype, device, weight_dtype)
     return gemma4.Gemma4Model(cfg, weights, dtype=dtype, device=device), ckpt

@@ -38,18 +38,20 @@ def open_gguf(path: str | Path) -> GGUFFile:
     return f
 
 
-def load_model(path: str | Path, dtype=torch.float32, device="cpu", with_tokenizer: bool = True) -> LoadedModel:
+def load_model(path: str | Path, dtype=torch.float32, device="cpu", with_tokenizer: bool = True,
+               weight_dtype: Optional[torch.dtype] = None) -> LoadedModel:
+    """`weight_dtype=torch.float16`: the fast CPU runtime format (models/weights.py); None: exact."""
     path = Path(path)
     if path.is_dir():
-        return _load_hf(path, dtype, device)
+        return _load_hf(path, dtype, device, weight_dtype)
     f = open_gguf(path)
     try:
         if f.architecture == "gemma4":
             from .gemma4 import load_gemma4
-            model = load_gemma4(f, dtype=dtype, device=device)
+            model = load_gemma4(f, dtype=dtype, device=device, weight_dtype=weight_dtype)
         else:
             from .gemma3 import load_gemma3
-            model = load_gemma3(f, dtype=dtype, device=device)
+            model = load_gemma3(f, dtype=dtype, device=device, weight_dtype=weight_dtype)
     except ConfigError as e:
         raise GGUFError(path, str(e)) from None
     tok = chat = None
@@ -61,7 +63,7 @@ def load_model(path: str | Path, dtype=torch.float32, device="cpu", with_tokeniz
     return LoadedModel(model, f.architecture, path, tok, chat, f)
 
 
-def _load_hf(path: Path, dtype, device) -> LoadedModel:
+def _load_hf(path: Path, dtype, device, weight_dtype) -> LoadedModel:
     import json
 
     cfg_file = path / "config.json"
@@ -76,7 +78,7 @@ def _load_hf(path: Path, dtype, device) -> LoadedModel:
             path, f"unsupported model_type '{model_type}' (supported: gemma4, gemma4_text)")
     from .hf import load_gemma4_hf
     try:
-        model, ckpt = load_gemma4_hf(path, dtype=dtype, device=device)
+        model, ckpt = load_gemma4_hf(path, dtype=dtype, device=device, weight_dtype=weight_dtype)
     except (ConfigError, KeyError) as e:
         raise GGUFError(path, f"bad config.json: {e}") from None
     tok = None

@@ -1,0 +1,56 @@
+"""CPU runtime weight format: dequantized matrices stored as float16, used through `.linear(x)`.
+
+Why: CPU decode is memory-bound. Gemma 3 270M in float32 reads 1.07 GB of weights per token (the
+262144x640 tied head alone is 671 MB: 48 ms a token on 2 cores). torch's float16 GEMV reads half
+the bytes and runs 3x faster on the head (16 ms), but its float16 GEMM for many rows is 5x slower
+than float32. So: rows <= GEMV_ROWS go through float16 (inputs rounded to float16, float32
+accumulation, ~5e-4 relative error, far below the 8-bit activation rounding llama.cpp's own CPU
+matmuls use); larger batches (prefill) upcast the weight and use the float32 GEMM. A float16
+output that overflows (|y| > 65504) is recomputed in float32, so range is never lost.
+The exact reference path (float32/float64 dense tensors) stays what the tests compare.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+GEMV_ROWS = 16
+
+
+class HalfWeight:
+    """A [out, in] matrix kept in float16; `.linear(x)` and `.rows(ids)` return x's dtype."""
+
+    def __init__(self, w: torch.Tensor):
+        self.w = w.to(torch.float16).contiguous()
+        self.shape = tuple(self.w.shape)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows <= GEMV_ROWS:
+            y = F.linear(x.to(torch.float16), self.w)
+            if torch.isfinite(y).all():
+                return y.to(x.dtype)
+        return F.linear(x, self.w.to(x.dtype))
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.w.index_select(0, ids.to(self.w.device)).float()
+
+    def __getitem__(self, idx) -> "HalfWeight":
+        """Expert slices of 3-D MoE weights [E, out, in] stay in float16."""
+        return HalfWeight(self.w[idx])
+
+    def dense(self, dtype=torch.float32) -> torch.Tensor:
+        return self.w.to(dtype)
+
+
+def load_weights(source, plan: dict, dtype: torch.dtype = torch.float32, device="cpu",
+                 weight_dtype: torch.dtype | None = None) -> dict:
+    """Dequantize every tensor of `plan` (name -> expected torch shape) from a GGUFFile or
+    HFCheckpoint. Matrices go to `weight_dtype` (float16: HalfWeight) when given, the rest to
+    `dtype`; norms and scales are never rounded below float32."""
+    out = {}
+    for name, shape in plan.items():
+        matrix = shape is not None and len(shape) >= 2
+        t = source.load(name, shape, dtype=weight_dtype if matrix and weight_dtype else dtype).to(device)
+        out[name] = HalfWeight(t) if matrix and weight_dtype == torch.float16 else t
+    return out

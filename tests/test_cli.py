@@ -1,0 +1,93 @@
+"""The `edgegem` command line: score / tokenize / run / info, and one-line errors with exit code 2."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from models.loader import load_model
+from tiny_models import TinySpec, write_tiny_gemma4
+
+
+def edgegem(*args, ok=True):
+    r = subprocess.run([sys.executable, "-m", "app.cli", *map(str, args)], capture_output=True, text=True,
+                       timeout=300)
+    if ok:
+        assert r.returncode == 0, r.stderr
+    return r
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_gemma4(tmp_path_factory.mktemp("cli") / "tiny.gguf", TinySpec(), seed=3)
+
+
+def test_score_writes_every_position(tiny, tmp_path):
+    out = tmp_path / "L.npy"
+    edgegem("score", "--model", tiny, "--tokens", "2,17,300,45", "--out", out)
+    logits = np.load(out)
+    assert logits.shape == (4, 384) and logits.dtype == np.float32
+    ref = load_model(tiny).model.forward(torch.tensor([2, 17, 300, 45])).numpy()
+    np.testing.assert_allclose(logits, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_tokenize_prints_json_ids(tiny):
+    ids = json.loads(edgegem("tokenize", "--model", tiny, "--text", "the cat").stdout)
+    lm = load_model(tiny)
+    assert ids == lm.tokenizer.encode("the cat") and ids[0] == 2
+
+
+def test_run_json_is_deterministic_and_complete(tiny):
+    args = ("run", "--model", tiny, "--prompt", "the", "--max-tokens", "6", "--temperature", "0", "--json")
+    a = json.loads(edgegem(*args).stdout.strip().splitlines()[-1])
+    b = json.loads(edgegem(*args).stdout.strip().splitlines()[-1])
+    assert a["ids"] == b["ids"] and a["text"] == b["text"]
+    assert a["prompt_ids"][:2] == [2, 5]  # <bos><|turn>: the built-in Gemma-4 chat format
+    assert set(a["timings"]) >= {"prefill_s", "decode_s", "prefill_tok_s", "decode_tok_s"}
+    raw = json.loads(edgegem(*args, "--raw").stdout.strip().splitlines()[-1])
+    assert raw["prompt_ids"] == load_model(tiny).tokenizer.encode("the")
+
+
+def test_run_sampling_is_seeded(tiny):
+    args = ("run", "--model", tiny, "--prompt", "the", "--max-tokens", "8", "--temperature", "1.0",
+            "--top-k", "50", "--json", "--raw")
+    a = json.loads(edgegem(*args, "--seed", 1).stdout.splitlines()[-1])
+    b = json.loads(edgegem(*args, "--seed", 1).stdout.splitlines()[-1])
+    assert a["ids"] == b["ids"]
+
+
+def test_info_shows_layer_plan(tiny):
+    text = edgegem("info", tiny).stdout
+    assert "architecture gemma4" in text and "layer 2" in text and "Q4_K" not in text
+    d = json.loads(edgegem("info", tiny, "--json").stdout)
+    assert d["n_layer"] == 8 and d["layers"][5]["kv_source"] == 2 and d["layers"][7]["kv_source"] == 3
+    assert d["tensor_types"]["F32"]["tensors"] > 50
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("info", "/nonexistent/model.gguf"), "model.gguf: no such file"),
+    (("score", "--model", "{tiny}", "--tokens", "2,99999", "--out", "x.npy"), "out of range"),
+    (("score", "--model", "{tiny}", "--tokens", "2,x", "--out", "x.npy"), "comma-separated integers"),
+    (("run", "--model", "{tiny}", "--prompt", "hi", "--top-p", "0"), "invalid sampling parameters"),
+])
+def test_bad_input_is_one_line_exit_2(tiny, tmp_path, args, needle):
+    args = [a.replace("{tiny}", str(tiny)) for a in args]
+    r = edgegem(*args, ok=False)
+    assert r.returncode == 2
+    assert r.stderr.startswith("edgegem: error: ") and r.stderr.count("\n") == 1, r.stderr
+    assert needle in r.stderr and "Traceback" not in r.stderr
+
+
+def test_debug_shows_traceback():
+    r = edgegem("--debug", "info", "/nonexistent/model.gguf", ok=False)
+    assert r.returncode != 0 and "Traceback" in r.stderr
+
+
+def test_run_on_demo_model_by_default():
+    r = edgegem("run", "--prompt", "The capital of France is", "--raw", "--max-tokens", "4", "--json")
+    out = json.loads(r.stdout.splitlines()[-1])
+    assert len(out["ids"]) == 4 and out["prompt_ids"][0] == 2
