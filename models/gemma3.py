@@ -13,8 +13,8 @@ from typing import Any, Mapping, Optional
 import torch
 
 from .weights import load_weights
-from .common import (ConfigError, DecoderModel, KVStore, Trace, vocab_size_of, apply_rope, attention,
-                     embedding_rows, gelu_tanh, linear, rms_norm, rope_inv_freq, softcap)
+from .common import (ConfigError, DecoderModel, gated_mlp, qkv_projection, KVStore, Trace, vocab_size_of, apply_rope, attention,
+                     embedding_rows, linear, rms_norm, rope_inv_freq, softcap)
 
 
 @dataclass(frozen=True)
@@ -134,18 +134,17 @@ class Gemma3Model(DecoderModel):
         cfg, w, b, eps = self.cfg, self.w, f"blk.{i}.", self.cfg.rms_eps
         T, hd = x.shape[0], cfg.head_dim
         a = rms_norm(x, w[b + "attn_norm.weight"], eps)
-        q = linear(a, w[b + "attn_q.weight"]).reshape(T, cfg.n_head, hd)
-        k = linear(a, w[b + "attn_k.weight"]).reshape(T, cfg.n_kv_head, hd)
-        v = linear(a, w[b + "attn_v.weight"]).reshape(T, cfg.n_kv_head, hd)
-        q = apply_rope(rms_norm(q, w[b + "attn_q_norm.weight"], eps), pos, self.inv_freq[i], self.pos_scale[i])
-        k = apply_rope(rms_norm(k, w[b + "attn_k_norm.weight"], eps), pos, self.inv_freq[i], self.pos_scale[i])
+        q, k, v = qkv_projection(a, w, b, cfg.n_head * hd, cfg.n_kv_head * hd)
+        q, k, v = q.reshape(T, cfg.n_head, hd), k.reshape(T, cfg.n_kv_head, hd), v.reshape(T, cfg.n_kv_head, hd)
+        cos, sin = self.rope(i, pos, x.dtype)
+        q = apply_rope(rms_norm(q, w[b + "attn_q_norm.weight"], eps), cos, sin)
+        k = apply_rope(rms_norm(k, w[b + "attn_k_norm.weight"], eps), cos, sin)
         cache.write(i, pos, k, v)
         ks, vs, kpos = cache.read(i)
         o = attention(q, ks, vs, pos, kpos, cfg.window(i), scale=cfg.query_scale)
         x = x + rms_norm(linear(o, w[b + "attn_output.weight"]), w[b + "post_attention_norm.weight"], eps)
         m = rms_norm(x, w[b + "ffn_norm.weight"], eps)
-        f = linear(gelu_tanh(linear(m, w[b + "ffn_gate.weight"])) * linear(m, w[b + "ffn_up.weight"]),
-                   w[b + "ffn_down.weight"])
+        f = gated_mlp(m, w, b)
         x = x + rms_norm(f, w[b + "post_ffw_norm.weight"], eps)
         if trace:
             trace("l_out", i, x)

@@ -12,7 +12,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from .weights import load_weights
-from .common import (ConfigError, DecoderModel, KVStore, Trace, vocab_size_of, apply_rope, attention,
+from .common import (ConfigError, DecoderModel, gated_mlp, qkv_projection, KVStore, Trace, vocab_size_of, apply_rope, attention,
                      embedding_rows, gelu_tanh, linear, rms_norm, rope_inv_freq, softcap)
 
 
@@ -262,10 +262,14 @@ def tensor_plan(cfg: Gemma4Config, present: set[str]) -> dict[str, Optional[tupl
             b + "ffn_down.weight": (d, cfg.ffn_width[i]), b + "post_ffw_norm.weight": (d,),
         })
         if cfg.has_kv(i):
-            plan[b + "attn_k.weight"] = (nkv * hd, d)
             plan[b + "attn_k_norm.weight"] = (hd,)
-            if b + "attn_v.weight" in present:
-                plan[b + "attn_v.weight"] = (nkv * hd, d)
+            if b + "attn_qkv.weight" in present:  # fused by the converter: rows Q, K, V
+                del plan[b + "attn_q.weight"]
+                plan[b + "attn_qkv.weight"] = ((nh + 2 * nkv) * hd, d)
+            else:
+                plan[b + "attn_k.weight"] = (nkv * hd, d)
+                if b + "attn_v.weight" in present:
+                    plan[b + "attn_v.weight"] = (nkv * hd, d)
         if b + "layer_output_scale.weight" in present:
             plan[b + "layer_output_scale.weight"] = (1,)
         if P:
@@ -295,10 +299,13 @@ class Gemma4Model(DecoderModel):
     def __init__(self, cfg: Gemma4Config, weights: Mapping[str, Any], dtype=torch.float32, device="cpu"):
         self.cfg, self.w, self.dtype, self.device = cfg, dict(weights), dtype, torch.device(device)
         self.head_w = self.w.get("output.weight", self.w["token_embd.weight"])
-        # Per-layer inverse frequencies; full layers carry the proportional-RoPE factors.
+        # Per-layer inverse frequencies (one object per distinct set, so `rope` memoizes per type);
+        # full layers carry the proportional-RoPE factors.
+        freqs: dict = {}
         self.inv_freq = [
-            rope_inv_freq(cfg.rope_dims[i], cfg.rope_base[i],
-                          None if cfg.is_sliding[i] else cfg.full_rope_freq_factors).to(self.device)
+            freqs.setdefault((cfg.rope_dims[i], cfg.rope_base[i], cfg.is_sliding[i]), rope_inv_freq(
+                cfg.rope_dims[i], cfg.rope_base[i],
+                None if cfg.is_sliding[i] else cfg.full_rope_freq_factors).to(self.device))
             for i in range(cfg.n_layer)
         ]
 
@@ -322,12 +329,16 @@ class Gemma4Model(DecoderModel):
         cfg, w, b, eps = self.cfg, self.w, f"blk.{i}.", self.cfg.rms_eps
         T, hd, nh, nkv = x.shape[0], cfg.head_dim[i], cfg.n_head[i], cfg.n_kv_head[i]
         a = rms_norm(x, w[b + "attn_norm.weight"], eps)
-        q = linear(a, w[b + "attn_q.weight"]).reshape(T, nh, hd)
-        q = apply_rope(rms_norm(q, w[b + "attn_q_norm.weight"], eps), pos, self.inv_freq[i])
         if cfg.has_kv(i):
-            k_raw = linear(a, w[b + "attn_k.weight"]).reshape(T, nkv, hd)
-            v_raw = linear(a, w[b + "attn_v.weight"]).reshape(T, nkv, hd) if b + "attn_v.weight" in w else k_raw
-            k = apply_rope(rms_norm(k_raw, w[b + "attn_k_norm.weight"], eps), pos, self.inv_freq[i])
+            q, k_raw, v_raw = qkv_projection(a, w, b, nh * hd, nkv * hd)
+            k_raw = k_raw.reshape(T, nkv, hd)
+            v_raw = k_raw if v_raw is None else v_raw.reshape(T, nkv, hd)  # no attn_v: V = raw K
+        else:
+            q = linear(a, w[b + "attn_q.weight"])  # KV-shared: no K/V projections at all
+        cos, sin = self.rope(i, pos, x.dtype)
+        q = apply_rope(rms_norm(q.reshape(T, nh, hd), w[b + "attn_q_norm.weight"], eps), cos, sin)
+        if cfg.has_kv(i):
+            k = apply_rope(rms_norm(k_raw, w[b + "attn_k_norm.weight"], eps), cos, sin)
             v = rms_norm(v_raw, None, eps)  # weightless V norm, no RoPE
             cache.write(i, pos, k, v)
         ks, vs, kpos = cache.read(cfg.kv_source(i))
@@ -350,9 +361,7 @@ class Gemma4Model(DecoderModel):
         return x
 
     def _mlp(self, i: int, m: torch.Tensor) -> torch.Tensor:
-        w, b = self.w, f"blk.{i}."
-        return linear(gelu_tanh(linear(m, w[b + "ffn_gate.weight"])) * linear(m, w[b + "ffn_up.weight"]),
-                      w[b + "ffn_down.weight"])
+        return gated_mlp(m, self.w, f"blk.{i}.")
 
     def _moe_ffn(self, i: int, r: torch.Tensor) -> torch.Tensor:
         """26B-A4B block (§3.8): dense MLP + top-k of E experts, both reading the residual r [T, d]."""

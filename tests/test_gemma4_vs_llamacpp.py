@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from models.gemma4 import Gemma4Config, load_gemma4
+from models.common import DenseKVCache
 from models.gguf import GGUFFile
 from tiny_models import TinySpec, llama_cpp_logits, quantize_gguf, write_tiny_gemma4
 
@@ -32,6 +33,9 @@ SPECS = {
     "dense-31b-like": TinySpec(n_layer=6, pattern=[True, True, False, True, True, False], n_kv_shared=0,
                                ple_width=0, n_head=4, n_kv_head=[2, 2, 1, 2, 2, 1], double_wide=False,
                                v_on_full_layers=False),
+    # A converter-fused attn_qkv tensor instead of separate q/k/v.
+    "fused-qkv": TinySpec(n_layer=4, pattern=[True, False, True, False], n_kv_shared=2, ple_width=0,
+                          double_wide=False, fused_qkv=True),
 }
 
 
@@ -80,6 +84,23 @@ def test_float32_equals_float64_reference(tiny):
     tokens = _prompt(SPECS[name].n_vocab, 40, seed=3)
     c = _cosines(_ours(q4, tokens), _ours(q4, tokens, dtype=torch.float64))
     assert c.min() >= 0.99999, c.min()
+
+
+def test_fast_cpu_weights_match_exact(tiny):
+    """The float16 runtime format (fused q/k/v and gate/up, models/weights.py) vs the exact path."""
+    name, _, q4 = tiny
+    tokens = _prompt(SPECS[name].n_vocab, 20, seed=5)
+    exact = load_gemma4(GGUFFile(q4))
+    fast = load_gemma4(GGUFFile(q4), weight_dtype=torch.float16)
+    cache_e, cache_f = DenseKVCache(), DenseKVCache()
+    # prefill (float32 GEMM on upcast weights), then single-token decode steps (float16 GEMV)
+    a = [exact.forward(torch.tensor(tokens[:12]), cache=cache_e)]
+    b = [fast.forward(torch.tensor(tokens[:12]), cache=cache_f)]
+    for p in range(12, 20):
+        a.append(exact.forward(torch.tensor(tokens[p:p + 1]), torch.tensor([p]), cache_e))
+        b.append(fast.forward(torch.tensor(tokens[p:p + 1]), torch.tensor([p]), cache_f))
+    c = _cosines(torch.cat(a).double().numpy(), torch.cat(b).double().numpy())
+    assert c.min() >= 0.9999, c.min()
 
 
 def test_quantized_file_really_holds_k_quants(tiny):

@@ -62,6 +62,7 @@ class TinySpec:
     v_on_full_layers: bool = True  # False: 31B-style, no attn_v on full layers (V = raw K)
     double_wide: bool = True  # E2B-style 2x FFN on KV-shared layers (written as an array)
     tied: bool = True
+    fused_qkv: bool = False  # write attn_qkv (rows Q, K, V) instead of attn_q/k/v on KV-owning layers
     extra: dict = field(default_factory=dict)
 
     def layer_pattern(self) -> list[bool]:
@@ -184,6 +185,11 @@ def write_tiny_gemma4(path: Path, spec: TinySpec, seed: int = 0) -> Path:
             t[b + "ffn_gate_up_exps.weight"] = np.stack([mat(2 * I, d) for _ in range(E)])
             t[b + "ffn_down_exps.weight"] = np.stack([mat(d, I) for _ in range(E)])
             t[b + "ffn_down_exps.scale"] = (0.5 + rng.random(E)).astype(np.float32)
+    if spec.fused_qkv:
+        for i in range(first):
+            b = f"blk.{i}."
+            t[b + "attn_qkv.weight"] = np.concatenate(
+                [t.pop(b + "attn_q.weight"), t.pop(b + "attn_k.weight"), t.pop(b + "attn_v.weight")])
     for name, arr in t.items():
         w.add_tensor(name, arr)
     w.write_header_to_file()
