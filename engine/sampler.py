@@ -1,4 +1,5 @@
-"""Token sampling on the logits of the sampled rows only: greedy, temperature, top-k, top-p, min-p.
+"""Token sampling on the logits of the sampled rows only: greedy, temperature, top-k, top-p, min-p,
+repetition and presence penalties.
 
 `SamplingParams.temperature == 0` is greedy (argmax, ties to the lowest id like llama.cpp).
 A seeded `torch.Generator` per request makes sampled runs repeatable.
@@ -19,10 +20,27 @@ class SamplingParams:
     min_p: float = 0.0
     seed: Optional[int] = None
     max_tokens: int = 256
+    repetition_penalty: float = 1.0  # > 1 discourages tokens seen in the last `penalty_last_n`
+    presence_penalty: float = 0.0  # subtracted once from each token seen there
+    penalty_last_n: int = 64  # llama.cpp's default window (prompt and output tokens)
 
     def __post_init__(self):
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or not 0 <= self.min_p < 1 or self.top_k < 0:
+        if (self.temperature < 0 or not 0 < self.top_p <= 1 or not 0 <= self.min_p < 1 or self.top_k < 0
+                or self.repetition_penalty <= 0 or self.max_tokens < 0 or self.penalty_last_n < 0):
             raise ValueError(f"invalid sampling parameters: {self}")
+
+
+def apply_penalties(logits: torch.Tensor, history: list[int], p: SamplingParams) -> torch.Tensor:
+    """llama.cpp's penalties over the last `penalty_last_n` tokens: a seen token's logit is divided
+    by the repetition penalty when positive, multiplied when negative; presence subtracts."""
+    if (p.repetition_penalty == 1.0 and p.presence_penalty == 0.0) or not history or not p.penalty_last_n:
+        return logits
+    seen = torch.tensor(sorted(set(history[-p.penalty_last_n:])), dtype=torch.long, device=logits.device)
+    out = logits.clone()
+    vals = out[seen]
+    vals = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    out[seen] = vals - p.presence_penalty
+    return out
 
 
 def logits_to_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -52,8 +70,9 @@ class Sampler:
         else:
             self.gen.seed()
 
-    def sample(self, logits: torch.Tensor) -> int:
-        """One token id from a [V] logits row."""
+    def sample(self, logits: torch.Tensor, history: Optional[list[int]] = None) -> int:
+        """One token id from a [V] logits row; `history`: tokens so far, for the penalties."""
+        logits = apply_penalties(logits, history or [], self.params)
         if self.params.temperature == 0:
             return int(torch.argmax(logits))
         probs = logits_to_probs(logits, self.params).cpu()

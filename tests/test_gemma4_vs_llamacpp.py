@@ -130,3 +130,15 @@ def test_wrong_kv_source_is_caught(tmp_path):
 
     bad = _cosines(_ours(path, tokens, cfg_patch=misroute), ref)
     assert bad.min() < 0.99, f"a misrouted KV source went unnoticed (min cosine {bad.min():.4f})"
+
+
+def test_trace_hook_names_every_layer(tmp_path):
+    path = write_tiny_gemma4(tmp_path / "t.gguf", TinySpec(n_layer=4, pattern=[True, False, True, False],
+                                                          n_kv_shared=2, ple_width=0, double_wide=False))
+    seen = []
+    model = load_gemma4(GGUFFile(path))
+    model.forward(torch.tensor([2, 40, 41]), trace=lambda name, layer, t: seen.append((name, layer, tuple(t.shape))))
+    names = [(n, layer) for n, layer, _ in seen]
+    assert names[0] == ("inp_scaled", -1) and names[-1] == ("result_norm", -1)
+    assert [layer for n, layer in names if n == "l_out"] == [0, 1, 2, 3]
+    assert ("attn_out", 3) in names and all(s[0] == 3 for _, _, s in seen)

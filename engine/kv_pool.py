@@ -1,0 +1,127 @@
+"""Hybrid KV pools: a full-attention pool and a sliding-window pool of token-granular slots.
+
+Each pool holds one slab (K and V, plus per-token-head scales for 8-bit formats) per KV-owning
+layer of its attention type. KV-shared layers own nothing: they read their source layer's slab,
+found through `config.kv_shared_layers` (via `kv_source`), the same list attention reads. A slot
+is one token of one sequence in every slab of its pool ("pages of size 1").
+
+`share_kv=False` is a debug mode: every layer gets its own slab and a source layer's K/V are also
+copied into the slabs of the layers that share it, so tests can check the mapping changes nothing.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .kv_format import KVFormat, owning_layers
+
+
+class KVPoolFull(RuntimeError):
+    """No free slots left in a pool (the scheduler evicts cached prefixes or waits)."""
+
+
+def _dims(cfg, layer: int) -> tuple[int, int]:
+    n_kv, hd = cfg.n_kv_head, cfg.head_dim
+    return (n_kv[layer] if isinstance(n_kv, (tuple, list)) else n_kv,
+            hd[layer] if isinstance(hd, (tuple, list)) else hd)
+
+
+class KVPool:
+    """Slabs of one attention type. k[layer]: [capacity, n_kv, hd] in the format's value dtype."""
+
+    def __init__(self, name: str, layer_dims: dict[int, tuple[int, int]], capacity: int, fmt: KVFormat,
+                 device="cpu"):
+        self.name, self.fmt, self.capacity, self.device = name, fmt, int(capacity), torch.device(device)
+        self.layers = sorted(layer_dims)
+        cap = self.capacity if self.layers else 0
+        self.k = {i: torch.zeros((cap, *layer_dims[i]), dtype=fmt.value_dtype, device=self.device)
+                  for i in self.layers}
+        self.v = {i: torch.zeros_like(self.k[i]) for i in self.layers}
+        self.k_scale = self.v_scale = None
+        if fmt.scaled:
+            self.k_scale = {i: torch.zeros((cap, layer_dims[i][0]), device=self.device) for i in self.layers}
+            self.v_scale = {i: torch.zeros_like(self.k_scale[i]) for i in self.layers}
+        self.unit_bytes = sum(fmt.unit_bytes(*layer_dims[i]) for i in self.layers)
+        self._free = list(range(self.capacity - 1, -1, -1))  # a stack: slot 0 is handed out first
+
+    # --- accounting -----------------------------------------------------------------------
+    @property
+    def n_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def n_used(self) -> int:
+        return self.capacity - len(self._free)
+
+    def alloc(self, n: int) -> torch.Tensor:
+        if n > len(self._free):
+            raise KVPoolFull(f"{self.name} KV pool: {n} slots wanted, {len(self._free)} free of {self.capacity}")
+        out = [self._free.pop() for _ in range(n)]
+        return torch.tensor(out, dtype=torch.long)
+
+    def free(self, slots) -> None:
+        slots = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
+        self._free.extend(s for s in slots if s >= 0)
+
+    # --- data ------------------------------------------------------------------------------
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [T, n_kv, hd] at slots [T] of `layer`'s slab (quantizing 8-bit formats)."""
+        s = slots.to(self.device)
+        kq, ks = self.fmt.quantize(k)
+        vq, vs = self.fmt.quantize(v)
+        self.k[layer][s] = kq
+        self.v[layer][s] = vq
+        if self.fmt.scaled:
+            self.k_scale[layer][s] = ks
+            self.v_scale[layer][s] = vs
+
+    def read(self, layer: int, slots: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [S, n_kv, hd] in `dtype` gathered from slots [S]."""
+        s = slots.to(self.device)
+        ks = self.k_scale[layer][s] if self.fmt.scaled else None
+        vs = self.v_scale[layer][s] if self.fmt.scaled else None
+        return (self.fmt.dequantize(self.k[layer][s], ks, dtype),
+                self.fmt.dequantize(self.v[layer][s], vs, dtype))
+
+    def status(self) -> dict:
+        return {"format": self.fmt.name, "capacity": self.capacity, "used": self.n_used, "free": self.n_free,
+                "unit_bytes": self.unit_bytes, "slabs": len(self.layers)}
+
+
+class HybridKVPool:
+    """The full pool and the window pool of one model, and the layer -> slab mapping."""
+
+    def __init__(self, cfg, full_tokens: int, window_tokens: int, fmt: KVFormat,
+                 swa_fmt: Optional[KVFormat] = None, device="cpu", share_kv: bool = True):
+        self.cfg, self.share_kv = cfg, share_kv
+        full_layers = owning_layers(cfg, sliding=False, share_kv=share_kv)
+        win_layers = owning_layers(cfg, sliding=True, share_kv=share_kv)
+        self.full = KVPool("full", {i: _dims(cfg, i) for i in full_layers}, full_tokens, fmt, device)
+        self.window = KVPool("window", {i: _dims(cfg, i) for i in win_layers}, window_tokens,
+                             swa_fmt or fmt, device)
+        # Debug mode: source layer -> the shared layers that keep a copy of its K/V.
+        self.copies: dict[int, list[int]] = {}
+        if not share_kv:
+            for layer, src in cfg.kv_shared_layers:
+                self.copies.setdefault(src, []).append(layer)
+
+    @property
+    def n_slabs(self) -> int:
+        return len(self.full.layers) + len(self.window.layers)
+
+    def slab(self, layer: int) -> int:
+        """The slab `layer` attends over: its KV source when sharing, else its own."""
+        return self.cfg.kv_source(layer) if self.share_kv else layer
+
+    def pool_of(self, layer: int) -> KVPool:
+        return self.window if self.cfg.is_sliding[layer] else self.full
+
+    def write(self, layer: int, full_slots: torch.Tensor, win_slots: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor) -> None:
+        for target in [layer] + self.copies.get(layer, []):
+            pool = self.pool_of(target)
+            pool.write(target, win_slots if pool is self.window else full_slots, k, v)
+
+    def status(self) -> dict:
+        return {"full": self.full.status(), "window": self.window.status(), "share_kv": self.share_kv}

@@ -1,0 +1,200 @@
+"""Prefix caches over token ids: `radix` (reuse, LRU eviction) and `naive` (no reuse).
+
+Radix nodes hold, per token, its full-pool slot and its window-pool slot (-1 once evicted or never
+kept). A match of m tokens is served only up to the largest m' <= m whose last `window - 1`
+positions still have window slots: a sliding layer's first new query needs them. Sequences hand
+their slots over at the end of the prompt (so "regenerate" reuses the prompt) and at the end of the
+answer (so the next turn reuses the conversation); locked nodes are never evicted.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .kv_pool import HybridKVPool
+
+_clock = itertools.count()
+
+
+@dataclass(eq=False)
+class _Node:
+    tokens: torch.Tensor  # [n] int64
+    full: torch.Tensor  # [n] full-pool slots
+    win: torch.Tensor  # [n] window-pool slots, -1 where absent
+    parent: Optional["_Node"] = None
+    children: dict = field(default_factory=dict)  # first token -> node
+    lock: int = 0
+    last_used: int = 0
+
+    def split(self, k: int) -> "_Node":
+        """Cut this node after k tokens; returns the new upper part (self keeps the tail)."""
+        upper = _Node(self.tokens[:k], self.full[:k], self.win[:k], self.parent, {int(self.tokens[k]): self},
+                      self.lock, self.last_used)
+        self.parent.children[int(self.tokens[0])] = upper
+        self.tokens, self.full, self.win, self.parent = self.tokens[k:], self.full[k:], self.win[k:], upper
+        return upper
+
+
+@dataclass
+class PrefixMatch:
+    length: int  # servable cached tokens
+    full_slots: torch.Tensor
+    win_pos: torch.Tensor
+    win_slots: torch.Tensor
+    nodes: list = field(default_factory=list)  # locked; give back with `release`
+
+
+class RadixCache:
+    kind = "radix"
+
+    def __init__(self, pools: HybridKVPool, window: Optional[int]):
+        self.pools, self.window = pools, window
+        self.has_window = bool(pools.window.layers) and bool(window)
+        self.root = _Node(torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long),
+                          torch.empty(0, dtype=torch.long))
+
+    # --- lookup ------------------------------------------------------------------------------
+    def _walk(self, tokens: list[int]) -> tuple[list[_Node], int]:
+        """The nodes covering the longest cached prefix of `tokens` (a partly matched node is split
+        so the path ends exactly there) and that prefix's length."""
+        node, path, m = self.root, [], 0
+        t = torch.tensor(tokens, dtype=torch.long)
+        while m < len(t):
+            child = node.children.get(int(t[m]))
+            if child is None:
+                break
+            n = min(len(child.tokens), len(t) - m)
+            same = int((child.tokens[:n] == t[m:m + n]).long().cumprod(0).sum())  # >= 1: keyed by t[m]
+            if same < len(child.tokens):
+                path.append(child.split(same))
+                m += same
+                break
+            path.append(child)
+            node, m = child, m + same
+        return path, m
+
+    def match(self, tokens: list[int]) -> PrefixMatch:
+        """Longest servable cached prefix of `tokens`, leaving at least the last token to compute."""
+        nodes, m = self._walk(tokens[:-1])
+        full = torch.cat([n.full for n in nodes]) if nodes else torch.empty(0, dtype=torch.long)
+        win = torch.cat([n.win for n in nodes]) if nodes else torch.empty(0, dtype=torch.long)
+        m = self._servable(win, m)
+        need = self._window_positions(m)
+        nodes = self._lock_upto(nodes, m)
+        return PrefixMatch(m, full[:m], need, win[need] if m else need, nodes)
+
+    def _window_positions(self, m: int) -> torch.Tensor:
+        if not self.has_window or m == 0:
+            return torch.empty(0, dtype=torch.long)
+        return torch.arange(max(0, m - self.window + 1), m)
+
+    def _servable(self, win: torch.Tensor, m: int) -> int:
+        if not self.has_window:
+            return m
+        while m > 0:
+            need = self._window_positions(m)
+            missing = (win[need] < 0).nonzero()
+            if not missing.numel():
+                return m
+            m = int(need[int(missing[-1])])  # serve at most up to the last missing position
+        return 0
+
+    def _lock_upto(self, nodes: list[_Node], m: int) -> list[_Node]:
+        out, total, now = [], 0, next(_clock)
+        for n in nodes:
+            if total >= m:
+                break
+            n.lock += 1
+            n.last_used = now
+            out.append(n)
+            total += len(n.tokens)
+        return out
+
+    def release(self, nodes: list[_Node]) -> None:
+        for n in nodes:
+            n.lock -= 1
+            assert n.lock >= 0
+
+    # --- insertion ---------------------------------------------------------------------------
+    def insert(self, tokens: list[int], full_slots: torch.Tensor, win_slots: torch.Tensor):
+        """Offer the slots of `tokens` (win_slots -1 where the sequence has none) to the tree.
+
+        Returns (locked node path, full_taken [n], win_taken [n]): the tree owns the slots marked
+        taken from now on. Where it already holds other slots for the same tokens (two requests
+        prefilled the same prompt), the sequence keeps its own and frees them when it ends.
+        """
+        t = torch.tensor(tokens, dtype=torch.long)
+        nodes, m = self._walk(tokens)
+        full_taken = torch.zeros(len(tokens), dtype=torch.bool)
+        win_taken = torch.zeros(len(tokens), dtype=torch.bool)
+        done = 0
+        for node in nodes:  # the cached part: adopt only window slots the tree lacks
+            n = len(node.tokens)
+            inc_win = win_slots[done:done + n]
+            adopt = (node.win < 0) & (inc_win >= 0)
+            node.win = torch.where(adopt, inc_win, node.win)
+            win_taken[done:done + n] = adopt
+            done += n
+        if m < len(tokens):
+            parent = nodes[-1] if nodes else self.root
+            leaf = _Node(t[m:], full_slots[m:].clone(), win_slots[m:].clone(), parent)
+            parent.children[int(t[m])] = leaf
+            nodes = nodes + [leaf]
+            full_taken[m:] = True
+            win_taken[m:] = win_slots[m:] >= 0
+        return self._lock_upto(nodes, len(tokens)), full_taken, win_taken
+
+    # --- eviction ------------------------------------------------------------------------------
+    def _nodes(self) -> list[_Node]:
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            out.append(n)
+            stack.extend(n.children.values())
+        return out
+
+    def evict(self, full_tokens: int = 0, window_tokens: int = 0) -> None:
+        """Free unlocked cached KV, least recently used first, until each pool has the free slots
+        asked for (or nothing evictable is left)."""
+        for n in sorted((n for n in self._nodes() if n.lock == 0), key=lambda n: n.last_used):
+            if self.pools.window.n_free >= window_tokens:
+                break
+            self.pools.window.free(n.win[n.win >= 0])
+            n.win = torch.full_like(n.win, -1)
+        while self.pools.full.n_free < full_tokens:
+            leaves = [n for n in self._nodes() if not n.children and n.lock == 0]
+            if not leaves:
+                break
+            leaf = min(leaves, key=lambda n: n.last_used)
+            self.pools.full.free(leaf.full)
+            self.pools.window.free(leaf.win[leaf.win >= 0])
+            del leaf.parent.children[int(leaf.tokens[0])]
+
+    def cached_tokens(self) -> int:
+        return sum(len(n.tokens) for n in self._nodes())
+
+    def clear(self) -> None:
+        self.evict(self.pools.full.capacity + 1, self.pools.window.capacity + 1)
+
+
+class NaiveCache(RadixCache):
+    """No reuse: every request prefills its whole prompt and frees its slots when done."""
+
+    kind = "naive"
+
+    def match(self, tokens: list[int]) -> PrefixMatch:
+        e = torch.empty(0, dtype=torch.long)
+        return PrefixMatch(0, e, e, e, [])
+
+    def insert(self, tokens, full_slots, win_slots):
+        none = torch.zeros(len(tokens), dtype=torch.bool)
+        return [], none, none
+
+
+def make_prefix_cache(kind: str, pools: HybridKVPool, window: Optional[int]):
+    if kind not in ("radix", "naive"):
+        raise ValueError(f"unknown --cache-type '{kind}' (radix or naive)")
+    return (RadixCache if kind == "radix" else NaiveCache)(pools, window)

@@ -1,0 +1,83 @@
+"""A generation request and its state machine: WAITING -> PREFILL -> DECODE -> FINISHED."""
+from __future__ import annotations
+
+import enum
+import itertools
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .sampler import Sampler, SamplingParams
+
+_ids = itertools.count(1)
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # queued, no KV yet
+    PREFILL = "prefill"  # prompt being computed, chunk by chunk
+    DECODE = "decode"  # one token per step
+    FINISHED = "finished"
+
+
+@dataclass
+class StreamEvent:
+    """What a client reads from `stream(id)`: new token ids and text; `finished` on the last one."""
+
+    request_id: int
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
+    error: Optional[str] = None
+    stats: Optional[dict] = None
+
+
+@dataclass(eq=False)
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_strings: tuple[str, ...] = ()
+    id: int = field(default_factory=lambda: next(_ids))
+    state: RequestState = RequestState.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    emitted: int = 0  # characters of `text` already streamed
+    cached_len: int = 0  # prompt tokens served from the prefix cache
+    computed_len: int = 0  # tokens whose KV is in the pools
+    finish_reason: Optional[str] = None
+    kv: object = None  # SequenceKV once admitted
+    locked: list = field(default_factory=list)  # prefix-cache nodes this request holds
+    events: "queue.Queue[StreamEvent]" = field(default_factory=queue.Queue)
+    sampler: Optional[Sampler] = None
+    detok: object = None
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_first: Optional[float] = None
+    t_done: Optional[float] = None
+    abort_requested: bool = False
+
+    def __post_init__(self):
+        if not self.prompt_ids:
+            raise ValueError("empty prompt")
+        self.sampler = Sampler(self.params)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def n_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    def check(self) -> None:
+        assert 0 <= self.cached_len <= self.computed_len <= len(self.all_ids), (self.cached_len, self.computed_len)
+
+    def stats(self) -> dict:
+        prefill_s = (self.t_first or time.perf_counter()) - self.t_submit
+        decode_s = (self.t_done or time.perf_counter()) - (self.t_first or self.t_submit)
+        n_out = len(self.output_ids)
+        return {"prompt_tokens": self.n_prompt, "cached_tokens": self.cached_len,
+                "prefilled_tokens": self.n_prompt - self.cached_len, "output_tokens": n_out,
+                "prefill_s": prefill_s, "decode_s": decode_s,
+                "prefill_tok_s": (self.n_prompt - self.cached_len) / prefill_s if prefill_s > 0 else 0.0,
+                "decode_tok_s": (n_out - 1) / decode_s if decode_s > 0 and n_out > 1 else 0.0}

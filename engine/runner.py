@@ -1,0 +1,50 @@
+"""Runs the model over one chunk of one sequence against its pooled KV, with fast prefill.
+
+Fast prefill (spec §6): KV-shared layers write no KV, so a token's pass through them only feeds
+that token's own logits. Chunks with no sampled row skip those layers entirely; the chunk that
+ends the prompt runs them for its last token only. Logits are computed only where a token is
+sampled. With `fast_prefill=False` every row goes through every layer (the plain path).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .sequence_kv import SequenceKV
+
+
+class ModelRunner:
+    def __init__(self, model, fast_prefill: bool = True):
+        self.model, self.fast_prefill = model, fast_prefill
+        cfg = model.cfg
+        # Gemma 3 has no KV-shared layers: its "shared part" is empty and only logits shrink.
+        self.first_shared = getattr(cfg, "first_shared", cfg.n_layer)
+
+    @torch.no_grad()  # not inference_mode: slot bookkeeping tensors made here are updated in place later
+    def forward(self, kv: SequenceKV, tokens: list[int], start: int, want_logits: bool,
+                all_rows: bool = False) -> Optional[torch.Tensor]:
+        """Compute `tokens` at positions start.. into `kv`; logits [V] of the last row if
+        `want_logits` ([T, V] for every row if `all_rows`, e.g. speculative verification)."""
+        model, L = self.model, self.model.cfg.n_layer
+        ids = torch.tensor(tokens, dtype=torch.long)
+        pos = torch.arange(start, start + len(tokens), device=model.device)
+        kv.begin(pos.cpu())
+        try:
+            x, pl = model.embed(ids)
+            for i in range(self.first_shared):
+                x = model.layer(i, x, pos, None if pl is None else pl[:, i], kv)
+            if self.fast_prefill and not all_rows and self.first_shared < L:
+                if not want_logits:
+                    return None  # an intermediate chunk: the shared layers would feed nothing
+                x, pos = x[-1:], pos[-1:]
+                pl = None if pl is None else pl[-1:]
+            for i in range(self.first_shared, L):
+                x = model.layer(i, x, pos, None if pl is None else pl[:, i], kv)
+            if not want_logits:
+                return None
+            rows = x if all_rows else x[-1:]
+            logits = model.head(model.norm(rows))
+            return logits if all_rows else logits[0]
+        finally:
+            kv.end()

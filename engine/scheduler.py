@@ -1,0 +1,234 @@
+"""The engine loop: admit waiting requests (reusing cached prefixes), prefill in chunks, decode,
+stream, stop, and give KV back. `Engine.step()` is schedule -> run -> postprocess.
+
+On the CPU each scheduled sequence runs its own forward within a step (the plain-torch path); the
+CUDA backend batches them. Outputs are the same either way: a request's tokens depend only on its
+own KV.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .kv_format import resolve_format
+from .kv_pool import HybridKVPool, KVPoolFull
+from .prefix_cache import make_prefix_cache
+from .request import Request, RequestState, StreamEvent
+from .runner import ModelRunner
+from .sampler import SamplingParams
+from .sequence_kv import SequenceKV
+
+
+class ContextOverflowError(ValueError):
+    """A prompt longer than the context (one-line message)."""
+
+
+@dataclass
+class EngineConfig:
+    max_running_requests: int = 4
+    prefill_chunk: int = 512  # tokens per prefill step (the GPU default is 2048)
+    fast_prefill: bool = True
+    cache_type: str = "radix"
+    kv_cache_dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on the CPU
+    swa_kv_cache_dtype: str = "auto"
+    full_tokens: int = 8192  # full-pool slots (the memory planner sizes this)
+    window_tokens: Optional[int] = None  # default: per running request window + chunk + margin
+    context_length: Optional[int] = None  # default: the model's, capped by the full pool
+    share_kv: bool = True  # False: debug mode, shared layers keep their own KV copies
+    window_margin: int = 64
+
+    def __post_init__(self):
+        if self.max_running_requests < 1 or self.prefill_chunk < 1 or self.full_tokens < 1:
+            raise ValueError(f"invalid engine settings: {self}")
+
+
+class Engine:
+    def __init__(self, model, tokenizer=None, config: Optional[EngineConfig] = None):
+        self.model, self.tokenizer, self.config = model, tokenizer, config or EngineConfig()
+        self.window = model.cfg.sliding_window if any(model.cfg.is_sliding) else None
+        self.runner = ModelRunner(model, self.config.fast_prefill)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[int, Request] = {}
+        self._build_pools()
+
+    # --- pools ------------------------------------------------------------------------------
+    def _build_pools(self) -> None:
+        c, dev = self.config, self.model.device
+        win_tokens = c.window_tokens
+        if win_tokens is None:  # each running sequence: window + chunk + margin, plus cached windows
+            win_tokens = 2 * c.max_running_requests * ((self.window or 0) + c.prefill_chunk + c.window_margin)
+        self.pools = HybridKVPool(self.model.cfg, c.full_tokens, win_tokens,
+                                  resolve_format(c.kv_cache_dtype, dev), resolve_format(c.swa_kv_cache_dtype, dev),
+                                  dev, share_kv=c.share_kv)
+        self.cache = make_prefix_cache(c.cache_type, self.pools, self.window)
+
+    def rebuild(self, **changes) -> None:
+        """Rebuild the pools with a new size or format (drops the prefix cache). Only when idle."""
+        if self.running or self.waiting:
+            raise RuntimeError("cannot rebuild the KV pools while requests are running")
+        for k, v in changes.items():
+            if not hasattr(self.config, k):
+                raise ValueError(f"unknown engine setting {k}")
+            setattr(self.config, k, v)
+        self.cache.clear()
+        self._build_pools()
+
+    @property
+    def context_limit(self) -> int:
+        n = self.config.context_length or self.model.cfg.context_length
+        return min(n, self.pools.full.capacity) if self.pools.full.layers else n
+
+    # --- requests ----------------------------------------------------------------------------
+    def add(self, prompt_ids: list[int], params: SamplingParams, stop_strings=()) -> Request:
+        limit = self.context_limit
+        if len(prompt_ids) >= limit:
+            raise ContextOverflowError(
+                f"prompt of {len(prompt_ids)} tokens does not fit the {limit}-token context")
+        req = Request(list(prompt_ids), params, tuple(stop_strings))
+        if self.tokenizer is not None:
+            req.detok = self.tokenizer.stream_decoder()
+        self.requests[req.id] = req
+        self.waiting.append(req)
+        return req
+
+    def abort(self, req_id: int) -> None:
+        req = self.requests.get(req_id)
+        if req is not None and req.state != RequestState.FINISHED:
+            self._finish(req, "abort")
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- one step ----------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Admit, run one prefill chunk or decode token per running request, post-process."""
+        self._admit()
+        budget = self.config.prefill_chunk
+        touched = []
+        for req in list(self.running):
+            if req.state == RequestState.PREFILL:
+                if budget <= 0:
+                    continue
+                n = min(budget, req.n_prompt - req.computed_len)
+                budget -= n
+                self._run(req, req.prompt_ids[req.computed_len:req.computed_len + n])
+            else:
+                self._run(req, [req.all_ids[-1]])
+            touched.append(req)
+        return touched
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.config.max_running_requests:
+            req = self.waiting[0]
+            match = self.cache.match(req.prompt_ids)
+            need = req.n_prompt - match.length + 1
+            if self.pools.full.layers and self.pools.full.n_free < need:
+                self.cache.evict(full_tokens=need)
+                if self.pools.full.n_free < need:
+                    self.cache.release(match.nodes)
+                    if not self.running:  # nothing will free up: this prompt can never fit
+                        self.waiting.popleft()
+                        self._finish(req, "error", f"KV cache full: {need} slots needed, "
+                                                   f"{self.pools.full.n_free} free")
+                        continue
+                    return
+            self.waiting.popleft()
+            req.kv = SequenceKV(self.pools, self.window, self.model.dtype, self.config.window_margin)
+            if match.length:
+                req.kv.attach_prefix(match.full_slots, match.win_pos, match.win_slots)
+            req.locked, req.cached_len, req.computed_len = match.nodes, match.length, match.length
+            req.state = RequestState.PREFILL
+            self.running.append(req)
+
+    def _run(self, req: Request, tokens: list[int]) -> None:
+        last_of_prompt = req.state == RequestState.DECODE or req.computed_len + len(tokens) == req.n_prompt
+        try:
+            self._reserve(len(tokens))
+            logits = self.runner.forward(req.kv, tokens, req.computed_len, want_logits=last_of_prompt)
+        except KVPoolFull as e:
+            self._finish(req, "error", str(e))
+            return
+        req.computed_len += len(tokens)
+        req.check()
+        if req.state == RequestState.PREFILL and req.computed_len == req.n_prompt:
+            self._hand_to_cache(req, req.n_prompt)  # "regenerate" can reuse the whole prompt
+            req.state = RequestState.DECODE
+        if logits is not None:
+            self._postprocess(req, logits)
+
+    def _reserve(self, n: int) -> None:
+        """Make room for n new tokens in both pools, evicting cached prefixes if needed."""
+        full = n if self.pools.full.layers and self.pools.full.n_free < n else 0
+        win = n if self.pools.window.layers and self.pools.window.n_free < n else 0
+        if full or win:
+            self.cache.evict(full_tokens=full, window_tokens=win)
+
+    def _hand_to_cache(self, req: Request, n: int) -> None:
+        nodes, full_taken, win_taken = self.cache.insert(
+            req.all_ids[:n], req.kv.full_slots[:n], req.kv.window_slots_by_position()[:n])
+        req.kv.hand_over(full_taken, win_taken)
+        self.cache.release(req.locked)
+        req.locked = nodes
+
+    # --- after a forward ---------------------------------------------------------------------
+    def _postprocess(self, req: Request, logits: torch.Tensor) -> None:
+        tok = req.sampler.sample(logits, req.all_ids)
+        if req.t_first is None:
+            req.t_first = time.perf_counter()
+        eog = self.tokenizer.eog_ids if self.tokenizer is not None else ()
+        if tok in eog:
+            self._finish(req, "stop")
+            return
+        req.output_ids.append(tok)
+        if req.detok is not None:
+            req.text += req.detok.push(tok)
+        reason = None
+        for stop in req.stop_strings:
+            at = req.text.find(stop)
+            if at >= 0:
+                req.text, reason = req.text[:at], "stop"
+        if reason is None and (len(req.output_ids) >= req.params.max_tokens
+                               or len(req.all_ids) >= self.context_limit):
+            reason = "length"
+        # Hold back text that could still become a stop string, so none is ever streamed.
+        hold = 0 if reason else max((len(s) - 1 for s in req.stop_strings), default=0)
+        upto = max(req.emitted, len(req.text) - hold)
+        req.events.put(StreamEvent(req.id, [tok], req.text[req.emitted:upto]))
+        req.emitted = upto
+        if reason:
+            self._finish(req, reason)
+
+    def _finish(self, req: Request, reason: str, error: Optional[str] = None) -> None:
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        if req.kv is not None:
+            n = len(req.kv)
+            if reason != "error" and n:
+                self._hand_to_cache(req, n)  # the next turn reuses the conversation
+            req.kv.release()
+        self.cache.release(req.locked)
+        req.locked = []
+        if req.detok is not None and reason != "stop":
+            req.text += req.detok.flush()
+        tail, req.emitted = req.text[req.emitted:], len(req.text)
+        req.state, req.finish_reason = RequestState.FINISHED, reason
+        req.t_done = time.perf_counter()
+        req.events.put(StreamEvent(req.id, [], tail, True, reason, error, req.stats()))
+
+    # --- status --------------------------------------------------------------------------------
+    def status(self) -> dict:
+        return {"pools": self.pools.status(), "cache_type": self.cache.kind,
+                "cached_prefix_tokens": self.cache.cached_tokens(), "running": len(self.running),
+                "waiting": len(self.waiting), "context_limit": self.context_limit}
+
+    def run_to_completion(self) -> None:
+        while self.has_work:
+            self.step()

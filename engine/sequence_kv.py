@@ -1,0 +1,126 @@
+"""One sequence's KV in the hybrid pools: the models' `KVStore` protocol over slot lists.
+
+Full pool: one slot per position 0..n-1. Window pool: slots only for the positions a future query
+can still see (the last `window - 1` before the next position), so a sequence holds at most
+window + chunk window slots however long it gets. Slots that came from the prefix cache are not
+this sequence's to free; `full_owned` / `win_owned` say which are.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .kv_pool import HybridKVPool
+
+_EMPTY = torch.empty(0, dtype=torch.long)
+
+
+class SequenceKV:
+    def __init__(self, pools: HybridKVPool, window: Optional[int], dtype=torch.float32, margin: int = 64):
+        # margin: window positions kept beyond what attention needs, so a cached prefix can be
+        # served from up to `margin` tokens before the point where it was stored.
+        self.pools, self.window, self.dtype, self.margin = pools, window, dtype, margin
+        self.has_window = bool(pools.window.layers)
+        self.full_slots = _EMPTY.clone()  # [n] slot of position p at index p
+        self.full_owned = torch.empty(0, dtype=torch.bool)  # False: the prefix cache owns it
+        self.win_pos = _EMPTY.clone()  # [w] positions held in the window pool, ascending
+        self.win_slots = _EMPTY.clone()
+        self.win_owned = torch.empty(0, dtype=torch.bool)
+        self._step: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self._reads: dict[int, tuple] = {}
+
+    def __len__(self) -> int:
+        return int(self.full_slots.numel())
+
+    # --- prefix reuse ----------------------------------------------------------------------
+    def attach_prefix(self, full_slots: torch.Tensor, win_pos: torch.Tensor, win_slots: torch.Tensor) -> None:
+        """Start from cached KV (slots owned by the prefix cache, locked by the caller)."""
+        assert len(self) == 0
+        self.full_slots = full_slots.clone()
+        self.full_owned = torch.zeros(len(full_slots), dtype=torch.bool)
+        self.win_pos, self.win_slots = win_pos.clone(), win_slots.clone()
+        self.win_owned = torch.zeros(len(win_pos), dtype=torch.bool)
+
+    # --- one forward -----------------------------------------------------------------------
+    def begin(self, pos: torch.Tensor) -> None:
+        """Allocate slots for positions `pos` (the next len(pos) positions) in both pools."""
+        n = len(self)
+        assert pos.numel() and int(pos[0]) == n and int(pos[-1]) == n + pos.numel() - 1, "positions must extend"
+        new_full = self.pools.full.alloc(pos.numel()) if self.pools.full.layers else \
+            torch.full((pos.numel(),), -1, dtype=torch.long)
+        try:
+            new_win = self.pools.window.alloc(pos.numel()) if self.has_window else _EMPTY
+        except Exception:
+            self.pools.full.free(new_full)
+            raise
+        self.full_slots = torch.cat([self.full_slots, new_full])
+        self.full_owned = torch.cat([self.full_owned, torch.ones(pos.numel(), dtype=torch.bool)])
+        if self.has_window:
+            self.win_pos = torch.cat([self.win_pos, pos.cpu()])
+            self.win_slots = torch.cat([self.win_slots, new_win])
+            self.win_owned = torch.cat([self.win_owned, torch.ones(pos.numel(), dtype=torch.bool)])
+        self._step = (new_full, new_win)
+        self._reads = {}
+
+    def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        new_full, new_win = self._step
+        self.pools.write(layer, new_full, new_win, k, v)
+
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        slab = self.pools.slab(layer)
+        if slab not in self._reads:  # KV-shared layers re-read their source's slab: gather once a step
+            pool = self.pools.pool_of(slab)
+            if pool is self.pools.window:
+                slots, positions = self.win_slots, self.win_pos
+            else:
+                slots, positions = self.full_slots, torch.arange(len(self))
+            k, v = pool.read(slab, slots, self.dtype)
+            self._reads[slab] = (k, v, positions.to(k.device))
+        return self._reads[slab]
+
+    def end(self) -> None:
+        """After a forward: drop window slots no future query can see (pos <= n - window), beyond
+        the margin kept for prefix reuse."""
+        self._step, self._reads = None, {}
+        if self.has_window and self.window:
+            self._drop_window(self.win_pos <= len(self) - self.window - self.margin)
+
+    # --- shrinking ---------------------------------------------------------------------------
+    def _drop_window(self, drop: torch.Tensor) -> None:
+        if drop.any():
+            self.pools.window.free(self.win_slots[drop & self.win_owned])
+            keep = ~drop
+            self.win_pos, self.win_slots, self.win_owned = self.win_pos[keep], self.win_slots[keep], self.win_owned[keep]
+
+    def truncate(self, n: int) -> None:
+        """Forget positions >= n (speculative rollback); only this sequence's own slots are freed."""
+        assert 0 <= n <= len(self) and bool(self.full_owned[n:].all())
+        self.pools.full.free(self.full_slots[n:])
+        self.full_slots, self.full_owned = self.full_slots[:n], self.full_owned[:n]
+        if self.has_window:
+            self._drop_window(self.win_pos >= n)
+
+    def release(self) -> None:
+        """Free every slot this sequence owns (the prefix cache keeps its own)."""
+        self.pools.full.free(self.full_slots[self.full_owned])
+        if self.has_window:
+            self.pools.window.free(self.win_slots[self.win_owned])
+        self.full_slots, self.full_owned = _EMPTY.clone(), torch.empty(0, dtype=torch.bool)
+        self.win_pos, self.win_slots, self.win_owned = _EMPTY.clone(), _EMPTY.clone(), torch.empty(0, dtype=torch.bool)
+
+    def window_slots_by_position(self) -> torch.Tensor:
+        """[n] window slot of every position, -1 where this sequence holds none."""
+        out = torch.full((len(self),), -1, dtype=torch.long)
+        if self.has_window and len(self.win_pos):
+            out[self.win_pos] = self.win_slots
+        return out
+
+    def hand_over(self, full_taken: torch.Tensor, win_taken: torch.Tensor) -> None:
+        """The prefix cache took these positions' slots (masks over positions 0..n-1)."""
+        n = len(full_taken)
+        self.full_owned[:n] &= ~full_taken
+        if self.has_window and len(self.win_pos):
+            taken = torch.zeros(len(self), dtype=torch.bool)
+            taken[:n] = win_taken
+            self.win_owned &= ~taken[self.win_pos]
