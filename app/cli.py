@@ -37,8 +37,21 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--exact", action="store_true",
                    help="float32 weights (reference numerics) instead of the faster float16 CPU format")
 
-    i = sub.add_parser("info", help="architecture, layer plan, tensor types and sizes")
-    i.add_argument("model")
+    i = sub.add_parser("info", help="architecture, layer plan, tensor types and sizes, memory plan")
+    i.add_argument("model", nargs="?", help="GGUF file (or use --synthetic)")
+    i.add_argument("--synthetic", choices=["e2b", "e4b"], help="a synthetic Gemma-4 E2B/E4B Q4_K_M layout")
+    i.add_argument("--gpu-memory-budget", metavar="SIZE",
+                   help="8GiB, 7.5G, 8000MB, ... (default: 90%% of free device memory; host memory on the CPU)")
+    i.add_argument("--kv-cache-dtype", default="auto", metavar="F",
+                   help="full-attention KV format: auto (bf16 on cuda), bf16, fp16, fp32, "
+                        "int8_per_token_head, fp8_per_token_head")
+    i.add_argument("--swa-kv-cache-dtype", default="bf16", metavar="F", help="sliding-window KV format")
+    i.add_argument("--embed-weights", choices=["host", "device"], default="host",
+                   help="host: token/per-layer embedding tables stay in host memory (tied head stays on the device)")
+    i.add_argument("--prefill-chunk", type=int, help="tokens per prefill step (default 2048 on cuda, 512 on cpu)")
+    i.add_argument("--max-running-requests", type=int, default=4)
+    i.add_argument("--spec-draft-model", metavar="PATH", help="draft (assistant) GGUF kept on the device")
+    i.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="target of the plan")
     i.add_argument("--json", action="store_true")
 
     b = sub.add_parser("bench", help="prefill and decode tokens/s (ours beside llama.cpp's on CPU)")
@@ -122,7 +135,14 @@ def cmd_run(a) -> int:
 
 def cmd_info(a) -> int:
     from engine import api
-    d = api.describe(Path(a.model))
+    from engine.memory_plan import PlanOptions, parse_size
+    if a.model and a.synthetic:
+        raise ValueError("give a MODEL file or --synthetic, not both")
+    opt = PlanOptions(budget=parse_size(a.gpu_memory_budget) if a.gpu_memory_budget else None, device=a.device,
+                      kv_format=a.kv_cache_dtype, swa_format=a.swa_kv_cache_dtype, embed_weights=a.embed_weights,
+                      prefill_chunk=a.prefill_chunk, max_running=a.max_running_requests,
+                      draft=a.spec_draft_model)
+    d = api.describe(api.open_layout(a.model, a.synthetic), plan=opt)
     if a.json:
         print(json.dumps(d, indent=1))
         return 0
@@ -141,7 +161,36 @@ def cmd_info(a) -> int:
     for k, v in d["tensor_types"].items():
         print(f"    {k:6s} {v['tensors']:4d} tensors  {v['bytes'] / 2**20:9.1f} MiB")
     print(f"  total {d['total_bytes'] / 2**20:.1f} MiB")
+    _print_plan(d["plan"])
     return 0
+
+
+def _print_plan(p: dict) -> None:
+    from engine.memory_plan import fmt_size
+    if "error" in p:
+        print(f"  memory plan ({p['budget_source']}, {fmt_size(p['budget'])}): {p['error']}")
+        return
+    o = p["options"]
+    print(f"  memory plan for {p['model']} on {p['device']}: budget {fmt_size(p['budget'])} ({p['budget_source']}), "
+          f"embed weights on {o['embed_weights']}, prefill chunk {o['prefill_chunk']}, "
+          f"{o['max_running']} running requests")
+    print(f"    {'component':28s} {'device':>10s} {'host':>10s}  detail")
+    for c in p["components"]:
+        print(f"    {c['name']:28s} {fmt_size(c['device_bytes']):>10s} {fmt_size(c['host_bytes']):>10s}  {c['detail']}")
+    print(f"    {'total':28s} {fmt_size(p['device_total']):>10s} {fmt_size(p['host_total']):>10s}  "
+          f"({fmt_size(p['unused_bytes'])} of the budget unused)")
+    for k in ("full", "window"):
+        kv = p["kv"][k]
+        print(f"    {k} pool: {kv['format']}, {kv['unit_bytes']} B/token over {len(kv['layers'])} layers, "
+              f"{kv['tokens']} tokens")
+    print(f"    max context {p['max_context']} tokens (model limit {p['context_length']})")
+    print(f"  max context by KV format (window pool {p['kv']['window']['format']}):")
+    print(f"    {'format':22s} {'B/token':>8s} {'full pool tokens':>17s} {'max context':>12s}")
+    for f, r in p["max_context_by_format"].items():
+        if r is None:
+            print(f"    {f:22s} {'':>8s} {'does not fit':>17s}")
+        else:
+            print(f"    {f:22s} {r['unit_bytes']:8d} {r['full_pool_tokens']:17d} {r['max_context']:12d}")
 
 
 def cmd_bench(a) -> int:

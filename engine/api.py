@@ -18,7 +18,8 @@ from .generate import GenerationResult, generate
 from .sampler import SamplingParams
 
 __all__ = ["GGUFError", "LoadedModel", "SamplingParams", "GenerationResult", "demo_model_path",
-           "resolve_model", "open_model", "tokenize", "score", "run_prompt", "describe"]
+           "resolve_model", "open_model", "tokenize", "score", "run_prompt", "describe", "open_layout",
+           "memory_plan"]
 
 
 def demo_model_path() -> Optional[Path]:
@@ -87,9 +88,42 @@ def run_prompt(lm: LoadedModel, prompt: str, params: SamplingParams, raw: bool =
                     on_text=on_text)
 
 
-def describe(path: Path) -> dict[str, Any]:
-    """Architecture, layer plan and tensor types/sizes of a GGUF, without loading weights."""
-    f = open_gguf(path)
+def open_layout(model: Optional[str] = None, synthetic: Optional[str] = None):
+    """A GGUF file (metadata and tensor table, memory-mapped), or a synthetic E2B/E4B layout."""
+    if synthetic:
+        from .synthetic import synthetic_layout
+        return synthetic_layout(synthetic)
+    if not model:
+        raise ValueError("give a MODEL file or --synthetic e2b|e4b")
+    return open_gguf(Path(model).expanduser())
+
+
+def memory_plan(layout, opt, cfg=None) -> dict[str, Any]:
+    """The memory plan (engine/memory_plan.py) plus the max context for every KV format. Without
+    an explicit budget a model that does not fit the default one gives {"error": ...} instead of
+    raising, so `info` still shows the architecture."""
+    from dataclasses import replace
+
+    from .memory_plan import BudgetTooSmall, default_budget, max_context_by_format, plan_memory
+    explicit = opt.budget is not None
+    if not explicit:
+        budget, source = default_budget(opt.device)
+        opt = replace(opt, budget=budget)
+    try:
+        p = plan_memory(layout, opt, cfg)
+    except BudgetTooSmall as e:
+        if explicit:
+            raise
+        return {"error": str(e), "budget": opt.budget, "budget_source": source, "needed": e.needed}
+    if not explicit:
+        p.budget_source = source
+    return {**p.to_dict(), "max_context_by_format": max_context_by_format(layout, opt, cfg)}
+
+
+def describe(path, plan=None) -> dict[str, Any]:
+    """Architecture, layer plan and tensor types/sizes of a GGUF (a path or an opened layout),
+    without loading weights; with `plan` (memory_plan.PlanOptions) also the memory plan."""
+    f = path if hasattr(path, "tensors") else open_gguf(path)
     arch = f.architecture
     if arch == "gemma4":
         from models.gemma4 import Gemma4Config
@@ -111,11 +145,14 @@ def describe(path: Path) -> dict[str, Any]:
     for t in f:
         by_type[t.type_name] += 1
         bytes_by_type[t.type_name] += t.n_bytes
-    return {
-        "file": str(path), "architecture": arch, "name": f.get("general.name"),
+    out = {
+        "file": str(f.path), "architecture": arch, "name": f.get("general.name"),
         "n_layer": cfg.n_layer, "d_model": cfg.d_model, "vocab_size": cfg.vocab_size,
         "context_length": cfg.context_length, "sliding_window": cfg.sliding_window, **extra,
         "layers": layers,
         "tensor_types": {k: {"tensors": by_type[k], "bytes": bytes_by_type[k]} for k in sorted(by_type)},
         "total_bytes": sum(bytes_by_type.values()),
     }
+    if plan is not None:
+        out["plan"] = memory_plan(f, plan, cfg)
+    return out

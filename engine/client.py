@@ -1,0 +1,158 @@
+"""The narrow interface the app uses: submit / stream / abort / status / close.
+
+`LocalClient` runs an `Engine` in one background thread (the only thread that touches it);
+callers post commands and read per-request event queues, so a UI thread never blocks on the model.
+Conversations are rendered with the model's chat format here; with `--context-overflow truncate`
+the oldest whole turns after the system prompt are dropped until the prompt fits.
+"""
+from __future__ import annotations
+
+import abc
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional, Sequence
+
+from .request import StreamEvent
+from .sampler import SamplingParams
+from .scheduler import ContextOverflowError, Engine, EngineConfig
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    thinking: bool = False
+    stop_strings: tuple[str, ...] = ()
+
+
+class EngineClient(abc.ABC):
+    @abc.abstractmethod
+    def submit(self, messages: Sequence[dict], params: GenerationParams) -> int: ...
+
+    @abc.abstractmethod
+    def stream(self, request_id: int, timeout: Optional[float] = None) -> Iterator[StreamEvent]: ...
+
+    @abc.abstractmethod
+    def abort(self, request_id: int) -> None: ...
+
+    @abc.abstractmethod
+    def status(self) -> dict: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class LocalClient(EngineClient):
+    def __init__(self, loaded, config: Optional[EngineConfig] = None, context_overflow: str = "error"):
+        if context_overflow not in ("error", "truncate"):
+            raise ValueError(f"--context-overflow must be error or truncate, not {context_overflow!r}")
+        self.loaded, self.context_overflow = loaded, context_overflow
+        self.engine = Engine(loaded.model, loaded.tokenizer, config)
+        self._commands: "queue.Queue[tuple]" = queue.Queue()
+        self._events: dict[int, queue.Queue] = {}
+        self._status: dict = self.engine.status()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="edgegem-engine", daemon=True)
+        self._thread.start()
+
+    # --- prompt building ---------------------------------------------------------------------
+    def _prompt_ids(self, messages: Sequence[dict], thinking: bool) -> list[int]:
+        lm, msgs = self.loaded, list(messages)
+        limit = self.engine.context_limit
+        while True:
+            text = lm.chat.render(msgs, add_generation_prompt=True, thinking=thinking)
+            ids = lm.tokenizer.encode(text, add_bos=not lm.chat.bos_in_template)
+            if len(ids) < limit or self.context_overflow == "error":
+                return ids
+            first = 1 if msgs and msgs[0].get("role") == "system" else 0
+            # Drop the oldest whole turn (a user message and the replies after it), keep the last.
+            nxt = next((i for i in range(first + 1, len(msgs)) if msgs[i].get("role") == "user"), None)
+            if nxt is None:
+                raise ContextOverflowError(
+                    f"the last message alone ({len(ids)} tokens) does not fit the {limit}-token context")
+            msgs = msgs[:first] + msgs[nxt:]
+
+    # --- the interface ---------------------------------------------------------------------
+    def submit(self, messages: Sequence[dict], params: GenerationParams = GenerationParams()) -> int:
+        ids = self._prompt_ids(messages, params.thinking)
+        reply: "queue.Queue[Any]" = queue.Queue()
+        self._commands.put(("add", ids, params, reply))
+        out = reply.get()
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    def submit_ids(self, prompt_ids: list[int], params: GenerationParams = GenerationParams()) -> int:
+        reply: "queue.Queue[Any]" = queue.Queue()
+        self._commands.put(("add", list(prompt_ids), params, reply))
+        out = reply.get()
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    def stream(self, request_id: int, timeout: Optional[float] = None) -> Iterator[StreamEvent]:
+        q = self._events[request_id]
+        while True:
+            ev = q.get(timeout=timeout)
+            yield ev
+            if ev.finished:
+                self._events.pop(request_id, None)
+                return
+
+    def abort(self, request_id: int) -> None:
+        self._commands.put(("abort", request_id))
+
+    def status(self) -> dict:
+        return dict(self._status)
+
+    def rebuild(self, **changes) -> None:
+        """Resize the KV pools or change their format at runtime (only while idle; raises otherwise)."""
+        reply: "queue.Queue[Any]" = queue.Queue()
+        self._commands.put(("rebuild", changes, reply))
+        out = reply.get()
+        if isinstance(out, Exception):
+            raise out
+
+    def close(self) -> None:
+        self._closed.set()
+        self._commands.put(("wake",))
+        self._thread.join(timeout=30)
+
+    # --- the engine thread -----------------------------------------------------------------
+    def _handle(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, ids, params, reply = cmd
+            try:
+                req = self.engine.add(ids, params.sampling, params.stop_strings)
+                self._events[req.id] = req.events
+                reply.put(req.id)
+            except Exception as e:  # noqa: BLE001 - handed to the caller's thread
+                reply.put(e)
+        elif kind == "abort":
+            self.engine.abort(cmd[1])
+        elif kind == "rebuild":
+            try:
+                self.engine.rebuild(**cmd[1])
+                cmd[2].put(None)
+            except Exception as e:  # noqa: BLE001
+                cmd[2].put(e)
+
+    def _loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                cmd = self._commands.get(timeout=None if not self.engine.has_work else 0)
+                self._handle(cmd)
+                while not self._commands.empty():
+                    self._handle(self._commands.get_nowait())
+            except queue.Empty:
+                pass
+            if self.engine.has_work:
+                try:
+                    self.engine.step()
+                except Exception as e:  # noqa: BLE001 - one bad step must not kill the app
+                    for req in list(self.engine.running) + list(self.engine.waiting):
+                        self.engine._finish(req, "error", f"{type(e).__name__}: {e}")
+            self._status = self.engine.status()
+        for req in list(self.engine.running) + list(self.engine.waiting):
+            self.engine._finish(req, "abort")

@@ -1,0 +1,324 @@
+"""Memory planner: where every byte of a budget goes, and how much context that leaves.
+
+Order of placement inside the budget (device memory on CUDA, host memory with --device cpu):
+  1. weights, in their GGUF quantized form (bytes = TensorInfo.n_bytes). With embed_weights="host"
+     the per-layer-embedding (PLE) table lives in host memory and only the rows of the current
+     tokens are copied over each step. token_embd moves to the host too when the file has its own
+     `output.weight`; with a tied head (E2B/E4B) the matrix stays on the device as the LM head, and
+     its host copy (the memory-mapped file) serves the row lookups, so it is counted on both sides.
+  2. the draft model (all of its tensors), when given;
+  3. the activation workspace of one step (`activation_workspace`) and a runtime reserve (CUDA
+     context + caching-allocator slack; the torch runtime itself on the CPU);
+  4. the staging buffers for gathered embedding rows (host embeddings only);
+  5. the window pool: per running request W + chunk + spec margin slots (the W keys the first
+     chunk token still sees, plus the chunk being written, plus draft tokens under
+     verification), and `prefix_windows` more windows per request for cached prefixes;
+  6. the full pool: everything left. One request can use it all, so the longest context is
+     min(model context, full pool tokens).
+A budget that cannot hold 1-5 plus a `min_context`-token full pool raises BudgetTooSmall, whose
+one-line message names the shortfall and the flags (each checked by re-planning) that would fit.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Optional
+
+from .kv_format import FORMAT_NAMES, owning_layers, pool_unit_bytes, resolve_format
+
+MiB, GiB = 2 ** 20, 2 ** 30
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": MiB, "mib": MiB, "mb": 10**6,
+          "g": GiB, "gib": GiB, "gb": 10**9, "t": 2**40, "tib": 2**40, "tb": 10**12}
+KEY_TILE = 2048  # keys per attention tile of a prefill chunk on full layers (online softmax)
+KNOWN_MODELS = {(35, 1536): "E2B", (42, 2560): "E4B", (30, 2816): "26B-A4B", (60, 5376): "31B"}
+
+
+class BudgetTooSmall(ValueError):
+    """The model does not fit. `needed`/`budget` in bytes; `suggestions`: [(flags, option overrides)]."""
+
+    def __init__(self, msg: str, needed: int, budget: int, suggestions: list):
+        super().__init__(msg)
+        self.needed, self.budget, self.suggestions = needed, budget, suggestions
+
+
+def parse_size(s) -> int:
+    """Bytes from 8GiB, 8G (binary, like nvidia-smi's MiB), 7.5GiB, 8000MB (decimal), 123 or an int."""
+    if isinstance(s, (int, float)):
+        return int(s)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(s))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read the size {s!r} (examples: 8GiB, 7.5G, 8000MB, 512MiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def fmt_size(n: int) -> str:
+    return f"{n / GiB:.1f} GiB" if abs(n) >= GiB else f"{n / MiB:.1f} MiB"
+
+
+def _at(v, i: int) -> int:
+    return v[i] if isinstance(v, (tuple, list)) else v
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    budget: Optional[int] = None  # None: default_budget(device)
+    device: str = "cuda"  # the target: "auto" formats and the chunk/dtype defaults follow it
+    kv_format: str = "auto"  # full pool
+    swa_format: str = "bf16"  # window pool
+    embed_weights: str = "host"  # "host" | "device"
+    prefill_chunk: Optional[int] = None  # None: 2048 on CUDA, 512 on the CPU
+    max_running: int = 4
+    draft: Any = None  # path of a draft GGUF, or an opened layout
+    runtime_reserve: int = 300 * MiB
+    spec_margin: int = 8  # draft tokens verified per request and step
+    prefix_windows: int = 2  # cached prefix windows kept per running request
+    min_context: int = 4096  # smallest full pool worth running
+    share_kv: bool = True
+
+    @property
+    def chunk(self) -> int:
+        return self.prefill_chunk or (2048 if self.device == "cuda" else 512)
+
+    @property
+    def step_tokens(self) -> int:
+        """Most rows one forward step carries: a prefill chunk plus every running request's decode
+        row and its draft tokens (a scheduler may mix them)."""
+        return self.chunk + self.max_running * (1 + self.spec_margin)
+
+
+def host_available() -> int:
+    with open("/proc/meminfo") as fh:
+        for line in fh:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
+def default_budget(device: str) -> tuple[int, str]:
+    """90% of free memory: the other 10% is left to the desktop, other processes and fragmentation."""
+    import torch
+
+    if device == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.mem_get_info()[0] * 0.9), "90% of free CUDA memory"
+    where = " (no CUDA device here)" if device == "cuda" else ""
+    return int(host_available() * 0.9), f"90% of available host memory{where}"
+
+
+def activation_workspace(cfg, opt: PlanOptions) -> dict[str, int]:
+    """Peak scratch of one step of T = opt.step_tokens rows, every buffer counted as live at once
+    (a preallocated arena, so no overlap is assumed). a = 2 bytes (bf16) on CUDA, 4 on the CPU."""
+    T, a, L = opt.step_tokens, 2 if opt.device == "cuda" else 4, cfg.n_layer
+    d, P, W = cfg.d_model, getattr(cfg, "ple_width", 0), cfg.sliding_window or 0
+    nh = max(_at(cfg.n_head, i) for i in range(L))
+    q_w = max(_at(cfg.n_head, i) * _at(cfg.head_dim, i) for i in range(L))
+    qkv_w = max((_at(cfg.n_head, i) + 2 * _at(cfg.n_kv_head, i)) * _at(cfg.head_dim, i) for i in range(L))
+    ff = max(_at(cfg.ffn_width, i) for i in range(L))
+    rows = opt.max_running * (1 + opt.spec_margin)
+    return {
+        # residual stream, normed input, sublayer output, PLE branch: 4 rows of d
+        "hidden": 4 * T * d * a,
+        # q/k/v of the widest layer plus the attention output before o_proj
+        "qkv": T * (qkv_w + q_w) * a,
+        # fp32 scores of the chunk against one key tile: a sliding layer sees at most W + T keys,
+        # a full layer walks its context in KEY_TILE-key tiles, so the context length never enters
+        "scores": nh * T * max(W + T, KEY_TILE) * 4,
+        # gate and up of the widest FFN (the GELU product overwrites gate)
+        "ffn": 2 * T * ff * a,
+        # per-layer inputs [T, L, P]: gathered token rows and the projected context, fp32
+        "ple": 2 * T * L * P * 4,
+        # fp32 logits of the sampled rows: each running request's decode row and its draft tokens
+        "logits": rows * cfg.vocab_size * 4,
+        # one quantized layer matrix dequantized for the prefill GEMM (the head is never expanded)
+        "dequant": _largest_layer_matrix(cfg) * a,
+    }
+
+
+def _largest_layer_matrix(cfg) -> int:
+    L, d = cfg.n_layer, cfg.d_model
+    return max(max(_at(cfg.ffn_width, i), _at(cfg.n_head, i) * _at(cfg.head_dim, i)) * d for i in range(L))
+
+
+def _model_label(layout, cfg) -> str:
+    return KNOWN_MODELS.get((cfg.n_layer, cfg.d_model), layout.path.name)
+
+
+def _config(layout):
+    if layout.architecture == "gemma4":
+        from models.gemma4 import Gemma4Config
+        return Gemma4Config.from_gguf(layout)
+    from models.gemma3 import Gemma3Config
+    return Gemma3Config.from_gguf(layout)
+
+
+def _read_tensors(layout, cfg) -> set[str]:
+    """Names the model reads (K/V of KV-shared layers are skipped even when the file has them)."""
+    if layout.architecture == "gemma4":
+        from models.gemma4 import tensor_plan
+        return (set(tensor_plan(cfg, set(layout.tensors))) | {"rope_freqs.weight"}) & set(layout.tensors)
+    return set(layout.tensors)
+
+
+def _draft_bytes(draft) -> int:
+    if draft is None:
+        return 0
+    if isinstance(draft, (str, bytes)) or hasattr(draft, "__fspath__"):
+        from models.gguf import GGUFFile
+        draft = GGUFFile(draft)
+    return sum(t.n_bytes for t in draft)
+
+
+@dataclass
+class MemoryPlan:
+    model: str
+    device: str
+    budget: int
+    budget_source: str
+    options: dict
+    components: list[dict] = field(default_factory=list)  # name, device_bytes, host_bytes, detail
+    kv: dict = field(default_factory=dict)  # "full"/"window": format, unit_bytes, layers, tokens, bytes
+    context_length: int = 0
+    max_context: int = 0
+
+    @property
+    def device_total(self) -> int:
+        return sum(c["device_bytes"] for c in self.components)
+
+    @property
+    def host_total(self) -> int:
+        return sum(c["host_bytes"] for c in self.components)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "device_total": self.device_total, "host_total": self.host_total,
+                "unused_bytes": self.budget - self.device_total}
+
+
+def plan_memory(layout, opt: PlanOptions = PlanOptions(), cfg=None, _suggest: bool = True) -> MemoryPlan:
+    """Plan one model layout (a GGUFFile or a synthetic layout) under the options' budget."""
+    if opt.embed_weights not in ("host", "device"):
+        raise ValueError(f"--embed-weights must be host or device, not {opt.embed_weights!r}")
+    if opt.chunk <= 0 or opt.max_running <= 0:
+        raise ValueError("--prefill-chunk and --max-running-requests must be positive")
+    cfg = cfg or _config(layout)
+    budget, source = (opt.budget, "--gpu-memory-budget") if opt.budget is not None else default_budget(opt.device)
+    full_fmt, win_fmt = resolve_format(opt.kv_format, opt.device), resolve_format(opt.swa_format, opt.device)
+    host_embed, tied = opt.embed_weights == "host", "output.weight" not in layout
+    name = _model_label(layout, cfg)
+    plan = MemoryPlan(name, opt.device, budget, source, {**asdict(replace(opt, draft=str(opt.draft) if opt.draft
+                      is not None else None)), "prefill_chunk": opt.chunk, "step_tokens": opt.step_tokens},
+                      context_length=cfg.context_length)
+
+    def add(what, dev, host=0, detail=""):
+        plan.components.append({"name": what, "device_bytes": int(dev), "host_bytes": int(host), "detail": detail})
+
+    read = _read_tensors(layout, cfg)
+    sizes = {n: layout.tensor(n).n_bytes for n in read}
+    emb, head = sizes.pop("token_embd.weight", 0), sizes.pop("output.weight", 0)
+    ple = sizes.pop("per_layer_token_embd.weight", 0)
+    blk = sum(v for n, v in sizes.items() if n.startswith("blk."))
+    if tied:
+        add("token_embd (tied LM head)", emb, emb if host_embed else 0,
+            "head on the device; lookups from the host copy" if host_embed else "")
+    else:
+        add("token_embd + output head", head + (0 if host_embed else emb), emb if host_embed else 0)
+    if ple:
+        add("per-layer embeddings (PLE)", 0 if host_embed else ple, ple if host_embed else 0,
+            "rows gathered per step" if host_embed else "")
+    add(f"layers ({cfg.n_layer})", blk)
+    add("other weights", sum(sizes.values()) - blk, 0, "norms and other non-layer tensors")
+    if opt.draft is not None:
+        add("draft model", _draft_bytes(opt.draft))
+    ws = activation_workspace(cfg, opt)
+    add("activation workspace", sum(ws.values()), 0,
+        f"{opt.step_tokens} tokens/step: " + ", ".join(f"{k} {fmt_size(v)}" for k, v in ws.items()))
+    add("runtime reserve", opt.runtime_reserve, 0, "CUDA context + allocator slack" if opt.device == "cuda" else "torch runtime")
+    if host_embed:
+        rows = opt.step_tokens * (cfg.d_model + cfg.n_layer * getattr(cfg, "ple_width", 0)) * 4
+        add("embedding staging", rows, rows, "gathered fp32 rows: pinned host + device landing buffer")
+
+    W = cfg.sliding_window or 0
+    win_unit = pool_unit_bytes(cfg, win_fmt, sliding=True, share_kv=opt.share_kv)
+    full_unit = pool_unit_bytes(cfg, full_fmt, sliding=False, share_kv=opt.share_kv)
+    win_tokens = (opt.max_running * (W + opt.chunk + opt.spec_margin + opt.prefix_windows * W)
+                  if win_unit else 0)
+    add("window KV pool", win_tokens * win_unit, 0, f"{win_fmt.name}, {win_unit} B/token, {win_tokens} tokens")
+
+    fixed = plan.device_total
+    needed = fixed + full_unit * min(opt.min_context, cfg.context_length)
+    if needed > budget:
+        raise _too_small(layout, cfg, opt, name, needed, budget, _suggest)
+    full_tokens = (budget - fixed) // full_unit if full_unit else 0
+    add("full KV pool", full_tokens * full_unit, 0, f"{full_fmt.name}, {full_unit} B/token, {full_tokens} tokens")
+    for key, fmt, unit, toks, sliding in (("full", full_fmt, full_unit, full_tokens, False),
+                                          ("window", win_fmt, win_unit, win_tokens, True)):
+        plan.kv[key] = {"format": fmt.name, "unit_bytes": unit, "tokens": toks, "bytes": unit * toks,
+                        "layers": owning_layers(cfg, sliding, opt.share_kv)}
+    # No full-attention owner (all layers sliding): the context is bounded by the model only.
+    plan.max_context = min(cfg.context_length, full_tokens) if full_unit else cfg.context_length
+    return plan
+
+
+def _too_small(layout, cfg, opt, name, needed, budget, suggest) -> BudgetTooSmall:
+    what = f"the {name} weights, workspace and a {min(opt.min_context, cfg.context_length)}-token KV cache"
+    msg = f"budget {fmt_size(budget)} is {fmt_size(needed - budget)} short of the {fmt_size(needed)} {what} need"
+    tips: list = []
+    if suggest:
+        tips = _suggestions(layout, cfg, opt, needed)
+        msg += "; try " + (", ".join(t for t, _ in tips[:-1]) + ", or " if len(tips) > 1 else "") + tips[-1][0]
+    return BudgetTooSmall(msg, needed, budget, tips)
+
+
+def _fits(layout, cfg, opt: PlanOptions) -> bool:
+    try:
+        plan_memory(layout, opt, cfg, _suggest=False)
+        return True
+    except BudgetTooSmall:
+        return False
+
+
+def _suggestions(layout, cfg, opt: PlanOptions, needed: int) -> list[tuple[str, dict]]:
+    """Per knob, the mildest change that fits on its own (checked by planning with it); if none
+    does, knobs combined in order; last, the budget that fits as asked."""
+    knobs: list[list[tuple[str, dict]]] = []
+    if opt.embed_weights == "device":
+        knobs.append([("--embed-weights host", {"embed_weights": "host"})])
+    if opt.draft is not None:
+        knobs.append([("without --spec-draft-model", {"draft": None})])
+    knobs.append([(f"--prefill-chunk {c}", {"prefill_chunk": c}) for c in (1024, 512, 256) if c < opt.chunk])
+    knobs.append([(f"--max-running-requests {r}", {"max_running": r}) for r in (2, 1) if r < opt.max_running])
+    for flag, key in (("--kv-cache-dtype", "kv_format"), ("--swa-kv-cache-dtype", "swa_format")):
+        if not resolve_format(getattr(opt, key), opt.device).scaled:
+            knobs.append([(f"{flag} int8_per_token_head", {key: "int8_per_token_head"})])
+    knobs = [k for k in knobs if k]
+    tips = [next(((t, o) for t, o in k if _fits(layout, cfg, replace(opt, **o))), None) for k in knobs]
+    tips = [t for t in tips if t]
+    combo: dict = {}
+    flags: list[str] = []
+    for k in knobs if not tips else []:  # nothing fits alone: add knobs in order until it does
+        hit = next(((t, o) for t, o in k if _fits(layout, cfg, replace(opt, **combo, **o))), None)
+        combo.update((hit or k[-1])[1])
+        flags.append((hit or k[-1])[0])
+        if hit:
+            tips.append((" ".join(flags), dict(combo)))
+            break
+    tenths = math.ceil(needed / GiB * 10)
+    while not _fits(layout, cfg, replace(opt, budget=parse_size(f"{tenths / 10}GiB"))):
+        tenths += 1
+    tips.append((f"--gpu-memory-budget {tenths / 10}GiB", {"budget": parse_size(f"{tenths / 10}GiB")}))
+    return tips
+
+
+def max_context_by_format(layout, opt: PlanOptions = PlanOptions(), cfg=None) -> dict[str, Optional[dict]]:
+    """The plan's full pool and max context for every full-pool format (None: does not fit)."""
+    cfg = cfg or _config(layout)
+    if opt.budget is None:
+        opt = replace(opt, budget=default_budget(opt.device)[0])
+    out: dict[str, Optional[dict]] = {}
+    for f in FORMAT_NAMES[1:]:
+        try:
+            p = plan_memory(layout, replace(opt, kv_format=f), cfg, _suggest=False)
+            out[f] = {"unit_bytes": p.kv["full"]["unit_bytes"], "full_pool_tokens": p.kv["full"]["tokens"],
+                      "max_context": p.max_context}
+        except BudgetTooSmall:
+            out[f] = None
+    return out
