@@ -36,6 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true", help="end with one JSON object (ids, text, timings)")
     r.add_argument("--exact", action="store_true",
                    help="float32 weights (reference numerics) instead of the faster float16 CPU format")
+    _engine_args(r)
 
     i = sub.add_parser("info", help="architecture, layer plan, tensor types and sizes, memory plan")
     i.add_argument("model", nargs="?", help="GGUF file (or use --synthetic)")
@@ -66,8 +67,36 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("chat", help="plain line-by-line chat in the terminal")
     c.add_argument("--model", help="GGUF file (default: the demo model)")
     c.add_argument("--system")
+    c.add_argument("--thinking", action="store_true", help="let the model think first (Gemma-4)")
     _sampling_args(c, temperature=0.7)
+    _engine_args(c)
     return p
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--gpu-memory-budget", metavar="SIZE", help="memory for weights, workspace and KV (e.g. 8GiB)")
+    g.add_argument("--kv-cache-dtype", default="auto", metavar="F",
+                   help="full-attention KV: auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32, "
+                        "int8_per_token_head, fp8_per_token_head")
+    g.add_argument("--swa-kv-cache-dtype", default="auto", metavar="F", help="sliding-window KV format")
+    g.add_argument("--embed-weights", choices=["host", "device"], default="host")
+    g.add_argument("--max-running-requests", type=int, default=4)
+    g.add_argument("--prefill-chunk", type=int, help="prompt tokens per step (default 2048 on cuda, 512 on cpu)")
+    g.add_argument("--fast-prefill", choices=["on", "off"], default="on",
+                   help="prompt tokens but the last skip the KV-shared layers")
+    g.add_argument("--cache-type", choices=["radix", "naive"], default="radix", help="prefix cache")
+    g.add_argument("--context-overflow", choices=["error", "truncate"], default="error",
+                   help="truncate: drop the oldest whole turns after the system prompt")
+
+
+def _engine_options(a):
+    from engine.api import EngineOptions
+    return EngineOptions(gpu_memory_budget=a.gpu_memory_budget, kv_cache_dtype=a.kv_cache_dtype,
+                         swa_kv_cache_dtype=a.swa_kv_cache_dtype, embed_weights=a.embed_weights,
+                         max_running_requests=a.max_running_requests, prefill_chunk=a.prefill_chunk,
+                         fast_prefill=a.fast_prefill == "on", cache_type=a.cache_type,
+                         context_overflow=a.context_overflow)
 
 
 def _sampling_args(p: argparse.ArgumentParser, temperature: float = 0.0) -> None:
@@ -76,6 +105,8 @@ def _sampling_args(p: argparse.ArgumentParser, temperature: float = 0.0) -> None
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--seed", type=int)
 
 
@@ -90,7 +121,8 @@ def _version() -> str:
 def _params(a):
     from engine.api import SamplingParams
     return SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
-                          seed=a.seed, max_tokens=a.max_tokens)
+                          seed=a.seed, max_tokens=a.max_tokens, repetition_penalty=a.repetition_penalty,
+                          presence_penalty=a.presence_penalty)
 
 
 def cmd_score(a) -> int:
@@ -117,20 +149,26 @@ def cmd_tokenize(a) -> int:
 def cmd_run(a) -> int:
     from engine import api
     lm = api.open_model(api.resolve_model(a.model), exact=a.exact)
-    params = _params(a)
-
-    def emit(text: str) -> None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-
-    res = api.run_prompt(lm, a.prompt, params, raw=a.raw, on_text=None if a.json else emit, system=a.system)
+    gen = api.GenerationParams(_params(a))
+    client = api.start_client(lm, _engine_options(a))
+    try:
+        out = api.run_prompt(client, lm, a.prompt, gen, raw=a.raw, system=a.system,
+                             on_text=None if a.json else _emit)
+    finally:
+        client.close()
     if a.json:
-        print(json.dumps(res.as_dict(), ensure_ascii=False))
+        print(json.dumps(out, ensure_ascii=False))
     else:
+        t = out["timings"]
         sys.stdout.write("\n")
-        print(f"[{len(res.prompt_ids)} prompt tokens at {res.prefill_tok_s:.1f} tok/s, "
-              f"{len(res.ids)} generated at {res.decode_tok_s:.1f} tok/s]", file=sys.stderr)
+        print(f"[{t['prompt_tokens']} prompt tokens at {t['prefill_tok_s']:.1f} tok/s, "
+              f"{t['output_tokens']} generated at {t['decode_tok_s']:.1f} tok/s]", file=sys.stderr)
     return 0
+
+
+def _emit(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
 
 
 def cmd_info(a) -> int:
@@ -206,7 +244,7 @@ def cmd_bench(a) -> int:
 
 
 def cmd_chat(a) -> int:
-    """Line chat until the Textual app exists (issue 6)."""
+    """Line chat until the Textual app exists (issue 6); the history stays in the prefix cache."""
     from engine import api
     path = api.resolve_model(a.model)
     print(f"edgegem: plain terminal chat on {path.name} (the full-screen app is not built yet).")
@@ -215,18 +253,30 @@ def cmd_chat(a) -> int:
               "Load a Gemma-4 GGUF with --model PATH for real answers.")
     print("Type a message and press Enter; an empty line or Ctrl-D quits.\n")
     lm = api.open_model(path, exact=False)
-    params = _params(a)
-    while True:
-        try:
-            line = input("you> ").strip()
-        except EOFError:
-            break
-        if not line:
-            break
-        sys.stdout.write("model> ")
-        api.run_prompt(lm, line, params, on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()),
-                       system=a.system)
-        sys.stdout.write("\n\n")
+    client = api.start_client(lm, _engine_options(a))
+    gen = api.GenerationParams(_params(a), thinking=a.thinking)
+    history = [{"role": "system", "content": a.system}] if a.system else []
+    try:
+        while True:
+            try:
+                line = input("you> ").strip()
+            except EOFError:
+                break
+            if not line:
+                break
+            history.append({"role": "user", "content": line})
+            sys.stdout.write("model> ")
+            rid = client.submit(history, gen)
+            reply = ""
+            for ev in client.stream(rid):
+                reply += ev.text
+                _emit(ev.text)
+                if ev.finished and ev.error:
+                    print(f"\n[error: {ev.error}]", file=sys.stderr)
+            history.append({"role": "assistant", "content": reply})
+            sys.stdout.write("\n\n")
+    finally:
+        client.close()
     return 0
 
 

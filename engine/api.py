@@ -5,6 +5,7 @@ The app layer imports only `engine`; everything model-specific stays behind thes
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -14,12 +15,13 @@ import torch
 from models.gguf import GGUFError
 from models.loader import LoadedModel, load_model, open_gguf
 
-from .generate import GenerationResult, generate
+from .client import GenerationParams, LocalClient
 from .sampler import SamplingParams
+from .scheduler import EngineConfig
 
-__all__ = ["GGUFError", "LoadedModel", "SamplingParams", "GenerationResult", "demo_model_path",
-           "resolve_model", "open_model", "tokenize", "score", "run_prompt", "describe", "open_layout",
-           "memory_plan"]
+__all__ = ["GGUFError", "LoadedModel", "SamplingParams", "GenerationParams", "EngineOptions",
+           "demo_model_path", "resolve_model", "open_model", "tokenize", "score", "prompt_ids",
+           "engine_config", "start_client", "run_prompt", "describe", "open_layout", "memory_plan"]
 
 
 def demo_model_path() -> Optional[Path]:
@@ -80,12 +82,72 @@ def prompt_ids(lm: LoadedModel, prompt: str, raw: bool = False, system: Optional
     return tok.encode(text, add_bos=not lm.chat.bos_in_template)
 
 
-def run_prompt(lm: LoadedModel, prompt: str, params: SamplingParams, raw: bool = False,
-               on_text: Optional[Callable[[str], None]] = None, system: Optional[str] = None) -> GenerationResult:
-    ids = prompt_ids(lm, prompt, raw=raw, system=system)
-    eog = set(lm.tokenizer.eog_ids)
-    return generate(lm.model, ids, params, eog_ids=eog, detokenizer=lm.tokenizer.stream_decoder(),
-                    on_text=on_text)
+@dataclass
+class EngineOptions:
+    """The engine flags `run` and `chat` take (see the README's flags table)."""
+
+    gpu_memory_budget: Optional[str] = None
+    kv_cache_dtype: str = "auto"
+    swa_kv_cache_dtype: str = "auto"
+    embed_weights: str = "host"
+    max_running_requests: int = 4
+    prefill_chunk: Optional[int] = None
+    fast_prefill: bool = True
+    cache_type: str = "radix"
+    context_overflow: str = "error"
+
+
+# Without an explicit budget the CPU plan would hand the full pool most of the host's RAM; a chat
+# needs far less, so the pool stops here unless --gpu-memory-budget says otherwise.
+CPU_DEFAULT_FULL_TOKENS = 65536
+
+
+def engine_config(lm: LoadedModel, opts: EngineOptions) -> EngineConfig:
+    """Pool sizes from the memory plan for the model's device and the chosen formats."""
+    from .kv_format import resolve_format
+    from .memory_plan import PlanOptions, default_budget, parse_size, plan_memory
+
+    device = lm.model.device.type
+    kv = resolve_format(opts.kv_cache_dtype, device).name
+    swa = resolve_format(opts.swa_kv_cache_dtype, device).name
+    chunk = opts.prefill_chunk or (2048 if device == "cuda" else 512)
+    full, window = min(lm.config.context_length, CPU_DEFAULT_FULL_TOKENS), None
+    if isinstance(getattr(lm.source, "tensors", None), dict):  # a GGUF: plan from its tensor table
+        budget = parse_size(opts.gpu_memory_budget) if opts.gpu_memory_budget else default_budget(device)[0]
+        plan = plan_memory(lm.source, PlanOptions(budget=budget, device=device, kv_format=kv, swa_format=swa,
+                                                  embed_weights=opts.embed_weights, prefill_chunk=chunk,
+                                                  max_running=opts.max_running_requests), lm.config)
+        full, window = plan.kv["full"]["tokens"] or 1, plan.kv["window"]["tokens"] or 1
+        if device == "cpu" and not opts.gpu_memory_budget:
+            full = min(full, CPU_DEFAULT_FULL_TOKENS)
+    return EngineConfig(max_running_requests=opts.max_running_requests, prefill_chunk=chunk,
+                        fast_prefill=opts.fast_prefill, cache_type=opts.cache_type, kv_cache_dtype=kv,
+                        swa_kv_cache_dtype=swa, full_tokens=full, window_tokens=window)
+
+
+def start_client(lm: LoadedModel, opts: EngineOptions = EngineOptions()) -> LocalClient:
+    return LocalClient(lm, engine_config(lm, opts), opts.context_overflow)
+
+
+def run_prompt(client: LocalClient, lm: LoadedModel, prompt: str, gen: GenerationParams, raw: bool = False,
+               system: Optional[str] = None, on_text: Optional[Callable[[str], None]] = None) -> dict:
+    """One prompt through the engine, streaming text; returns ids, text, finish reason, timings."""
+    if raw:
+        rid = client.submit_ids(lm.tokenizer.encode(prompt), gen)
+    else:
+        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        rid = client.submit(msgs, gen)
+    ids, text, last = [], "", None
+    for ev in client.stream(rid):
+        ids += ev.token_ids
+        text += ev.text
+        if on_text and ev.text:
+            on_text(ev.text)
+        last = ev
+    if last.error:
+        raise RuntimeError(last.error)
+    return {"prompt_ids": client.last_prompt_ids(rid), "ids": ids, "text": text,
+            "finish_reason": last.finish_reason, "timings": last.stats}
 
 
 def open_layout(model: Optional[str] = None, synthetic: Optional[str] = None):

@@ -30,6 +30,10 @@ class EngineClient(abc.ABC):
     def submit(self, messages: Sequence[dict], params: GenerationParams) -> int: ...
 
     @abc.abstractmethod
+    def last_prompt_ids(self, request_id: int) -> list[int]:
+        """The token ids a request was submitted with (after chat rendering and truncation)."""
+        return list(self._prompts.get(request_id, []))
+
     def stream(self, request_id: int, timeout: Optional[float] = None) -> Iterator[StreamEvent]: ...
 
     @abc.abstractmethod
@@ -50,6 +54,7 @@ class LocalClient(EngineClient):
         self.engine = Engine(loaded.model, loaded.tokenizer, config)
         self._commands: "queue.Queue[tuple]" = queue.Queue()
         self._events: dict[int, queue.Queue] = {}
+        self._prompts: dict[int, list[int]] = {}
         self._status: dict = self.engine.status()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="edgegem-engine", daemon=True)
@@ -90,6 +95,10 @@ class LocalClient(EngineClient):
             raise out
         return out
 
+    def last_prompt_ids(self, request_id: int) -> list[int]:
+        """The token ids a request was submitted with (after chat rendering and truncation)."""
+        return list(self._prompts.get(request_id, []))
+
     def stream(self, request_id: int, timeout: Optional[float] = None) -> Iterator[StreamEvent]:
         q = self._events[request_id]
         while True:
@@ -126,6 +135,7 @@ class LocalClient(EngineClient):
             try:
                 req = self.engine.add(ids, params.sampling, params.stop_strings)
                 self._events[req.id] = req.events
+                self._prompts[req.id] = req.prompt_ids
                 reply.put(req.id)
             except Exception as e:  # noqa: BLE001 - handed to the caller's thread
                 reply.put(e)

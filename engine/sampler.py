@@ -55,7 +55,8 @@ def logits_to_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     if p.top_p < 1.0:
         sorted_p, idx = probs.sort(descending=True)
         cum = sorted_p.cumsum(-1)
-        drop = cum - sorted_p > p.top_p  # keep the smallest prefix whose mass reaches top_p
+        before = torch.cat([torch.zeros_like(cum[..., :1]), cum[..., :-1]], -1)  # mass ranked above
+        drop = before >= p.top_p  # keep the smallest prefix whose mass reaches top_p (llama.cpp)
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
     return probs / probs.sum()
