@@ -39,12 +39,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from models.gguf import MissingTensorError
+from models.gguf import MissingTensorError, TensorTable
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "e2b": dict(n_layer=35, d=1536, period=5, n_kv=1, ffn=[6144] * 15 + [12288] * 20, n_shared=20),
@@ -143,7 +143,7 @@ def layout_tensors(variant: str) -> list[SyntheticTensor]:
     return [SyntheticTensor(x.name, int(x.ggml_type), x.ne) for x in out]
 
 
-class SyntheticGGUF:
+class SyntheticGGUF(TensorTable):
     """A metadata-and-layout stand-in for `GGUFFile` (no tensor data except rope_freqs)."""
 
     def __init__(self, variant: str):
@@ -151,28 +151,6 @@ class SyntheticGGUF:
         self.path = Path(f"synthetic-{variant}")
         self.metadata = synthetic_metadata(variant)
         self.tensors = {t.name: t for t in layout_tensors(variant)}
-
-    @property
-    def architecture(self) -> str:
-        return self.metadata["general.architecture"]
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.metadata.get(key, default)
-
-    def check_architecture(self, supported: tuple[str, ...]) -> str:
-        return self.architecture
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.tensors
-
-    def __iter__(self) -> Iterator[SyntheticTensor]:
-        return iter(self.tensors.values())
-
-    def tensor(self, name: str) -> SyntheticTensor:
-        try:
-            return self.tensors[name]
-        except KeyError:
-            raise MissingTensorError(self.path, "missing tensor", name) from None
 
     @property
     def total_bytes(self) -> int:

@@ -155,7 +155,53 @@ class _Cursor:
         raise MalformedGGUFError(self.path, f"unknown array element type {itype} for key {key}")
 
 
-class GGUFFile:
+class TensorTable:
+    """Metadata and tensor-table access shared by GGUF files and in-memory layouts that look like
+    one (engine/synthetic.py). Needs `path`, `metadata` (dict) and `tensors` (name -> info)."""
+
+    path: Path
+    metadata: dict
+    tensors: dict
+
+    # --- metadata access -------------------------------------------------------------------
+    @property
+    def architecture(self) -> str:
+        arch = self.metadata.get("general.architecture")
+        if not isinstance(arch, str):
+            raise MalformedGGUFError(self.path, "missing general.architecture")
+        return arch
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+    def require(self, key: str) -> Any:
+        if key not in self.metadata:
+            raise MalformedGGUFError(self.path, f"missing metadata key {key}")
+        return self.metadata[key]
+
+    def check_architecture(self, supported: tuple[str, ...]) -> str:
+        arch = self.architecture
+        if arch not in supported:
+            raise UnsupportedArchitectureError(
+                self.path, f"unsupported architecture '{arch}' (supported: {', '.join(supported)})")
+        return arch
+
+    # --- tensors ---------------------------------------------------------------------------
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def __iter__(self) -> Iterator["TensorInfo"]:
+        return iter(self.tensors.values())
+
+    def tensor(self, name: str) -> "TensorInfo":
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise MissingTensorError(self.path, "missing tensor", name) from None
+
+
+
+class GGUFFile(TensorTable):
     """An opened GGUF file: `metadata` (dict), `tensors` (name -> TensorInfo), memory-mapped.
 
     Metadata values are Python scalars, `str`, numpy arrays (numeric arrays) or `list[str]`.
@@ -242,42 +288,6 @@ class GGUFFile:
             raise UnsupportedTensorTypeError(self.path, f"unknown tensor type {gtype}", name) from None
         rel = cur.scalar("<Q", f"offset of {name}")
         return name, ne, gtype, rel
-
-    # --- metadata access -------------------------------------------------------------------
-    @property
-    def architecture(self) -> str:
-        arch = self.metadata.get("general.architecture")
-        if not isinstance(arch, str):
-            raise MalformedGGUFError(self.path, "missing general.architecture")
-        return arch
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.metadata.get(key, default)
-
-    def require(self, key: str) -> Any:
-        if key not in self.metadata:
-            raise MalformedGGUFError(self.path, f"missing metadata key {key}")
-        return self.metadata[key]
-
-    def check_architecture(self, supported: tuple[str, ...]) -> str:
-        arch = self.architecture
-        if arch not in supported:
-            raise UnsupportedArchitectureError(
-                self.path, f"unsupported architecture '{arch}' (supported: {', '.join(supported)})")
-        return arch
-
-    # --- tensors ---------------------------------------------------------------------------
-    def __contains__(self, name: str) -> bool:
-        return name in self.tensors
-
-    def __iter__(self) -> Iterator[TensorInfo]:
-        return iter(self.tensors.values())
-
-    def tensor(self, name: str) -> TensorInfo:
-        try:
-            return self.tensors[name]
-        except KeyError:
-            raise MissingTensorError(self.path, "missing tensor", name) from None
 
     def raw(self, name: str, shape: tuple[int, ...] | None = None) -> TensorInfo:
         """The tensor's info after checking its torch-order shape (when given) and type support."""
