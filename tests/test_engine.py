@@ -186,3 +186,9 @@ def test_gemma3_270m_engine_matches_reference(gemma3_270m_path):
     eng.run_to_completion()
     assert r2.cached_len == len(prompt) + len(r1.output_ids) - 1
     assert r2.output_ids == generate(lm.model, turn2, params).ids
+    # naive cache, one-shot prefill, fast prefill off, two requests at once
+    eng = Engine(lm.model, lm.tokenizer, EngineConfig(full_tokens=2048, prefill_chunk=1024, cache_type="naive",
+                                                       fast_prefill=False))
+    a, b = eng.add(prompt, params), eng.add(prompt[:300], params)
+    eng.run_to_completion()
+    assert a.output_ids == ref and b.output_ids == generate(lm.model, prompt[:300], params).ids

@@ -1,0 +1,419 @@
+"""Attention over token-granular KV slabs: decode (one query per sequence, split-K) and extend.
+
+KV layout (engine/kv_pool.py): k_slab, v_slab [capacity, n_kv, hd] in bf16 / fp16 / fp32 / int8 /
+float8_e4m3fn; the 8-bit formats add k_scale, v_scale [capacity, n_kv] fp32 (value = q · scale, one
+scale per token per head). A sequence's keys are a list of slot indices into the slab plus their
+absolute positions; the slab may belong to another layer (KV-shared layers pass their source's).
+
+Semantics (models/common.py `attention`, spec §3.4-3.6): scores q·k·scale (Gemma-4: scale 1.0, no
+softcap); key j visible to a query at position p iff 0 <= p - k_pos[j] (< window when given), so a
+window W covers W keys including the query's own; query head h reads KV head h // (n_h / n_kv).
+A query that sees no key gets zeros (SDPA would give NaN); the engine never asks for one.
+
+Batched decode uses a CSR layout, the ragged form the engine already has per sequence:
+    q [B, n_h, hd], q_pos [B]
+    slot_indptr [B+1]: sequence b's keys are entries slot_indptr[b] : slot_indptr[b+1] of
+    slots [total] (slot in the slab) and k_pos [total] (its absolute position).
+Key order inside a sequence is free; blocks whose keys are all masked (beyond the causal edge or
+out of the window) skip their K/V loads, which prunes most of them when positions ascend.
+
+Numerics: dot inputs in q's dtype (8-bit K/V values are exact in fp16/bf16), fp32 accumulation,
+exp2-domain online softmax. 8-bit scales are applied to the scores (k) and to the probabilities (v),
+never to the K/V tiles: BLOCK_H·BLOCK_N multiplies instead of BLOCK_N·hd.
+Decode split-K (flash-decoding): grid (B, n_kv, splits); each split writes a normalized partial
+output and its log2-sum-exp, and `_decode_reduce_kernel` merges them. With one split the first
+kernel writes the output directly (one launch per layer). Each program handles all n_h/n_kv query
+heads of one KV head, so a K/V tile is read once per group: decode reads each visible key's
+K and V bytes once per step.
+"""
+import functools
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the *_ref functions still work
+    triton = None
+
+_SCALED = (torch.int8, torch.float8_e4m3fn)
+_KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32) + _SCALED
+_LOG2E = 1.4426950408889634
+
+if triton is not None:
+
+    @triton.jit
+    def _e4m3_bits_to_fp16(raw):
+        """float8_e4m3fn bytes (uint8) -> fp16 holding value · 2**-8, exactly: the e4m3 exponent and
+        mantissa bits shifted left by 7 are an fp16 with a bias 8 higher (subnormals included).
+        Done by hand because Triton has no fp8e4nv type before sm_89; callers fold the 2**8 into
+        the per-token scale. Four integer ops an element (the hardware cvt is one)."""
+        bits = raw.to(tl.uint16)
+        return (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True)
+
+    @triton.jit
+    def _attend_block(q, acc, m_i, l_i, start, end, q_pos_rows, q_pos_min, q_pos_max, kv_head,
+                      k_ptr, v_ptr, ks_ptr, vs_ptr, slots_ptr, kpos_ptr, qk_scale, window,
+                      stride_kt, stride_kh, stride_vt, stride_vh,
+                      stride_kst, stride_ksh, stride_vst, stride_vsh,
+                      HD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                      HAS_WINDOW: tl.constexpr, SCALED: tl.constexpr, FP8: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):
+        """One BLOCK_N tile of keys (list entries start..start+BLOCK_N, < end) into the online
+        softmax state of R query rows: q [R, BLOCK_D], acc [R, D] fp32, m_i, l_i [R] fp32 (log2)."""
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        k_pos = tl.load(kpos_ptr + offs_n, mask=mask_n, other=0)
+        # Skip tiles no row can see (all after the last query, or all left of every row's window).
+        kp_min = tl.min(tl.where(mask_n, k_pos, 2147483647), axis=0)
+        kp_max = tl.max(tl.where(mask_n, k_pos, -2147483647), axis=0)
+        live = kp_min <= q_pos_max
+        if HAS_WINDOW:
+            live = live & (q_pos_min - kp_max < window)
+        if live:
+            slot = tl.load(slots_ptr + offs_n, mask=mask_n, other=0).to(tl.int64)
+            offs_d = tl.arange(0, BLOCK_D)
+            mask_kv = mask_n[None, :] & (offs_d[:, None] < HD)
+            # k^T tile [BLOCK_D, BLOCK_N] gathered by slot; v tile [BLOCK_N, BLOCK_D].
+            kt = tl.load(k_ptr + slot[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
+                         mask=mask_kv, other=0)
+            if FP8:
+                kt = _e4m3_bits_to_fp16(kt)
+            qk = tl.dot(q, kt.to(q.dtype), input_precision=DOT_PRECISION)  # [R, N] fp32
+            if SCALED:
+                k_sc = tl.load(ks_ptr + slot * stride_kst + kv_head * stride_ksh, mask=mask_n, other=0.0)
+                if FP8:
+                    k_sc = k_sc * 256.0
+                qk = qk * (k_sc * qk_scale)[None, :]
+            else:
+                qk = qk * qk_scale
+            diff = q_pos_rows[:, None] - k_pos[None, :]
+            visible = mask_n[None, :] & (diff >= 0)
+            if HAS_WINDOW:
+                visible = visible & (diff < window)
+            qk = tl.where(visible, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+            alpha = tl.math.exp2(m_i - m_use)
+            p = tl.math.exp2(qk - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + slot[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+                        mask=mask_n[:, None] & (offs_d[None, :] < HD), other=0)
+            if FP8:
+                v = _e4m3_bits_to_fp16(v)
+            if SCALED:
+                v_sc = tl.load(vs_ptr + slot * stride_vst + kv_head * stride_vsh, mask=mask_n, other=0.0)
+                if FP8:
+                    v_sc = v_sc * 256.0
+                p = p * v_sc[None, :]
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+            m_i = m_new
+        return acc, m_i, l_i
+
+    @triton.jit
+    def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, slots_ptr, kpos_ptr, qpos_ptr, indptr_ptr,
+                             out_ptr, mid_o_ptr, mid_lse_ptr, single_len, qk_scale, window, n_h,
+                             stride_qb, stride_qh, stride_ob, stride_oh,
+                             stride_kt, stride_kh, stride_vt, stride_vh,
+                             stride_kst, stride_ksh, stride_vst, stride_vsh,
+                             GROUP: tl.constexpr, HD: tl.constexpr, BLOCK_H: tl.constexpr,
+                             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                             HAS_INDPTR: tl.constexpr, HAS_WINDOW: tl.constexpr, SCALED: tl.constexpr,
+                             FP8: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        b = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        if HAS_INDPTR:
+            seq_start = tl.load(indptr_ptr + b).to(tl.int64)
+            seq_len = (tl.load(indptr_ptr + b + 1) - seq_start).to(tl.int32)
+        else:
+            seq_start = 0
+            seq_len = single_len
+        # Splits get whole BLOCK_N tiles; trailing splits of a short sequence may get nothing.
+        chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, seq_len)
+
+        offs_g = tl.arange(0, BLOCK_H)
+        heads = kv_head * GROUP + offs_g
+        mask_h = offs_g < GROUP
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < HD
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=mask_h[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+        q_pos = tl.load(qpos_ptr + b)
+        q_pos_rows = tl.zeros([BLOCK_H], dtype=q_pos.dtype) + q_pos
+
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            acc, m_i, l_i = _attend_block(
+                q, acc, m_i, l_i, start, hi, q_pos_rows, q_pos, q_pos, kv_head,
+                k_ptr, v_ptr, ks_ptr, vs_ptr, slots_ptr + seq_start, kpos_ptr + seq_start, qk_scale, window,
+                stride_kt, stride_kh, stride_vt, stride_vh, stride_kst, stride_ksh, stride_vst, stride_vsh,
+                HD, BLOCK_D, BLOCK_N, HAS_WINDOW, SCALED, FP8, DOT_PRECISION)
+
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        mask_o = mask_h[:, None] & mask_d[None, :]
+        if NUM_SPLITS == 1:
+            tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=mask_o)
+        else:
+            # mid_o [B, n_h, NUM_SPLITS, HD] fp32, mid_lse [B, n_h, NUM_SPLITS] fp32 (log2 domain).
+            row = (b * n_h + heads) * NUM_SPLITS + split
+            tl.store(mid_o_ptr + row[:, None] * HD + offs_d[None, :], o, mask=mask_o)
+            lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+            tl.store(mid_lse_ptr + row, lse, mask=mask_h)
+
+    @triton.jit
+    def _decode_reduce_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, n_h, stride_ob, stride_oh,
+                              HD: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                              BLOCK_S: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_s = tl.arange(0, BLOCK_S)
+        mask_s = offs_s < NUM_SPLITS
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < HD
+        row = (b * n_h + h) * NUM_SPLITS + offs_s
+        lse = tl.load(mid_lse_ptr + row, mask=mask_s, other=float("-inf"))
+        m = tl.max(lse, axis=0)
+        w = tl.math.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # empty splits weigh 0
+        o = tl.load(mid_o_ptr + row[:, None] * HD + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :],
+                    other=0.0)
+        den = tl.sum(w, axis=0)
+        o = tl.sum(w[:, None] * o, axis=0) / tl.where(den == 0.0, 1.0, den)
+        tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=mask_d)
+
+    @triton.jit
+    def _extend_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, slots_ptr, kpos_ptr, qpos_ptr, out_ptr,
+                       n_rows, n_keys, qk_scale, window,
+                       stride_qt, stride_qh, stride_ot, stride_oh,
+                       stride_kt, stride_kh, stride_vt, stride_vh,
+                       stride_kst, stride_ksh, stride_vst, stride_vsh,
+                       GROUP: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                       BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, SCALED: tl.constexpr,
+                       FP8: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        # Rows fold (query t, head of the KV group g) = r // GROUP, r % GROUP, so each K/V tile is
+        # loaded once for all GROUP heads that share it.
+        kv_head = tl.program_id(1)
+        offs_r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask_r = offs_r < n_rows
+        t = offs_r // GROUP
+        heads = kv_head * GROUP + offs_r % GROUP
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < HD
+        q = tl.load(q_ptr + t[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=mask_r[:, None] & mask_d[None, :], other=0.0)
+        q_pos_rows = tl.load(qpos_ptr + t, mask=mask_r, other=0)
+        q_pos_min = tl.min(tl.where(mask_r, q_pos_rows, 2147483647), axis=0)
+        q_pos_max = tl.max(tl.where(mask_r, q_pos_rows, -2147483647), axis=0)
+
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for start in range(0, n_keys, BLOCK_N):
+            acc, m_i, l_i = _attend_block(
+                q, acc, m_i, l_i, start, n_keys, q_pos_rows, q_pos_min, q_pos_max, kv_head,
+                k_ptr, v_ptr, ks_ptr, vs_ptr, slots_ptr, kpos_ptr, qk_scale, window,
+                stride_kt, stride_kh, stride_vt, stride_vh, stride_kst, stride_ksh, stride_vst, stride_vsh,
+                HD, BLOCK_D, BLOCK_N, HAS_WINDOW, SCALED, FP8, DOT_PRECISION)
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + t[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=mask_r[:, None] & mask_d[None, :])
+
+
+# --- launchers ------------------------------------------------------------------------------------
+
+def _check_kv(q, k_slab, v_slab, k_scale, v_scale, slots, k_pos):
+    n_h, hd = q.shape[-2:]
+    assert q.dtype in (torch.bfloat16, torch.float16, torch.float32), f"q dtype {q.dtype}"
+    assert q.stride(-1) == 1, "q head dim must be contiguous"
+    assert k_slab.dim() == 3 and v_slab.shape == k_slab.shape, f"slabs {tuple(k_slab.shape)} {tuple(v_slab.shape)}"
+    cap, n_kv, hd_kv = k_slab.shape
+    assert hd_kv == hd and n_h % n_kv == 0, f"q [.., {n_h}, {hd}] against slab [{cap}, {n_kv}, {hd_kv}]"
+    assert k_slab.dtype == v_slab.dtype and k_slab.dtype in _KV_DTYPES, f"slab dtype {k_slab.dtype}"
+    assert k_slab.stride(-1) == 1 and v_slab.stride(-1) == 1, "slab head dim must be contiguous"
+    scaled = k_slab.dtype in _SCALED
+    if scaled:
+        for s in (k_scale, v_scale):
+            assert s is not None and s.shape == (cap, n_kv) and s.dtype == torch.float32, \
+                "8-bit slabs need fp32 k_scale, v_scale [capacity, n_kv]"
+    else:
+        assert k_scale is None and v_scale is None, f"scales given for an unscaled {k_slab.dtype} slab"
+    assert slots.dim() == 1 and slots.dtype in (torch.int32, torch.int64), f"slots {slots.shape} {slots.dtype}"
+    assert k_pos.shape == slots.shape and k_pos.dtype in (torch.int32, torch.int64), f"k_pos {k_pos.shape}"
+    assert slots.is_contiguous() and k_pos.is_contiguous()
+    assert q.device == k_slab.device == slots.device == k_pos.device
+    return n_h, hd, n_kv, scaled
+
+
+def _common_args(q, k_slab, v_slab, k_scale, v_scale, scaled):
+    if k_slab.dtype == torch.float8_e4m3fn:  # decoded from bytes by _e4m3_bits_to_fp16
+        k_slab, v_slab = k_slab.view(torch.uint8), v_slab.view(torch.uint8)
+    ks = k_scale if scaled else k_slab  # placeholder pointer, never read when not SCALED
+    vs = v_scale if scaled else v_slab
+    strides = (k_slab.stride(0), k_slab.stride(1), v_slab.stride(0), v_slab.stride(1),
+               ks.stride(0) if scaled else 0, ks.stride(1) if scaled else 0,
+               vs.stride(0) if scaled else 0, vs.stride(1) if scaled else 0)
+    # fp32 q (the reference-numerics mode) must not be silently run as tf32 on the GPU.
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    return k_slab, v_slab, ks, vs, strides, precision
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def _default_splits(total_keys: int, n_seqs: int, n_kv: int, block_n: int, device) -> int:
+    """Enough (sequence, kv head, split) programs to fill the GPU twice over, with >= 2 tiles per split.
+    Untuned guess; pass num_splits explicitly for CUDA graphs (it is a compile-time constant)."""
+    sms = _sm_count(device)
+    per_seq = -(-total_keys // max(n_seqs, 1))
+    by_occupancy = -(-2 * sms // max(n_seqs * n_kv, 1))
+    by_length = -(-per_seq // (2 * block_n))
+    return max(1, min(by_occupancy, by_length, 64))
+
+
+def decode_attention(q: torch.Tensor, k_slab: torch.Tensor, v_slab: torch.Tensor, slots: torch.Tensor,
+                     k_pos: torch.Tensor, q_pos: torch.Tensor, scale: float, window=None,
+                     k_scale=None, v_scale=None, slot_indptr=None, num_splits=None, block_n=None):
+    """One query row per sequence over its slots.
+
+    q: [n_h, hd] (one sequence: every entry of slots belongs to it; slot_indptr None) or
+    [B, n_h, hd] with slot_indptr [B+1] (int32/int64; may be None when B == 1).
+    slots, k_pos: [total] int32/int64; q_pos: [B] (or one element) int32/int64, all on q's device.
+    Returns the output in q's shape and dtype.
+    """
+    assert triton is not None, "decode_attention needs triton; use decode_attention_ref"
+    single = q.dim() == 2
+    q3 = q.unsqueeze(0) if single else q
+    assert q3.dim() == 3, f"q {tuple(q.shape)}"
+    B = q3.shape[0]
+    n_h, hd, n_kv, scaled = _check_kv(q3, k_slab, v_slab, k_scale, v_scale, slots, k_pos)
+    q_pos = q_pos.reshape(-1)
+    assert q_pos.numel() == B and q_pos.dtype in (torch.int32, torch.int64) and q_pos.device == q.device
+    if slot_indptr is None:
+        assert B == 1, "a batch of sequences needs slot_indptr"
+    else:
+        assert slot_indptr.shape == (B + 1,) and slot_indptr.dtype in (torch.int32, torch.int64)
+        assert slot_indptr.device == q.device
+    assert window is None or window >= 1
+    out = torch.empty_like(q3)
+    group = n_h // n_kv
+    block_d = max(16, triton.next_power_of_2(hd))
+    block_h = max(16, triton.next_power_of_2(group))  # tl.dot needs M >= 16: pad the head group
+    block_n = block_n or (32 if hd <= 256 else 16)
+    if num_splits is None:
+        num_splits = _default_splits(slots.numel(), B, n_kv, block_n, q.device)
+    k_slab, v_slab, ks, vs, strides, precision = _common_args(q3, k_slab, v_slab, k_scale, v_scale, scaled)
+    if num_splits > 1:
+        mid_o = torch.empty((B, n_h, num_splits, hd), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((B, n_h, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        mid_o = mid_lse = out  # unused
+    num_warps = 4 if hd <= 256 else 8
+    _decode_split_kernel[(B, n_kv, num_splits)](
+        q3, k_slab, v_slab, ks, vs, slots, k_pos, q_pos, slot_indptr if slot_indptr is not None else slots,
+        out, mid_o, mid_lse, slots.numel(), float(scale) * _LOG2E, int(window or 0), n_h,
+        q3.stride(0), q3.stride(1), out.stride(0), out.stride(1), *strides,
+        GROUP=group, HD=hd, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        HAS_INDPTR=slot_indptr is not None, HAS_WINDOW=window is not None, SCALED=scaled,
+        FP8=k_slab.dtype == torch.uint8, DOT_PRECISION=precision, num_warps=num_warps)
+    if num_splits > 1:
+        _decode_reduce_kernel[(B, n_h)](
+            mid_o, mid_lse, out, n_h, out.stride(0), out.stride(1),
+            HD=hd, BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+            num_warps=4 if hd <= 256 else 8)
+    return out[0] if single else out
+
+
+def extend_attention(q: torch.Tensor, k_slab: torch.Tensor, v_slab: torch.Tensor, slots: torch.Tensor,
+                     k_pos: torch.Tensor, q_pos: torch.Tensor, scale: float, window=None,
+                     k_scale=None, v_scale=None, block_m=None, block_n=None):
+    """T queries of one sequence (a prefill chunk, or draft tokens to verify) over its keys: the
+    cached prefix and the chunk itself, already stored in the slab (kv_store first). The causal mask
+    comes from the positions alone, so the key list may hold the whole chunk for every query.
+
+    q: [T, n_h, hd]; q_pos: [T]; slots, k_pos: [S]. Returns [T, n_h, hd] in q's dtype.
+    """
+    assert triton is not None, "extend_attention needs triton; use extend_attention_ref"
+    assert q.dim() == 3, f"q {tuple(q.shape)}"
+    T = q.shape[0]
+    n_h, hd, n_kv, scaled = _check_kv(q, k_slab, v_slab, k_scale, v_scale, slots, k_pos)
+    assert q_pos.shape == (T,) and q_pos.dtype in (torch.int32, torch.int64) and q_pos.device == q.device
+    assert window is None or window >= 1
+    out = torch.empty_like(q)
+    if T == 0:
+        return out
+    group = n_h // n_kv
+    block_d = max(16, triton.next_power_of_2(hd))
+    # The largest tiles that ptxas (sm_90, 8 warps, bf16) fits in 255 registers without spilling:
+    # 64 x 256 or 32 x 512 query rows spill. Untimed: chosen from compile reports, not benchmarks.
+    block_m = block_m or (32 if hd <= 256 else 16)
+    block_n = block_n or 32
+    k_slab, v_slab, ks, vs, strides, precision = _common_args(q, k_slab, v_slab, k_scale, v_scale, scaled)
+    n_rows = T * group
+    _extend_kernel[(triton.cdiv(n_rows, block_m), n_kv)](
+        q, k_slab, v_slab, ks, vs, slots, k_pos, q_pos, out,
+        n_rows, slots.numel(), float(scale) * _LOG2E, int(window or 0),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides,
+        GROUP=group, HD=hd, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=block_n,
+        HAS_WINDOW=window is not None, SCALED=scaled, FP8=k_slab.dtype == torch.uint8,
+        DOT_PRECISION=precision, num_warps=8)
+    return out
+
+
+# --- torch references ------------------------------------------------------------------------------
+
+def _gather_ref(slab, scale, slots):
+    """slab[slots] dequantized to fp32: [S, n_kv, hd]."""
+    x = slab[slots.long()].float()
+    return x * scale[slots.long()][..., None] if scale is not None else x
+
+
+def _attend_ref(q, k, v, q_pos, k_pos, scale, window):
+    """q [T, n_h, hd]; k, v [S, n_kv, hd] fp32 -> [T, n_h, hd] fp32, zeros for rows that see nothing."""
+    T, n_h, hd = q.shape
+    n_kv = k.shape[1]
+    diff = q_pos.long()[:, None] - k_pos.long()[None, :]  # [T, S]
+    visible = diff >= 0
+    if window is not None:
+        visible &= diff < window
+    # Head h = kv * group + g reads KV head kv: split q's heads as [n_kv, group], K/V are not copied.
+    qg = q.float().reshape(T, n_kv, n_h // n_kv, hd)
+    s = torch.einsum("tkgd,skd->kgts", qg, k) * scale
+    s = s.masked_fill(~visible, float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # all-masked rows: 0/0
+    return torch.einsum("kgts,skd->tkgd", p, v).reshape(T, n_h, hd)
+
+
+def decode_attention_ref(q, k_slab, v_slab, slots, k_pos, q_pos, scale, window=None,
+                         k_scale=None, v_scale=None, slot_indptr=None, num_splits=None, block_n=None):
+    """Torch version of `decode_attention` (same arguments; num_splits, block_n are ignored)."""
+    single = q.dim() == 2
+    q3 = q.unsqueeze(0) if single else q
+    _check_kv(q3, k_slab, v_slab, k_scale, v_scale, slots, k_pos)
+    B = q3.shape[0]
+    bounds = [0, slots.numel()] if slot_indptr is None else slot_indptr.tolist()
+    assert len(bounds) == B + 1
+    q_pos = q_pos.reshape(-1)
+    out = torch.empty_like(q3)
+    for b in range(B):
+        sl = slots[bounds[b]:bounds[b + 1]]
+        k = _gather_ref(k_slab, k_scale, sl)
+        v = _gather_ref(v_slab, v_scale, sl)
+        out[b] = _attend_ref(q3[b:b + 1], k, v, q_pos[b:b + 1], k_pos[bounds[b]:bounds[b + 1]],
+                             scale, window)[0].to(q.dtype)
+    return out[0] if single else out
+
+
+def extend_attention_ref(q, k_slab, v_slab, slots, k_pos, q_pos, scale, window=None,
+                         k_scale=None, v_scale=None, block_m=None, block_n=None):
+    """Torch version of `extend_attention` (same arguments; block sizes are ignored)."""
+    _check_kv(q, k_slab, v_slab, k_scale, v_scale, slots, k_pos)
+    k = _gather_ref(k_slab, k_scale, slots)
+    v = _gather_ref(v_slab, v_scale, slots)
+    return _attend_ref(q, k, v, q_pos, k_pos, scale, window).to(q.dtype)
