@@ -88,6 +88,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-type", choices=["radix", "naive"], default="radix", help="prefix cache")
     g.add_argument("--context-overflow", choices=["error", "truncate"], default="error",
                    help="truncate: drop the oldest whole turns after the system prompt")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: cuda when torch sees a GPU (untested on GPUs so far), else cpu")
+    g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
+                   help="auto: triton kernels on cuda, the torch reference on cpu")
 
 
 def _engine_options(a):
@@ -96,7 +100,12 @@ def _engine_options(a):
                          swa_kv_cache_dtype=a.swa_kv_cache_dtype, embed_weights=a.embed_weights,
                          max_running_requests=a.max_running_requests, prefill_chunk=a.prefill_chunk,
                          fast_prefill=a.fast_prefill == "on", cache_type=a.cache_type,
-                         context_overflow=a.context_overflow)
+                         context_overflow=a.context_overflow, attention_backend=a.attention_backend)
+
+
+def _device(a) -> str:
+    from engine.api import default_device
+    return default_device() if a.device == "auto" else a.device
 
 
 def _sampling_args(p: argparse.ArgumentParser, temperature: float = 0.0) -> None:
@@ -148,7 +157,7 @@ def cmd_tokenize(a) -> int:
 
 def cmd_run(a) -> int:
     from engine import api
-    lm = api.open_model(api.resolve_model(a.model), exact=a.exact)
+    lm = api.open_model(api.resolve_model(a.model), exact=a.exact, device=_device(a))
     gen = api.GenerationParams(_params(a))
     client = api.start_client(lm, _engine_options(a))
     try:
@@ -252,7 +261,7 @@ def cmd_chat(a) -> int:
         print("This is the bundled demo model, Gemma 3 270M: a small base model that rambles. "
               "Load a Gemma-4 GGUF with --model PATH for real answers.")
     print("Type a message and press Enter; an empty line or Ctrl-D quits.\n")
-    lm = api.open_model(path, exact=False)
+    lm = api.open_model(path, exact=False, device=_device(a))
     client = api.start_client(lm, _engine_options(a))
     gen = api.GenerationParams(_params(a), thinking=a.thinking)
     history = [{"role": "system", "content": a.system}] if a.system else []

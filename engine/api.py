@@ -43,9 +43,16 @@ def resolve_model(model: Optional[str]) -> Path:
     return demo
 
 
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def open_model(path: Path, exact: bool = True, device: str = "cpu") -> LoadedModel:
-    """`exact`: float32 weights (the reference); else the float16 CPU runtime format, about 3x
-    faster decode on a memory-bound CPU (models/weights.py)."""
+    """CPU: `exact` float32 weights (the reference), else the float16 runtime format, about 3x
+    faster decode on a memory-bound CPU (models/weights.py). CUDA: bf16 activations, GGUF matrices
+    kept quantized for the Triton kernels (`exact`: float32 activations)."""
+    if device == "cuda":
+        return load_model(path, dtype=torch.float32 if exact else torch.bfloat16, device=device, quantized=True)
     return load_model(path, device=device, weight_dtype=None if exact else torch.float16)
 
 
@@ -95,6 +102,7 @@ class EngineOptions:
     fast_prefill: bool = True
     cache_type: str = "radix"
     context_overflow: str = "error"
+    attention_backend: str = "auto"
 
 
 # Without an explicit budget the CPU plan would hand the full pool most of the host's RAM; a chat
@@ -122,7 +130,8 @@ def engine_config(lm: LoadedModel, opts: EngineOptions) -> EngineConfig:
             full = min(full, CPU_DEFAULT_FULL_TOKENS)
     return EngineConfig(max_running_requests=opts.max_running_requests, prefill_chunk=chunk,
                         fast_prefill=opts.fast_prefill, cache_type=opts.cache_type, kv_cache_dtype=kv,
-                        swa_kv_cache_dtype=swa, full_tokens=full, window_tokens=window)
+                        swa_kv_cache_dtype=swa, full_tokens=full, window_tokens=window,
+                        attention_backend=opts.attention_backend)
 
 
 def start_client(lm: LoadedModel, opts: EngineOptions = EngineOptions()) -> LocalClient:

@@ -118,10 +118,16 @@ class HybridKVPool:
         return self.window if self.cfg.is_sliding[layer] else self.full
 
     def write(self, layer: int, full_slots: torch.Tensor, win_slots: torch.Tensor,
-              k: torch.Tensor, v: torch.Tensor) -> None:
+              k: torch.Tensor, v: torch.Tensor, store=None) -> None:
+        """K/V of `layer` (and, in the debug mode, of the layers keeping copies of it); `store(pool,
+        layer, slots, k, v)` is the attention backend's writer (default: the pool's own)."""
         for target in [layer] + self.copies.get(layer, []):
             pool = self.pool_of(target)
-            pool.write(target, win_slots if pool is self.window else full_slots, k, v)
+            slots = win_slots if pool is self.window else full_slots
+            if store is None:
+                pool.write(target, slots, k, v)
+            else:
+                store(pool, target, slots, k, v)
 
     def status(self) -> dict:
         return {"full": self.full.status(), "window": self.window.status(), "share_kv": self.share_kv}

@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from .attention_backend import get_attention_backend
 from .kv_format import resolve_format
 from .kv_pool import HybridKVPool, KVPoolFull
 from .prefix_cache import make_prefix_cache
@@ -39,6 +40,7 @@ class EngineConfig:
     window_tokens: Optional[int] = None  # default: per running request window + chunk + margin
     context_length: Optional[int] = None  # default: the model's, capped by the full pool
     share_kv: bool = True  # False: debug mode, shared layers keep their own KV copies
+    attention_backend: str = "auto"  # auto: triton on CUDA, torch (the reference) otherwise
     window_margin: int = 64
 
     def __post_init__(self):
@@ -51,6 +53,8 @@ class Engine:
         self.model, self.tokenizer, self.config = model, tokenizer, config or EngineConfig()
         self.window = model.cfg.sliding_window if any(model.cfg.is_sliding) else None
         self.runner = ModelRunner(model, self.config.fast_prefill)
+        backend = get_attention_backend(self.config.attention_backend, model.device)
+        self.attention_backend = None if backend.name == "torch" else backend
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[int, Request] = {}
@@ -139,7 +143,8 @@ class Engine:
                         continue
                     return
             self.waiting.popleft()
-            req.kv = SequenceKV(self.pools, self.window, self.model.dtype, self.config.window_margin)
+            req.kv = SequenceKV(self.pools, self.window, self.model.dtype, self.config.window_margin,
+                                self.attention_backend)
             if match.length:
                 req.kv.attach_prefix(match.full_slots, match.win_pos, match.win_slots)
             req.locked, req.cached_len, req.computed_len = match.nodes, match.length, match.length
@@ -226,6 +231,7 @@ class Engine:
     # --- status --------------------------------------------------------------------------------
     def status(self) -> dict:
         return {"pools": self.pools.status(), "cache_type": self.cache.kind,
+                "attention_backend": "torch" if self.attention_backend is None else self.attention_backend.name,
                 "cached_prefix_tokens": self.cache.cached_tokens(), "running": len(self.running),
                 "waiting": len(self.waiting), "context_limit": self.context_limit}
 

@@ -11,16 +11,20 @@ from typing import Optional
 
 import torch
 
+from models.common import attention
+
 from .kv_pool import HybridKVPool
 
 _EMPTY = torch.empty(0, dtype=torch.long)
 
 
 class SequenceKV:
-    def __init__(self, pools: HybridKVPool, window: Optional[int], dtype=torch.float32, margin: int = 64):
+    def __init__(self, pools: HybridKVPool, window: Optional[int], dtype=torch.float32, margin: int = 64,
+                 backend=None):
         # margin: window positions kept beyond what attention needs, so a cached prefix can be
         # served from up to `margin` tokens before the point where it was stored.
         self.pools, self.window, self.dtype, self.margin = pools, window, dtype, margin
+        self.backend = backend  # None: the torch reference (gather, then models.common.attention)
         self.has_window = bool(pools.window.layers)
         self.full_slots = _EMPTY.clone()  # [n] slot of position p at index p
         self.full_owned = torch.empty(0, dtype=torch.bool)  # False: the prefix cache owns it
@@ -65,7 +69,7 @@ class SequenceKV:
 
     def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         new_full, new_win = self._step
-        self.pools.write(layer, new_full, new_win, k, v)
+        self.pools.write(layer, new_full, new_win, k, v, None if self.backend is None else self.backend.store)
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         slab = self.pools.slab(layer)
@@ -78,6 +82,21 @@ class SequenceKV:
             k, v = pool.read(slab, slots, self.dtype)
             self._reads[slab] = (k, v, positions.to(k.device))
         return self._reads[slab]
+
+    def attend(self, layer: int, q: torch.Tensor, pos: torch.Tensor, window: Optional[int],
+               scale: float) -> torch.Tensor:
+        """Attention of `layer` over its slab (the source's when sharing, its own copy in the debug
+        mode): the torch reference gathers once a step; a kernel backend reads the slots in place."""
+        if self.backend is None:
+            k, v, k_pos = self.read(layer)
+            return attention(q, k, v, pos, k_pos, window, scale)
+        slab = self.pools.slab(layer)
+        pool = self.pools.pool_of(slab)
+        if pool is self.pools.window:
+            slots, k_pos = self.win_slots, self.win_pos
+        else:
+            slots, k_pos = self.full_slots, torch.arange(len(self))
+        return self.backend.attend(pool, slab, slots, k_pos, q, pos, window, scale)
 
     def end(self) -> None:
         """After a forward: drop window slots no future query can see (pos <= n - window), beyond

@@ -61,6 +61,10 @@ _BLOCK_N_GEMV = 8
 _BLOCK_N_DOT = 16
 _WARPS_DOT = 8
 _BLOCK_N_DEQUANT = 16
+if os.environ.get("TRITON_INTERPRET") == "1":
+    # The CPU interpreter pays per program, not per element: wide row blocks make the tests fast
+    # (same math, masked tails); on a GPU the narrow blocks above keep registers and occupancy.
+    _BLOCK_N_GEMV, _BLOCK_N_DOT, _BLOCK_N_DEQUANT = 128, 64, 64
 PREFILL_SCRATCH_VALUES = 1 << 24   # 32 MiB of fp16 scratch per chunk
 # Each K step covers 256 values as two parts of [G, L] = 128 values: one K-quant block, or 8
 # blocks of 32.  (G, L) per type: L is the run of bytes whose nibbles form one scale group.

@@ -137,6 +137,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     return o.reshape(n_kv, group, T, hd).permute(2, 0, 1, 3).reshape(T, n_h * hd)
 
 
+def attend(cache, layer: int, source: int, q: torch.Tensor, pos: torch.Tensor, window: Optional[int],
+           scale: float) -> torch.Tensor:
+    """Attention of `layer` over the K/V of `source` (its KV source layer): a cache with its own
+    `attend` (the engine's pooled KV, possibly a Triton backend) resolves the slab itself from the
+    same `kv_shared_layers` list; a plain cache is read at `source`."""
+    if hasattr(cache, "attend"):
+        return cache.attend(layer, q, pos, window, scale)
+    ks, vs, kpos = cache.read(source)
+    return attention(q, ks, vs, pos, kpos, window, scale)
+
+
 def softcap(x: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
     return x if not cap else torch.tanh(x / cap) * cap
 

@@ -13,8 +13,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from .weights import load_weights
-from .common import (ConfigError, DecoderModel, gated_mlp, qkv_projection, KVStore, Trace, vocab_size_of, apply_rope, attention,
-                     embedding_rows, linear, rms_norm, rope_inv_freq, softcap)
+from .common import (ConfigError, DecoderModel, attend, gated_mlp, qkv_projection, KVStore, Trace, vocab_size_of, apply_rope, embedding_rows, linear, rms_norm, rope_inv_freq, softcap)
 
 
 @dataclass(frozen=True)
@@ -140,8 +139,7 @@ class Gemma3Model(DecoderModel):
         q = apply_rope(rms_norm(q, w[b + "attn_q_norm.weight"], eps), cos, sin)
         k = apply_rope(rms_norm(k, w[b + "attn_k_norm.weight"], eps), cos, sin)
         cache.write(i, pos, k, v)
-        ks, vs, kpos = cache.read(i)
-        o = attention(q, ks, vs, pos, kpos, cfg.window(i), scale=cfg.query_scale)
+        o = attend(cache, i, i, q, pos, cfg.window(i), scale=cfg.query_scale)
         x = x + rms_norm(linear(o, w[b + "attn_output.weight"]), w[b + "post_attention_norm.weight"], eps)
         m = rms_norm(x, w[b + "ffn_norm.weight"], eps)
         f = gated_mlp(m, w, b)
@@ -157,8 +155,8 @@ class Gemma3Model(DecoderModel):
         return softcap(linear(y, self.head_w), self.cfg.final_softcap)
 
 
-def load_gemma3(gguf, dtype=torch.float32, device="cpu", weight_dtype=None) -> Gemma3Model:
+def load_gemma3(gguf, dtype=torch.float32, device="cpu", weight_dtype=None, quantized=False) -> Gemma3Model:
     gguf.check_architecture(("gemma3",))
     cfg = Gemma3Config.from_gguf(gguf)
-    weights = load_weights(gguf, tensor_plan(cfg, set(gguf.tensors)), dtype, device, weight_dtype)
+    weights = load_weights(gguf, tensor_plan(cfg, set(gguf.tensors)), dtype, device, weight_dtype, quantized)
     return Gemma3Model(cfg, weights, dtype=dtype, device=device)

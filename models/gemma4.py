@@ -12,8 +12,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from .weights import load_weights
-from .common import (ConfigError, DecoderModel, gated_mlp, qkv_projection, KVStore, Trace, vocab_size_of, apply_rope, attention,
-                     embedding_rows, gelu_tanh, linear, rms_norm, rope_inv_freq, softcap)
+from .common import (ConfigError, DecoderModel, attend, gated_mlp, qkv_projection, KVStore, Trace, vocab_size_of, apply_rope, embedding_rows, gelu_tanh, linear, rms_norm, rope_inv_freq, softcap)
 
 
 def _per_layer(value: Any, n_layer: int, what: str) -> tuple[int, ...]:
@@ -341,8 +340,7 @@ class Gemma4Model(DecoderModel):
             k = apply_rope(rms_norm(k_raw, w[b + "attn_k_norm.weight"], eps), cos, sin)
             v = rms_norm(v_raw, None, eps)  # weightless V norm, no RoPE
             cache.write(i, pos, k, v)
-        ks, vs, kpos = cache.read(cfg.kv_source(i))
-        o = attention(q, ks, vs, pos, kpos, cfg.window(i), scale=1.0)
+        o = attend(cache, i, cfg.kv_source(i), q, pos, cfg.window(i), scale=1.0)
         if trace:
             trace("attn_out", i, o)
         x = x + rms_norm(linear(o, w[b + "attn_output.weight"]), w[b + "post_attention_norm.weight"], eps)
@@ -397,10 +395,10 @@ class Gemma4Model(DecoderModel):
         return softcap(linear(y, self.head_w), self.cfg.final_softcap)
 
 
-def load_gemma4(gguf, dtype=torch.float32, device="cpu", weight_dtype=None) -> Gemma4Model:
+def load_gemma4(gguf, dtype=torch.float32, device="cpu", weight_dtype=None, quantized=False) -> Gemma4Model:
     """Build a Gemma4Model from a `GGUFFile`: config, shape-checked dequantized weights."""
     gguf.check_architecture(("gemma4",))
     cfg = Gemma4Config.from_gguf(gguf)
     present = set(gguf.tensors)
-    weights = load_weights(gguf, tensor_plan(cfg, present), dtype, device, weight_dtype)
+    weights = load_weights(gguf, tensor_plan(cfg, present), dtype, device, weight_dtype, quantized)
     return Gemma4Model(cfg, weights, dtype=dtype, device=device)

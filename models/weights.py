@@ -43,13 +43,55 @@ class HalfWeight:
         return self.w.to(dtype)
 
 
+class QuantWeight:
+    """A matrix kept in its GGUF quantized bytes (on the device); `.linear(x)` runs the Triton
+    `kernels.qmatmul` kernel, which reads each weight byte once per call. `.rows(ids)` dequantizes
+    only the requested rows (embedding lookups)."""
+
+    TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q4_0"})  # what qmatmul handles
+
+    def __init__(self, raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]):
+        self.raw, self.ggml_type, self.shape = raw.contiguous(), int(ggml_type), tuple(shape)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        from kernels.qmatmul import qmatmul
+
+        n_out, n_in = self.shape
+        y = qmatmul(x.reshape(-1, n_in).contiguous(), self.raw, self.ggml_type, n_out, n_in)
+        return y.reshape(*x.shape[:-1], n_out)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        from .quant import dequantize_rows
+
+        return dequantize_rows(self.raw, self.ggml_type, ids.to(self.raw.device), self.shape[1])
+
+
+def _quant_weight(source, name: str, shape, device) -> QuantWeight | None:
+    """The raw bytes of a 2-D GGUF matrix of a type the kernels read, else None (dense it is)."""
+    from .quant import row_bytes, type_name
+
+    if shape is None or len(shape) != 2 or not hasattr(source, "raw"):
+        return None
+    info = source.raw(name, shape)
+    if type_name(info.ggml_type) not in QuantWeight.TYPES:
+        return None
+    raw = torch.from_numpy(info.data.copy()).reshape(shape[0], row_bytes(info.ggml_type, shape[1]))
+    return QuantWeight(raw.to(device), info.ggml_type, shape)
+
+
 def load_weights(source, plan: dict, dtype: torch.dtype = torch.float32, device="cpu",
-                 weight_dtype: torch.dtype | None = None) -> dict:
+                 weight_dtype: torch.dtype | None = None, quantized: bool = False) -> dict:
     """Dequantize every tensor of `plan` (name -> expected torch shape) from a GGUFFile or
     HFCheckpoint. Matrices go to `weight_dtype` (float16: HalfWeight) when given, the rest to
-    `dtype`; norms and scales are never rounded below float32."""
+    `dtype`; norms and scales are never rounded below float32. `quantized`: matrices of the types
+    the Triton kernels read stay in their GGUF bytes (QuantWeight)."""
     out = {}
     for name, shape in plan.items():
+        if quantized:
+            q = _quant_weight(source, name, shape, device)
+            if q is not None:
+                out[name] = q
+                continue
         matrix = shape is not None and len(shape) >= 2
         t = source.load(name, shape, dtype=weight_dtype if matrix and weight_dtype else dtype).to(device)
         out[name] = HalfWeight(t) if matrix and weight_dtype == torch.float16 else t
