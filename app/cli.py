@@ -157,7 +157,8 @@ def cmd_tokenize(a) -> int:
 
 def cmd_run(a) -> int:
     from engine import api
-    lm = api.open_model(api.resolve_model(a.model), exact=a.exact, device=_device(a))
+    lm = api.open_model(api.resolve_model(a.model), exact=a.exact, device=_device(a),
+                        embed_weights=a.embed_weights)
     gen = api.GenerationParams(_params(a))
     client = api.start_client(lm, _engine_options(a))
     try:
@@ -261,7 +262,7 @@ def cmd_chat(a) -> int:
         print("This is the bundled demo model, Gemma 3 270M: a small base model that rambles. "
               "Load a Gemma-4 GGUF with --model PATH for real answers.")
     print("Type a message and press Enter; an empty line or Ctrl-D quits.\n")
-    lm = api.open_model(path, exact=False, device=_device(a))
+    lm = api.open_model(path, exact=False, device=_device(a), embed_weights=a.embed_weights)
     client = api.start_client(lm, _engine_options(a))
     gen = api.GenerationParams(_params(a), thinking=a.thinking)
     history = [{"role": "system", "content": a.system}] if a.system else []

@@ -47,12 +47,13 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def open_model(path: Path, exact: bool = True, device: str = "cpu") -> LoadedModel:
+def open_model(path: Path, exact: bool = True, device: str = "cpu", embed_weights: str = "host") -> LoadedModel:
     """CPU: `exact` float32 weights (the reference), else the float16 runtime format, about 3x
     faster decode on a memory-bound CPU (models/weights.py). CUDA: bf16 activations, GGUF matrices
     kept quantized for the Triton kernels (`exact`: float32 activations)."""
     if device == "cuda":
-        return load_model(path, dtype=torch.float32 if exact else torch.bfloat16, device=device, quantized=True)
+        return load_model(path, dtype=torch.float32 if exact else torch.bfloat16, device=device, quantized=True,
+                          host_embeddings=embed_weights == "host")
     return load_model(path, device=device, weight_dtype=None if exact else torch.float16)
 
 

@@ -125,7 +125,7 @@ class Gemma3Model(DecoderModel):
         self.pos_scale = [1.0 if s else 1.0 / cfg.rope_scale_full for s in cfg.is_sliding]
 
     def embed(self, tokens: torch.Tensor) -> tuple[torch.Tensor, None]:
-        x = embedding_rows(self.w["token_embd.weight"], tokens).to(self.device, self.dtype)
+        x = embedding_rows(self.w.get("token_embd.host", self.w["token_embd.weight"]), tokens).to(self.device, self.dtype)
         return x * math.sqrt(self.cfg.d_model), None
 
     def layer(self, i: int, x: torch.Tensor, pos: torch.Tensor, pl: None, cache: KVStore,
@@ -155,8 +155,10 @@ class Gemma3Model(DecoderModel):
         return softcap(linear(y, self.head_w), self.cfg.final_softcap)
 
 
-def load_gemma3(gguf, dtype=torch.float32, device="cpu", weight_dtype=None, quantized=False) -> Gemma3Model:
+def load_gemma3(gguf, dtype=torch.float32, device="cpu", weight_dtype=None, quantized=False,
+                host_embeddings=False) -> Gemma3Model:
     gguf.check_architecture(("gemma3",))
     cfg = Gemma3Config.from_gguf(gguf)
-    weights = load_weights(gguf, tensor_plan(cfg, set(gguf.tensors)), dtype, device, weight_dtype, quantized)
+    weights = load_weights(gguf, tensor_plan(cfg, set(gguf.tensors)), dtype, device, weight_dtype, quantized,
+                           host_embeddings)
     return Gemma3Model(cfg, weights, dtype=dtype, device=device)

@@ -312,7 +312,7 @@ class Gemma4Model(DecoderModel):
     def embed(self, tokens: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """x0 = E[t]·√d  [T, d]; and the per-layer inputs pl [T, L, P] (§3.3) or None."""
         cfg = self.cfg
-        x = embedding_rows(self.w["token_embd.weight"], tokens).to(self.device, self.dtype) * math.sqrt(cfg.d_model)
+        x = embedding_rows(self.w.get("token_embd.host", self.w["token_embd.weight"]), tokens).to(self.device, self.dtype) * math.sqrt(cfg.d_model)
         if not cfg.ple_width:
             return x, None
         T, L, P = tokens.shape[0], cfg.n_layer, cfg.ple_width
@@ -395,10 +395,12 @@ class Gemma4Model(DecoderModel):
         return softcap(linear(y, self.head_w), self.cfg.final_softcap)
 
 
-def load_gemma4(gguf, dtype=torch.float32, device="cpu", weight_dtype=None, quantized=False) -> Gemma4Model:
+def load_gemma4(gguf, dtype=torch.float32, device="cpu", weight_dtype=None, quantized=False,
+                host_embeddings=False) -> Gemma4Model:
     """Build a Gemma4Model from a `GGUFFile`: config, shape-checked dequantized weights."""
     gguf.check_architecture(("gemma4",))
     cfg = Gemma4Config.from_gguf(gguf)
     present = set(gguf.tensors)
-    weights = load_weights(gguf, tensor_plan(cfg, present), dtype, device, weight_dtype, quantized)
+    weights = load_weights(gguf, tensor_plan(cfg, present), dtype, device, weight_dtype, quantized,
+                           host_embeddings)
     return Gemma4Model(cfg, weights, dtype=dtype, device=device)

@@ -79,22 +79,39 @@ def _quant_weight(source, name: str, shape, device) -> QuantWeight | None:
     return QuantWeight(raw.to(device), info.ggml_type, shape)
 
 
+HOST_TABLES = ("token_embd.weight", "per_layer_token_embd.weight")
+
+
 def load_weights(source, plan: dict, dtype: torch.dtype = torch.float32, device="cpu",
-                 weight_dtype: torch.dtype | None = None, quantized: bool = False) -> dict:
+                 weight_dtype: torch.dtype | None = None, quantized: bool = False,
+                 host_embeddings: bool = False) -> dict:
     """Dequantize every tensor of `plan` (name -> expected torch shape) from a GGUFFile or
     HFCheckpoint. Matrices go to `weight_dtype` (float16: HalfWeight) when given, the rest to
     `dtype`; norms and scales are never rounded below float32. `quantized`: matrices of the types
-    the Triton kernels read stay in their GGUF bytes (QuantWeight)."""
+    the Triton kernels read stay in their GGUF bytes (QuantWeight). `host_embeddings`
+    (`--embed-weights host`): the embedding lookup tables stay in host memory and only the rows of
+    the current tokens go to the device; a tied LM head keeps its device copy ("token_embd.host"
+    is then the lookup copy)."""
     out = {}
-    for name, shape in plan.items():
+
+    def one(name, shape, where):
         if quantized:
-            q = _quant_weight(source, name, shape, device)
+            q = _quant_weight(source, name, shape, where)
             if q is not None:
-                out[name] = q
-                continue
+                return q
         matrix = shape is not None and len(shape) >= 2
-        t = source.load(name, shape, dtype=weight_dtype if matrix and weight_dtype else dtype).to(device)
-        out[name] = HalfWeight(t) if matrix and weight_dtype == torch.float16 else t
+        t = source.load(name, shape, dtype=weight_dtype if matrix and weight_dtype else dtype).to(where)
+        return HalfWeight(t) if matrix and weight_dtype == torch.float16 else t
+
+    host = host_embeddings and torch.device(device).type != "cpu"
+    for name, shape in plan.items():
+        if host and name == "per_layer_token_embd.weight":
+            out[name] = one(name, shape, "cpu")
+        elif host and name == "token_embd.weight" and "output.weight" not in plan:
+            out[name] = one(name, shape, device)  # the tied LM head
+            out["token_embd.host"] = one(name, shape, "cpu")
+        else:
+            out[name] = one(name, shape, "cpu" if host and name in HOST_TABLES else device)
     if weight_dtype == torch.float16:
         fuse_projections(out)
     return out
