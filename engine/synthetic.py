@@ -44,7 +44,7 @@ from typing import Any, Optional
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from models.gguf import MissingTensorError, TensorTable
+from models.gguf import MissingTensorError, TensorShape, TensorTable
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "e2b": dict(n_layer=35, d=1536, period=5, n_kv=1, ffn=[6144] * 15 + [12288] * 20, n_shared=20),
@@ -62,27 +62,15 @@ def use_more_bits(i: int, n: int) -> bool:
 
 
 @dataclass(frozen=True)
-class SyntheticTensor:
+class SyntheticTensor(TensorShape):
     name: str
     ggml_type: int
     ne: tuple[int, ...]  # ggml order (innermost first), as in the GGUF
 
     @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(reversed(self.ne))
-
-    @property
-    def n_elements(self) -> int:
-        return int(np.prod(self.ne, dtype=np.int64))
-
-    @property
     def n_bytes(self) -> int:
         block, size = GGML_QUANT_SIZES[T(self.ggml_type)]
         return self.n_elements // block * size
-
-    @property
-    def type_name(self) -> str:
-        return T(self.ggml_type).name
 
 
 def synthetic_metadata(variant: str) -> dict[str, Any]:

@@ -18,6 +18,22 @@ class ConfigError(ValueError):
     """A model configuration that cannot describe a valid model (one-line message)."""
 
 
+def metadata_reader(gguf, arch: str):
+    """key(name[, default]) -> `{arch}.{name}` from the file's metadata; a missing key without a
+    default is a one-line ConfigError naming the file."""
+    m = gguf.metadata
+
+    def key(name, default=KeyError):
+        k = f"{arch}.{name}"
+        if k in m:
+            return m[k]
+        if default is KeyError:
+            raise ConfigError(f"{gguf.path.name}: missing metadata key {k}")
+        return default
+
+    return key
+
+
 def vocab_size_of(gguf, declared: int = 0) -> int:
     """Vocabulary size: the tokenizer's token list, else the embedding rows, else `{arch}.vocab_size`."""
     tokens = gguf.metadata.get("tokenizer.ggml.tokens")

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from .weights import load_weights
-from .common import (ConfigError, DecoderModel, attend, gated_mlp, qkv_projection, KVStore, Trace, vocab_size_of, apply_rope, embedding_rows, linear, rms_norm, rope_inv_freq, softcap)
+from .common import (ConfigError, DecoderModel, metadata_reader, attend, gated_mlp, qkv_projection, KVStore, Trace, vocab_size_of, apply_rope, embedding_rows, linear, rms_norm, rope_inv_freq, softcap)
 
 
 @dataclass(frozen=True)
@@ -55,15 +55,7 @@ class Gemma3Config:
 
     @classmethod
     def from_gguf(cls, gguf, arch: str = "gemma3") -> "Gemma3Config":
-        m = gguf.metadata
-
-        def key(name, default=KeyError):
-            k = f"{arch}.{name}"
-            if k in m:
-                return m[k]
-            if default is KeyError:
-                raise ConfigError(f"{gguf.path.name}: missing metadata key {k}")
-            return default
+        key = metadata_reader(gguf, arch)
 
         L = int(key("block_count"))
         pattern = key("attention.sliding_window_pattern", None)

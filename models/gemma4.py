@@ -12,7 +12,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from .weights import load_weights
-from .common import (ConfigError, DecoderModel, attend, gated_mlp, qkv_projection, KVStore, Trace, vocab_size_of, apply_rope, embedding_rows, gelu_tanh, linear, rms_norm, rope_inv_freq, softcap)
+from .common import (ConfigError, DecoderModel, metadata_reader, attend, gated_mlp, qkv_projection, KVStore, Trace, vocab_size_of, apply_rope, embedding_rows, gelu_tanh, linear, rms_norm, rope_inv_freq, softcap)
 
 
 def _per_layer(value: Any, n_layer: int, what: str) -> tuple[int, ...]:
@@ -100,15 +100,7 @@ class Gemma4Config:
     @classmethod
     def from_gguf(cls, gguf, arch: str = "gemma4") -> "Gemma4Config":
         """From a `models.gguf.GGUFFile` (metadata plus the small `rope_freqs` tensor), per §2.8."""
-        m = gguf.metadata
-
-        def key(name, default=KeyError):
-            k = f"{arch}.{name}"
-            if k in m:
-                return m[k]
-            if default is KeyError:
-                raise ConfigError(f"{gguf.path.name}: missing metadata key {k}")
-            return default
+        key = metadata_reader(gguf, arch)
 
         L = int(key("block_count"))
         pattern = key("attention.sliding_window_pattern", None)

@@ -45,16 +45,11 @@ class MissingTensorError(GGUFError): ...
 class TensorShapeError(GGUFError): ...
 
 
-@dataclass(frozen=True)
-class TensorInfo:
-    """One tensor of the file. `ne` is ggml order (innermost first); `shape` is torch order."""
+class TensorShape:
+    """Facts derived from `ne` (ggml order, innermost first) and `ggml_type`."""
 
-    name: str
-    ggml_type: int
     ne: tuple[int, ...]
-    offset: int  # absolute byte offset in the file
-    n_bytes: int
-    _file: "GGUFFile"
+    ggml_type: int
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -67,6 +62,18 @@ class TensorInfo:
     @property
     def type_name(self) -> str:
         return GGMLQuantizationType(self.ggml_type).name
+
+
+@dataclass(frozen=True)
+class TensorInfo(TensorShape):
+    """One tensor of the file. `ne` is ggml order (innermost first); `shape` is torch order."""
+
+    name: str
+    ggml_type: int
+    ne: tuple[int, ...]
+    offset: int  # absolute byte offset in the file
+    n_bytes: int
+    _file: "GGUFFile"
 
     @property
     def data(self) -> np.ndarray:
