@@ -98,6 +98,14 @@ def embedding_rows(table, ids: torch.Tensor) -> torch.Tensor:
     return table.rows(ids)
 
 
+def rows_to_device(rows: torch.Tensor, device: torch.device, dtype) -> torch.Tensor:
+    """Gathered embedding rows from host tables (`--embed-weights host`) to the device: through
+    pinned memory, so the copy is asynchronous and overlaps the host's next work."""
+    if rows.device.type == "cpu" and device.type == "cuda":
+        return rows.pin_memory().to(device, non_blocking=True).to(dtype)
+    return rows.to(device, dtype)
+
+
 def rope_inv_freq(n_rot: int, base: float, freq_factors: Optional[Sequence[float]] = None,
                   dtype=torch.float64) -> torch.Tensor:
     """Inverse frequencies for NeoX RoPE over `n_rot` dims: base^(-2j/n_rot) / factor[j], j < n_rot/2.

@@ -12,8 +12,25 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from .common import (
+    ConfigError,
+    DecoderModel,
+    KVStore,
+    Trace,
+    apply_rope,
+    attend,
+    embedding_rows,
+    gated_mlp,
+    linear,
+    metadata_reader,
+    qkv_projection,
+    rms_norm,
+    rope_inv_freq,
+    rows_to_device,
+    softcap,
+    vocab_size_of,
+)
 from .weights import load_weights
-from .common import (ConfigError, DecoderModel, metadata_reader, attend, gated_mlp, qkv_projection, KVStore, Trace, vocab_size_of, apply_rope, embedding_rows, linear, rms_norm, rope_inv_freq, softcap)
 
 
 @dataclass(frozen=True)
@@ -117,7 +134,8 @@ class Gemma3Model(DecoderModel):
         self.pos_scale = [1.0 if s else 1.0 / cfg.rope_scale_full for s in cfg.is_sliding]
 
     def embed(self, tokens: torch.Tensor) -> tuple[torch.Tensor, None]:
-        x = embedding_rows(self.w.get("token_embd.host", self.w["token_embd.weight"]), tokens).to(self.device, self.dtype)
+        x = rows_to_device(embedding_rows(self.w.get("token_embd.host", self.w["token_embd.weight"]), tokens),
+                           self.device, self.dtype)
         return x * math.sqrt(self.cfg.d_model), None
 
     def layer(self, i: int, x: torch.Tensor, pos: torch.Tensor, pl: None, cache: KVStore,

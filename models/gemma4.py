@@ -11,8 +11,26 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
+from .common import (
+    ConfigError,
+    DecoderModel,
+    KVStore,
+    Trace,
+    apply_rope,
+    attend,
+    embedding_rows,
+    gated_mlp,
+    gelu_tanh,
+    linear,
+    metadata_reader,
+    qkv_projection,
+    rms_norm,
+    rope_inv_freq,
+    rows_to_device,
+    softcap,
+    vocab_size_of,
+)
 from .weights import load_weights
-from .common import (ConfigError, DecoderModel, metadata_reader, attend, gated_mlp, qkv_projection, KVStore, Trace, vocab_size_of, apply_rope, embedding_rows, gelu_tanh, linear, rms_norm, rope_inv_freq, softcap)
 
 
 def _per_layer(value: Any, n_layer: int, what: str) -> tuple[int, ...]:
@@ -304,11 +322,12 @@ class Gemma4Model(DecoderModel):
     def embed(self, tokens: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """x0 = E[t]·√d  [T, d]; and the per-layer inputs pl [T, L, P] (§3.3) or None."""
         cfg = self.cfg
-        x = embedding_rows(self.w.get("token_embd.host", self.w["token_embd.weight"]), tokens).to(self.device, self.dtype) * math.sqrt(cfg.d_model)
+        x = rows_to_device(embedding_rows(self.w.get("token_embd.host", self.w["token_embd.weight"]), tokens),
+                           self.device, self.dtype) * math.sqrt(cfg.d_model)
         if not cfg.ple_width:
             return x, None
         T, L, P = tokens.shape[0], cfg.n_layer, cfg.ple_width
-        tok = embedding_rows(self.w["per_layer_token_embd.weight"], tokens).to(self.device, self.dtype)
+        tok = rows_to_device(embedding_rows(self.w["per_layer_token_embd.weight"], tokens), self.device, self.dtype)
         tok = tok.reshape(T, L, P) * math.sqrt(P)
         ctx = linear(x, self.w["per_layer_model_proj.weight"]).reshape(T, L, P) * (cfg.d_model ** -0.5)
         ctx = rms_norm(ctx, self.w["per_layer_proj_norm.weight"], cfg.rms_eps)
