@@ -55,13 +55,30 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="target of the plan")
     i.add_argument("--json", action="store_true")
 
-    b = sub.add_parser("bench", help="prefill and decode tokens/s (ours beside llama.cpp's on CPU)")
+    b = sub.add_parser("bench", help="prefill and decode tokens/s (CPU: ours beside llama.cpp's; "
+                                     "cuda or --synthetic: the engine bench)")
     b.add_argument("--model", help="GGUF file (default: the demo model)")
-    b.add_argument("--device", default="cpu", choices=["cpu"])
-    b.add_argument("--prompt-tokens", type=int, default=128)
-    b.add_argument("--decode-tokens", type=int, default=64)
+    b.add_argument("--synthetic", choices=["e2b", "e4b"],
+                   help="random-weight E2B/E4B with the real shapes and Q4_K_M mix, built in memory")
+    b.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cpu with a GGUF: edgegem beside llama-cpp-python; cuda (or --synthetic): the engine bench")
+    b.add_argument("--prompt-tokens", type=int, default=128, help="CPU-vs-llama.cpp bench: prompt length")
+    b.add_argument("--decode-tokens", type=int, default=64, help="CPU-vs-llama.cpp bench: decode steps")
     b.add_argument("--threads", type=int, default=0, help="0: torch's default")
     b.add_argument("--no-llama-cpp", action="store_true", help="skip the llama-cpp-python run")
+    g = b.add_argument_group("engine bench (--device cuda or --synthetic)")
+    g.add_argument("--gpu-memory-budget", metavar="SIZE", help="budget the pools are planned for (e.g. 8GiB)")
+    g.add_argument("--kv-cache-dtype", default="auto", metavar="F",
+                   help="full-attention KV: auto (bf16 on cuda), bf16, fp16, fp32, int8_per_token_head, "
+                        "fp8_per_token_head")
+    g.add_argument("--swa-kv-cache-dtype", default="auto", metavar="F", help="sliding-window KV format")
+    g.add_argument("--embed-weights", choices=["host", "device"], default="host")
+    g.add_argument("--fast-prefill", choices=["on", "off"], default="on")
+    g.add_argument("--prompt-lengths", default="512,4096,16384", metavar="N,N,...", help="prefill prompt lengths")
+    g.add_argument("--contexts", default="0,4096,32768", metavar="N,N,...", help="decode contexts")
+    g.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per context")
+    g.add_argument("--peak-bandwidth", type=float, metavar="GBps",
+                   help="the device's peak memory bandwidth (default: a table of known GPUs)")
     b.add_argument("--json", action="store_true")
 
     c = sub.add_parser("chat", help="plain line-by-line chat in the terminal")
@@ -241,11 +258,42 @@ def _print_plan(p: dict) -> None:
             print(f"    {f:22s} {r['unit_bytes']:8d} {r['full_pool_tokens']:17d} {r['max_context']:12d}")
 
 
+def _int_list(s: str, what: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in s.replace(" ", "").split(",") if x)
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated integers, got {s!r}") from None
+    if not vals or any(v < 0 for v in vals):
+        raise ValueError(f"{what} must list non-negative integers, got {s!r}")
+    return vals
+
+
 def cmd_bench(a) -> int:
-    from engine.bench import cpu_bench
-    from engine import api
-    path = api.resolve_model(a.model)
-    out = cpu_bench(path, a.prompt_tokens, a.decode_tokens, threads=a.threads, with_llama_cpp=not a.no_llama_cpp)
+    if a.model and a.synthetic:
+        raise ValueError("give --model or --synthetic, not both")
+    if a.device == "cpu" and not a.synthetic:  # the CPU bench beside llama.cpp, as before
+        from engine.bench import cpu_bench
+        from engine import api
+        path = api.resolve_model(a.model)
+        out = cpu_bench(path, a.prompt_tokens, a.decode_tokens, threads=a.threads,
+                        with_llama_cpp=not a.no_llama_cpp)
+    else:
+        import torch
+        if a.device == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("--device cuda: torch sees no CUDA device")
+        if a.threads:
+            torch.set_num_threads(a.threads)
+        from engine.bench import gpu_bench
+        model = None
+        if not a.synthetic:
+            from engine import api
+            model = api.resolve_model(a.model)
+        out = gpu_bench(model, device=a.device, budget=a.gpu_memory_budget, kv_cache_dtype=a.kv_cache_dtype,
+                        swa_kv_cache_dtype=a.swa_kv_cache_dtype, embed_weights=a.embed_weights,
+                        fast_prefill=a.fast_prefill == "on",
+                        prompts=_int_list(a.prompt_lengths, "--prompt-lengths"),
+                        contexts=_int_list(a.contexts, "--contexts"), decode_steps=a.decode_steps,
+                        synthetic=a.synthetic, peak_bandwidth=a.peak_bandwidth)
     if a.json:
         print(json.dumps(out, indent=1))
     else:

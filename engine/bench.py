@@ -95,3 +95,238 @@ def cpu_bench(path: Path, n_prompt: int = 128, n_decode: int = 64, threads: int 
     for r in (out["edgegem"], out.get("llama_cpp", {})):
         r.pop("ids", None)
     return out
+
+
+# --- device bench: prefill and decode tokens/s, bytes read per decode token, bandwidth share ---------
+
+# Peak memory bandwidth in GB/s (10^9 B/s) by device name, most specific first (vendor spec sheets).
+PEAK_BANDWIDTH_GBPS = (
+    ("H200", 4800), ("H100 PCIe", 2000), ("H100", 3350), ("A100-SXM4-80GB", 2039), ("A100 80GB", 2039),
+    ("A100-PCIE-80GB", 1935), ("A100", 1555), ("RTX 4090", 1008), ("RTX 3090", 936),
+    ("RTX 4060 Ti", 288), ("RTX 4060", 272), ("RTX 3060 Ti", 448), ("RTX 3060", 360),
+)
+
+
+def peak_bandwidth_gbps(device_name: str):
+    """Known peak bandwidth of a device (GB/s), or None."""
+    for key, gbps in PEAK_BANDWIDTH_GBPS:
+        if key.lower() in device_name.lower():
+            return float(gbps)
+    return None
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_weight_bytes(model) -> int:
+    """Bytes of the weights a decode step reads on the model's device: every matrix and vector
+    there (QuantWeight bytes, dense/float16 tensors), except the embedding lookup tables, of which a
+    step reads only the current token's row (token_embd counts when it doubles as the tied head)."""
+    from models.weights import HalfWeight, QuantWeight
+
+    seen, total = set(), 0
+    head = getattr(model, "head_w", None)
+    for name, w in model.w.items():
+        if name in ("per_layer_token_embd.weight", "token_embd.host") or \
+                (name == "token_embd.weight" and w is not head):
+            continue
+        t = w.raw if isinstance(w, QuantWeight) else w.w if isinstance(w, HalfWeight) else w
+        if not isinstance(t, torch.Tensor) or t.device.type != model.device.type or id(t) in seen:
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    return total
+
+
+def kv_bytes_read(cfg, pools, context: int) -> int:
+    """KV bytes one decode step reads with `context` tokens before it: every attending layer reads
+    the keys/values it sees (its own or, when KV-shared, its source layer's: the shared layers
+    re-read the same slabs) -- (context + 1) tokens on full layers, min(context + 1, window) on
+    sliding ones -- at the unit bytes of its pool's format (values plus per-token scales)."""
+    total = 0
+    for i in range(cfg.n_layer):
+        src = cfg.kv_source(i)
+        pool = pools.pool_of(src)
+        seen = context + 1 if cfg.window(i) is None else min(context + 1, cfg.window(i))
+        total += seen * pool.fmt.unit_bytes(cfg.n_kv_head[src], cfg.head_dim[src])
+    return total
+
+
+def _peak_memory(device) -> tuple[int, str]:
+    if torch.device(device).type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device)), "torch.cuda.max_memory_allocated"
+    import resource
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "host peak RSS (ru_maxrss)"
+
+
+def _random_prompt(vocab: int, n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, vocab, size=max(1, n)).tolist()
+
+
+@torch.inference_mode()
+def gpu_bench(model=None, device="cuda", budget=None, kv_cache_dtype: str = "auto", embed_weights: str = "host",
+              fast_prefill: bool = True, prompts=(512, 4096, 16384), contexts=(0, 4096, 32768),
+              decode_steps: int = 32, synthetic=None, swa_kv_cache_dtype: str = "auto",
+              peak_bandwidth=None, quantized=None, attention_backend: str = "auto", seed: int = 0) -> dict:
+    """Prefill tok/s per prompt length and decode tok/s per context through the Engine.
+
+    `model`: a GGUF path, a loaded `Gemma4Model`/`LoadedModel`, or None with `synthetic`
+    ("e2b"/"e4b"/"tiny": random weights built in memory). Pools follow the memory planner for
+    `budget` (bytes or "8GiB"; default 90% of free memory) with one running request; on the CPU the
+    full pool is capped to what the runs need. Each prefill is timed from `add` to its first token
+    (CUDA synchronized around it); each decode figure is prefill to `context` tokens (untimed), then
+    `decode_steps` timed steps. One warm-up (the shortest prompt plus 2 decode steps) runs first.
+    Bytes per decode token = device weight bytes (`device_weight_bytes`) + KV bytes read at that
+    context (`kv_bytes_read`); achieved bandwidth = bytes/token x decode tok/s, and its share of the
+    device's peak (`peak_bandwidth` in GB/s, else the PEAK_BANDWIDTH_GBPS table; n/a if unknown).
+    `quantized` (synthetic): QuantWeight matrices for the Triton kernels (default on CUDA or under
+    TRITON_INTERPRET=1), else dense weights on the plain torch path."""
+    import os
+
+    from .kv_format import resolve_format
+    from .memory_plan import PlanOptions, parse_size, plan_memory
+    from .sampler import SamplingParams
+    from .scheduler import Engine, EngineConfig
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    t0 = time.perf_counter()
+    if synthetic:
+        from .synthetic import synthetic_layout, synthetic_model
+        if quantized is None:
+            quantized = dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+        layout = synthetic_layout(synthetic)
+        lm_model = synthetic_model(synthetic, dev, seed=seed, host_embeddings=embed_weights == "host",
+                                   quantized=quantized)
+        label = f"synthetic {synthetic.upper()} (random weights, Q4_K_M mix)"
+    elif isinstance(model, (str, Path)):
+        from .api import open_model
+        lm = open_model(Path(model), exact=False, device=dev.type, embed_weights=embed_weights)
+        layout, lm_model, label = lm.source, lm.model, Path(model).name
+    else:
+        lm_model = getattr(model, "model", model)
+        layout, label = getattr(model, "source", None), type(lm_model).__name__
+    load_s = time.perf_counter() - t0
+    cfg = lm_model.cfg
+
+    kv = resolve_format(kv_cache_dtype, dev.type).name
+    swa = resolve_format(swa_kv_cache_dtype, dev.type).name
+    chunk = 2048 if dev.type == "cuda" else 512
+    need = max(max(prompts, default=1), max(contexts, default=0) + 1) + decode_steps + 8
+    full, window = need, None
+    plan = None
+    if isinstance(getattr(layout, "tensors", None), dict):
+        plan = plan_memory(layout, PlanOptions(budget=parse_size(budget) if budget is not None else None,
+                                               device=dev.type, kv_format=kv, swa_format=swa,
+                                               embed_weights=embed_weights, prefill_chunk=chunk, max_running=1),
+                           cfg)
+        full, window = plan.kv["full"]["tokens"] or 1, plan.kv["window"]["tokens"] or None
+        if dev.type != "cuda":
+            full = min(full, need)
+    engine = Engine(lm_model, None, EngineConfig(max_running_requests=1, prefill_chunk=chunk,
+                                                 fast_prefill=fast_prefill, cache_type="naive",
+                                                 kv_cache_dtype=kv, swa_kv_cache_dtype=swa, full_tokens=full,
+                                                 window_tokens=window, attention_backend=attention_backend))
+    limit, vocab = engine.context_limit, cfg.vocab_size
+    rng_seed = iter(range(seed + 1, seed + 10_000))
+
+    def prefill(n: int, max_tokens: int):
+        req = engine.add(_random_prompt(vocab, n, next(rng_seed)), SamplingParams(max_tokens=max_tokens))
+        _sync(dev)
+        t = time.perf_counter()
+        while req.state.name in ("WAITING", "PREFILL") and req.finish_reason is None:
+            engine.step()
+        _sync(dev)
+        if req.finish_reason == "error":
+            raise RuntimeError(f"bench prefill of {n} tokens failed (KV pools too small for it?)")
+        return req, time.perf_counter() - t
+
+    def decode(req, steps: int) -> float:
+        _sync(dev)
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        _sync(dev)
+        return time.perf_counter() - t
+
+    def finish(req):
+        engine.abort(req.id)
+        engine.run_to_completion()
+
+    warm, _ = prefill(min(prompts, default=8), 3)
+    decode(warm, 2)
+    finish(warm)
+
+    out = {"model": label, "device": str(dev), "device_name": _device_name(dev), "load_s": load_s,
+           "dtype": str(lm_model.dtype).replace("torch.", ""), "kv_cache_dtype": kv, "swa_kv_cache_dtype": swa,
+           "embed_weights": embed_weights, "fast_prefill": fast_prefill, "prefill_chunk": chunk,
+           "full_pool_tokens": engine.pools.full.capacity if engine.pools.full.layers else 0,
+           "window_pool_tokens": engine.pools.window.capacity if engine.pools.window.layers else 0,
+           "context_limit": limit, "weight_bytes_per_token": device_weight_bytes(lm_model),
+           "prefill": [], "decode": []}
+    if plan is not None:
+        out["budget"] = plan.budget
+    peak = peak_bandwidth if peak_bandwidth else peak_bandwidth_gbps(out["device_name"]) if dev.type == "cuda" else None
+    out["peak_bandwidth_gbps"] = peak
+    for n in prompts:
+        if n >= limit:
+            out["prefill"].append({"prompt_tokens": n, "skipped": f"over the {limit}-token context"})
+            continue
+        req, s = prefill(n, 1)
+        finish(req)
+        out["prefill"].append({"prompt_tokens": n, "seconds": s, "tok_s": n / s})
+    for c in contexts:
+        if max(c, 1) + decode_steps + 1 >= limit:
+            out["decode"].append({"context": c, "skipped": f"over the {limit}-token context"})
+            continue
+        req, _ = prefill(max(c, 1), decode_steps + 1)  # context 0: a 1-token prompt
+        s = decode(req, decode_steps)
+        n_done = len(req.output_ids) - 1
+        finish(req)
+        tok_s = n_done / s if s > 0 else 0.0
+        kv_b = kv_bytes_read(cfg, engine.pools, c)
+        b = out["weight_bytes_per_token"] + kv_b
+        row = {"context": c, "steps": n_done, "seconds": s, "tok_s": tok_s, "kv_bytes_per_token": kv_b,
+               "bytes_per_token": b, "achieved_gbps": b * tok_s / 1e9}
+        row["bandwidth_share"] = row["achieved_gbps"] / peak if peak else None
+        out["decode"].append(row)
+    out["peak_memory_bytes"], out["peak_memory_source"] = _peak_memory(dev)
+    out["table"] = _bench_table(out)
+    return out
+
+
+def _device_name(dev) -> str:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    import platform
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def _bench_table(o: dict) -> str:
+    from .memory_plan import fmt_size
+    peak = o["peak_bandwidth_gbps"]
+    lines = [f"{o['model']} on {o['device']} ({o['device_name']}): {o['dtype']} activations, KV {o['kv_cache_dtype']} "
+             f"(window {o['swa_kv_cache_dtype']}), embed weights on {o['embed_weights']}, fast prefill "
+             f"{'on' if o['fast_prefill'] else 'off'}, prefill chunk {o['prefill_chunk']}",
+             f"pools: full {o['full_pool_tokens']} tokens, window {o['window_pool_tokens']} tokens; "
+             f"context limit {o['context_limit']}"
+             + (f"; budget {fmt_size(o['budget'])}" if "budget" in o else ""),
+             f"{'prefill':>10s} {'tok/s':>12s}"]
+    for r in o["prefill"]:
+        lines.append(f"{r['prompt_tokens']:10d} " + (f"{r['tok_s']:12.1f}" if "tok_s" in r else f"  {r['skipped']}"))
+    lines.append(f"{'decode ctx':>10s} {'tok/s':>12s} {'MB read/tok':>12s} {'GB/s':>9s} {'of peak':>8s}")
+    for r in o["decode"]:
+        if "tok_s" not in r:
+            lines.append(f"{r['context']:10d}   {r['skipped']}")
+            continue
+        share = f"{100 * r['bandwidth_share']:7.1f}%" if r["bandwidth_share"] is not None else f"{'n/a':>8s}"
+        lines.append(f"{r['context']:10d} {r['tok_s']:12.1f} {r['bytes_per_token'] / 1e6:12.1f} "
+                     f"{r['achieved_gbps']:9.2f} {share}")
+    lines.append(f"bytes read per decode token = device weights {o['weight_bytes_per_token'] / 1e6:.1f} MB "
+                 f"(lookup tables excluded) + KV of every attending layer at that context; peak bandwidth "
+                 + (f"{peak:.0f} GB/s" if peak else "n/a (unknown device; --peak-bandwidth GBps)"))
+    lines.append(f"peak memory {fmt_size(o['peak_memory_bytes'])} ({o['peak_memory_source']})")
+    return "\n".join(lines)

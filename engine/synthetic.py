@@ -37,6 +37,7 @@ tables at Q6_K.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -46,14 +47,31 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from models.gguf import MissingTensorError, TensorShape, TensorTable
 
-VARIANTS: dict[str, dict[str, Any]] = {
-    "e2b": dict(n_layer=35, d=1536, period=5, n_kv=1, ffn=[6144] * 15 + [12288] * 20, n_shared=20),
-    "e4b": dict(n_layer=42, d=2560, period=6, n_kv=2, ffn=10240, n_shared=18),
-}
 VOCAB = 262144
 N_HEAD, HD_FULL, HD_SWA, PLE, WINDOW = 8, 512, 256, 256, 512
+_REAL = dict(vocab=VOCAB, n_head=N_HEAD, hd_full=HD_FULL, hd_swa=HD_SWA, ple=PLE, window=WINDOW)
+VARIANTS: dict[str, dict[str, Any]] = {
+    "e2b": dict(_REAL, n_layer=35, d=1536, period=5, n_kv=1, ffn=[6144] * 15 + [12288] * 20, n_shared=20),
+    "e4b": dict(_REAL, n_layer=42, d=2560, period=6, n_kv=2, ffn=10240, n_shared=18),
+    # A small model with the same structure for CPU tests: [S,S,F] x 2, the last 3 layers KV-shared
+    # (two sliding ones reading layer 1, a full one reading layer 2), double-wide FFN on the shared
+    # layers, PLE. Rows of 64 (proj) and 384 (PLE table) are not multiples of 256, so those
+    # tensors take llama.cpp's fallback types (Q5_0, Q8_0), which the kernels also read.
+    "tiny": dict(vocab=512, n_head=4, hd_full=128, hd_swa=64, ple=64, window=16, n_layer=6, d=256,
+                 period=3, n_kv=1, ffn=[512] * 3 + [1024] * 3, n_shared=3),
+}
 LLAMA_FTYPE_MOSTLY_Q4_K_M = 15
-ROPE_FREQS = [1.0] * 64 + [1e30] * 192  # proportional RoPE: 25% of the 512 dims rotate (§2.6)
+# Types llama.cpp falls back to when a row length is not a multiple of 256 (llama-quant.cpp).
+K_FALLBACK = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
+
+
+def rope_freqs(hd_full: int) -> list[float]:
+    """Proportional RoPE: 25% of the full layers' head dims rotate (§2.6), the rest carry 1e30."""
+    n_rot = hd_full // 8
+    return [1.0] * n_rot + [1e30] * (hd_full // 2 - n_rot)
+
+
+ROPE_FREQS = rope_freqs(HD_FULL)  # 64 ones, 192 x 1e30
 
 
 def use_more_bits(i: int, n: int) -> bool:
@@ -76,22 +94,22 @@ class SyntheticTensor(TensorShape):
 def synthetic_metadata(variant: str) -> dict[str, Any]:
     """GGUF metadata of the real E2B/E4B (§2.2), in the value types `GGUFFile` returns."""
     v, a = VARIANTS[variant], "gemma4"
-    L = v["n_layer"]
+    L, hd_f, hd_s = v["n_layer"], v["hd_full"], v["hd_swa"]
     ffn = np.array(v["ffn"], dtype=np.int32) if isinstance(v["ffn"], list) else v["ffn"]
     return {
         "general.architecture": a, "general.name": f"synthetic {variant.upper()}",
         "general.file_type": LLAMA_FTYPE_MOSTLY_Q4_K_M, "general.quantization_version": 2,
         f"{a}.block_count": L, f"{a}.context_length": 131072, f"{a}.embedding_length": v["d"],
-        f"{a}.vocab_size": VOCAB, f"{a}.feed_forward_length": ffn,
-        f"{a}.attention.head_count": N_HEAD, f"{a}.attention.head_count_kv": v["n_kv"],
-        f"{a}.attention.key_length": HD_FULL, f"{a}.attention.value_length": HD_FULL,
-        f"{a}.attention.key_length_swa": HD_SWA, f"{a}.attention.value_length_swa": HD_SWA,
-        f"{a}.rope.dimension_count": HD_FULL, f"{a}.rope.dimension_count_swa": HD_SWA,
+        f"{a}.vocab_size": v["vocab"], f"{a}.feed_forward_length": ffn,
+        f"{a}.attention.head_count": v["n_head"], f"{a}.attention.head_count_kv": v["n_kv"],
+        f"{a}.attention.key_length": hd_f, f"{a}.attention.value_length": hd_f,
+        f"{a}.attention.key_length_swa": hd_s, f"{a}.attention.value_length_swa": hd_s,
+        f"{a}.rope.dimension_count": hd_f, f"{a}.rope.dimension_count_swa": hd_s,
         f"{a}.rope.freq_base": 1e6, f"{a}.rope.freq_base_swa": 1e4,
-        f"{a}.attention.layer_norm_rms_epsilon": 1e-6, f"{a}.attention.sliding_window": WINDOW,
+        f"{a}.attention.layer_norm_rms_epsilon": 1e-6, f"{a}.attention.sliding_window": v["window"],
         f"{a}.attention.sliding_window_pattern": np.array([(i + 1) % v["period"] != 0 for i in range(L)]),
         f"{a}.attention.shared_kv_layers": v["n_shared"],
-        f"{a}.embedding_length_per_layer_input": PLE, f"{a}.final_logit_softcapping": 30.0,
+        f"{a}.embedding_length_per_layer_input": v["ple"], f"{a}.final_logit_softcapping": 30.0,
         "tokenizer.ggml.model": "gemma4", "tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.eos_token_id": 1,
     }
 
@@ -100,6 +118,7 @@ def layout_tensors(variant: str) -> list[SyntheticTensor]:
     """Every tensor of the text model in file order, with its Q4_K_M type (rules in the module doc)."""
     v = VARIANTS[variant]
     L, d, n_kv = v["n_layer"], v["d"], v["n_kv"]
+    VOCAB, N_HEAD, HD_FULL, HD_SWA, PLE = v["vocab"], v["n_head"], v["hd_full"], v["hd_swa"], v["ple"]
     ffn = v["ffn"] if isinstance(v["ffn"], list) else [v["ffn"]] * L
     first_shared = L - v["n_shared"]
     n_attn_v = first_shared  # one attn_v per KV-owning layer
@@ -128,7 +147,14 @@ def layout_tensors(variant: str) -> list[SyntheticTensor]:
               (b + "inp_gate.weight", T.Q4_K, (d, PLE)), (b + "proj.weight", T.Q4_K, (PLE, d)),
               (b + "post_norm.weight", T.F32, (d,))]
         out += [SyntheticTensor(n, int(ty), ne) for n, ty, ne in t]
-    return [SyntheticTensor(x.name, int(x.ggml_type), x.ne) for x in out]
+    return [SyntheticTensor(x.name, int(_fallback(x.ggml_type, x.ne)), x.ne) for x in out]
+
+
+def _fallback(ggml_type: int, ne: tuple[int, ...]) -> int:
+    """llama.cpp's fallback for a K-quant whose rows are not whole 256-value blocks."""
+    if len(ne) == 2 and ne[0] % 256 and T(ggml_type) in K_FALLBACK:
+        return K_FALLBACK[T(ggml_type)]
+    return ggml_type
 
 
 class SyntheticGGUF(TensorTable):
@@ -149,7 +175,7 @@ class SyntheticGGUF(TensorTable):
 
         if name != "rope_freqs.weight":
             raise MissingTensorError(self.path, "synthetic layout has no weight data", name)
-        return torch.tensor(ROPE_FREQS, dtype=dtype or torch.float32)
+        return torch.tensor(rope_freqs(VARIANTS[self.variant]["hd_full"]), dtype=dtype or torch.float32)
 
 
 def synthetic_layout(variant: str) -> SyntheticGGUF:
@@ -157,3 +183,148 @@ def synthetic_layout(variant: str) -> SyntheticGGUF:
     if variant not in VARIANTS:
         raise ValueError(f"unknown synthetic layout '{variant}' (choose from {', '.join(VARIANTS)})")
     return SyntheticGGUF(variant)
+
+
+# --- random full-size weights -------------------------------------------------------------------
+# Quantized blocks of each type the kernels read: (values per block, bytes per block, offsets of the
+# fp16 fields). Random quant bytes with scale fields chosen so that every dequantized value has
+# mean ~0 and standard deviation `std`:
+#   Q6_K   d * s * (q - 32), q uniform 0..63 (var 341.25), s a random int8 (E s^2 = 5461.5)
+#   Q4_K/Q5_K  d * sc * q - dmin * m with the 6-bit sub-block scales packed so that m == sc and
+#          dmin = d * (qmax / 2): d * sc * (q - qmax / 2), E sc^2 = 1333.5
+#   Q8_0   d * q, q a random int8;  Q5_0 d * (q - 16);  Q4_0 d * (q - 8)
+_QMAX = {"Q4_K": 15, "Q5_K": 31}
+_VALUE_VAR = {"Q6_K": 341.25 * 5461.5, "Q4_K": 21.25 * 1333.5, "Q5_K": 85.25 * 1333.5,
+              "Q8_0": 5461.5, "Q5_0": 85.25 + 0.25, "Q4_0": 21.25 + 0.25}
+
+
+def _random_quant_bytes(type_name: str, n_rows: int, n_in: int, std: float, gen, device):
+    """uint8 [n_rows, row_bytes] of random blocks whose dequantized values have std ~`std`.
+    Built with a few whole-tensor torch ops on `device` (no per-block loops)."""
+    import torch
+
+    block, size = GGML_QUANT_SIZES[T[type_name]]
+    nb = n_rows * (n_in // block)
+    raw = torch.randint(0, 256, (nb, size), dtype=torch.uint8, device=device, generator=gen)
+    d = std / math.sqrt(_VALUE_VAR[type_name])
+
+    def f16(col: int, value: float) -> None:
+        raw[:, col:col + 2] = torch.tensor([value], dtype=torch.float16).view(torch.uint8).to(device)
+
+    if type_name == "Q6_K":
+        f16(208, d)
+    elif type_name in ("Q4_K", "Q5_K"):
+        sc = torch.randint(0, 64, (nb, 8), dtype=torch.int32, device=device, generator=gen)
+        lo, hi = sc[:, :4], sc[:, 4:]
+        packed = torch.cat([lo | ((hi >> 4) << 6), lo | ((hi >> 4) << 6), (hi & 15) | ((hi & 15) << 4)], 1)
+        raw[:, 4:16] = packed.to(torch.uint8)
+        f16(0, d)
+        f16(2, d * _QMAX[type_name] / 2)
+    else:  # Q8_0, Q5_0, Q4_0: one fp16 d first
+        f16(0, d)
+    return raw.reshape(n_rows, -1)
+
+
+def _matrix_std(name: str, shape, ple: int) -> float:
+    """std of a random matrix: 1/sqrt(n_in); the PLE table 1/sqrt(P) (its rows are scaled by √P)."""
+    return 1.0 / math.sqrt(ple if name == "per_layer_token_embd.weight" else shape[1])
+
+
+def synthetic_specs(variant: str) -> list[dict]:
+    """What `synthetic_weights` builds, without building it: for every tensor the model reads
+    (models.gemma4.tensor_plan over the layout), name, torch shape, GGML type name, kind
+    ("quant": QuantWeight of the GGUF bytes, "dense": a torch matrix, "vector": 1-D float32) and
+    its bytes (`n_bytes`, the GGUF size for quant and BF16/F32 tensors)."""
+    from models.gemma4 import Gemma4Config, tensor_plan
+    from models.weights import QuantWeight
+
+    layout = synthetic_layout(variant)
+    cfg = Gemma4Config.from_gguf(layout)
+    out, plan = [], tensor_plan(cfg, set(layout.tensors))
+    plan.setdefault("rope_freqs.weight", None)  # read by the config (proportional RoPE factors)
+    for name, shape in plan.items():
+        t = layout.tensor(name)
+        tn = T(t.ggml_type).name
+        kind = "vector" if len(t.ne) == 1 else "quant" if tn in QuantWeight.TYPES else "dense"
+        out.append({"name": name, "shape": tuple(shape or t.shape), "type": tn, "kind": kind,
+                    "n_bytes": t.n_bytes})
+    return out
+
+
+def synthetic_weights(variant: str, device="cpu", seed: int = 0, dtype=None,
+                      host_embeddings: bool = True, quantized: bool = True) -> dict:
+    """Random but numerically tame weights for every tensor of the synthetic layout the model reads,
+    in the runtime form `load_weights(..., quantized=True)` gives a GGUF: K-quant (and fallback)
+    matrices as `QuantWeight` of random blocks made on `device` (std ~ 1/sqrt(n_in), mean ~0),
+    other matrices (per_layer_model_proj, BF16 in the file) dense in `dtype`, 1-D norm weights ~1
+    (q/k norms ~ hd^-1/4 so q·k stays ~N(0, 1) at attention scale 1), layer_output_scale ~0.8 and
+    the layout's rope_freqs. `host_embeddings` on a non-CPU device: the lookup tables live on the
+    CPU (the tied head's copy stays on the device; "token_embd.host" is the lookup copy).
+    `quantized=False`: the same random matrices dequantized to dense `dtype` tensors (the plain
+    torch path, e.g. a CPU without the Triton interpreter)."""
+    import torch
+
+    from models.weights import QuantWeight
+
+    device = torch.device(device)
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    v = VARIANTS[variant.lower()]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    host = host_embeddings and device.type != "cpu"
+    out: dict = {}
+    for s in synthetic_specs(variant.lower()):
+        name, shape, kind = s["name"], s["shape"], s["kind"]
+        where = torch.device("cpu") if host and name == "per_layer_token_embd.weight" else device
+        if kind == "quant":
+            g = gen if where == device else torch.Generator().manual_seed(seed + 1)
+            raw = _random_quant_bytes(s["type"], shape[0], shape[1], _matrix_std(name, shape, v["ple"]), g, where)
+            w = QuantWeight(raw, int(T[s["type"]]), shape)
+            if not quantized:
+                from models.quant import dequantize
+                w = dequantize(raw, w.ggml_type, shape).to(dtype)
+        elif kind == "dense":
+            w = (torch.randn(shape, generator=gen, device=device) / math.sqrt(shape[1])).to(dtype)
+        elif name == "rope_freqs.weight":
+            w = torch.tensor(rope_freqs(v["hd_full"]), dtype=torch.float32, device=device)
+        elif name.endswith("layer_output_scale.weight"):
+            w = torch.full(shape, 0.8, dtype=torch.float32, device=device)
+        else:
+            w = 1.0 + 0.1 * torch.randn(shape, generator=gen, device=device)
+            if name.endswith(("attn_q_norm.weight", "attn_k_norm.weight")):
+                w = w * shape[0] ** -0.25
+        out[name] = w
+    if host and "output.weight" not in out:
+        e = out["token_embd.weight"]
+        out["token_embd.host"] = QuantWeight(e.raw.cpu(), e.ggml_type, e.shape) if quantized else e.cpu()
+    return out
+
+
+def synthetic_model(variant: str, device="cpu", seed: int = 0, dtype=None, host_embeddings: bool = True,
+                    quantized: bool = True):
+    """A `Gemma4Model` of the synthetic layout with `synthetic_weights` (bf16 activations on CUDA,
+    float32 elsewhere unless `dtype` says otherwise)."""
+    import torch
+
+    from models.gemma4 import Gemma4Config, Gemma4Model
+
+    device = torch.device(device)
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    cfg = Gemma4Config.from_gguf(synthetic_layout(variant))
+    w = synthetic_weights(variant, device, seed, dtype, host_embeddings, quantized)
+    return Gemma4Model(cfg, w, dtype=dtype, device=device)
+
+
+def weight_bytes(weights: dict, device=None) -> dict[str, int]:
+    """Bytes of a weight dict by kind ("quant", "dense", "vector"), only tensors on `device` if given."""
+    import torch
+
+    from models.weights import HalfWeight, QuantWeight
+
+    out = {"quant": 0, "dense": 0, "vector": 0}
+    for w in weights.values():
+        t = w.raw if isinstance(w, QuantWeight) else w.w if isinstance(w, HalfWeight) else w
+        if device is not None and t.device.type != torch.device(device).type:
+            continue
+        kind = "quant" if isinstance(w, QuantWeight) else "vector" if t.dim() == 1 else "dense"
+        out[kind] += t.numel() * t.element_size()
+    return out
