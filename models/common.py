@@ -46,8 +46,31 @@ def vocab_size_of(gguf, declared: int = 0) -> int:
     raise ConfigError(f"{gguf.path.name}: no vocabulary (no tokenizer.ggml.tokens, no token_embd.weight)")
 
 
+_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_fused_module: list = []  # [kernels.fused or None], filled on first use
+
+
+def _fused_for(*ts: torch.Tensor | None):
+    """kernels.fused when every tensor given is a CUDA fp16/bf16/fp32 tensor with a unit last
+    stride and triton imports (checked once), else None. On CUDA the fused Triton kernels make one
+    pass over memory where the torch path below runs several ops with fp32 temporaries; the CPU
+    path (and float64) always stays the torch reference."""
+    if not all(t is None or (t.is_cuda and t.dtype in _FUSED_DTYPES and t.stride(-1) == 1) for t in ts):
+        return None
+    if not _fused_module:
+        try:
+            from kernels import fused
+        except ImportError:
+            fused = None
+        _fused_module.append(fused if fused is not None and fused.triton is not None else None)
+    return _fused_module[0]
+
+
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
     """x * (mean(x^2) + eps)^-1/2 [* weight] over the last dim; float32 at least, cast back."""
+    fused = _fused_for(x, weight)
+    if fused is not None:  # CUDA: one Triton pass (kernels/fused.py), same fp32 math
+        return fused.rms_norm(x, weight, eps)
     xf = x if x.dtype in (torch.float32, torch.float64) else x.float()
     w = None if weight is None else weight.to(xf.dtype)
     # F.rms_norm is one op (the composite form is 5, ~30 us each on a small CPU) and equals it
@@ -88,7 +111,10 @@ def gated_mlp(m: torch.Tensor, w: dict, b: str) -> torch.Tensor:
         gate, up = linear(m, fused).chunk(2, dim=-1)
     else:
         gate, up = linear(m, w[b + "ffn_gate.weight"]), linear(m, w[b + "ffn_up.weight"])
-    return linear(gelu_tanh(gate) * up, w[b + "ffn_down.weight"])
+    kern = _fused_for(gate, up)
+    # CUDA: gelu_tanh(gate) * up in one Triton pass, reading the gate_up halves in place.
+    act = kern.gelu_tanh_mul(gate, up) if kern is not None else gelu_tanh(gate) * up
+    return linear(act, w[b + "ffn_down.weight"])
 
 
 def embedding_rows(table, ids: torch.Tensor) -> torch.Tensor:
@@ -173,7 +199,12 @@ def attend(cache, layer: int, source: int, q: torch.Tensor, pos: torch.Tensor, w
 
 
 def softcap(x: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
-    return x if not cap else torch.tanh(x / cap) * cap
+    if not cap:
+        return x
+    fused = _fused_for(x)
+    if fused is not None:  # CUDA: one Triton pass over the [T, vocab] logits
+        return fused.softcap(x, cap)
+    return torch.tanh(x / cap) * cap
 
 
 class DecoderModel:

@@ -1,0 +1,274 @@
+"""Fused elementwise / row-wise ops of the Gemma layers: RMSNorm, RMSNorm + NeoX RoPE (q/k norm),
+gelu_tanh(gate) * up, and logit softcapping.
+
+Each op is one pass over memory instead of the several torch ops (and fp32 temporaries) of the
+reference path in ``models/common.py``; all math is fp32, the output is in the input's dtype:
+- ``rms_norm``: reads x once, writes y once (2 x R x D elements) plus the [D] weight.
+- ``rms_norm_rope``: the q/k norm and RoPE of one head row in one program; the rotation partner
+  (dim j +- n_rot/2) is re-read from memory (the same row, an L1 hit) rather than permuted in
+  registers.  Reads x and cos/sin [T, n_rot/2] once, writes once; the torch path does norm, cast,
+  3 slices, 4 multiplies, 2 adds and a cat.
+- ``gelu_tanh_mul``: reads gate and up (possibly the two halves of one [T, 2F] gate_up tensor, by
+  row stride, no copy), writes [T, F] once.
+- ``softcap``: cap * tanh(x / cap) over the logits, one read and one write.
+
+tanh is computed here from ``exp`` (``_tanh``): the interpreter does not run libdevice calls, and
+one formula everywhere keeps the GPU and interpreted results the same up to rounding.
+
+Block sizes are untuned guesses (no GPU was available when this was written; the kernels have run
+only under TRITON_INTERPRET=1).  Under the interpreter, which pays per program rather than per
+element, the blocks are made wide so the tests run fast.
+
+The ``*_ref`` functions are the plain-torch definitions (fp32 math, cast back; float64 inputs stay
+float64).  ``rms_norm_rope_ref`` keeps the normalised row in fp32 between the norm and the rotation
+(the fused semantics), where ``apply_rope(rms_norm(x))`` in models.common rounds it to x's dtype
+first: the two are identical for fp32 inputs and differ by one rounding for fp16/bf16.
+Triton is optional: without it this module imports and the refs work; the launchers raise.
+"""
+import os
+
+import torch
+import torch.nn.functional as F
+
+try:  # CPU-only installs have no triton: the refs below still work.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+__all__ = ["gelu_tanh_mul", "gelu_tanh_mul_ref", "rms_norm", "rms_norm_ref", "rms_norm_rope",
+           "rms_norm_rope_ref", "softcap", "softcap_ref"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+# Elements per program (rows x padded row length for the norms).  GPU: ~4096 fp32 values keeps a
+# row block in registers with 4-8 warps; interpreter: wide blocks, few programs.
+_ELEMS = 1 << 16 if _INTERPRET else 4096
+_SQRT_2_OVER_PI = 0.7978845608028654
+
+
+# ------------------------------------------------------------------------------------ kernels
+
+if triton is not None:
+
+    @triton.jit
+    def _tanh(z):
+        """fp32 tanh: odd Taylor series to z^9 for |z| < 0.2 (relative error < 1e-9 there), else
+        (1 - e) / (1 + e) with e = exp(-2|z|) (cancellation costs at most ~2 ulp above 0.2)."""
+        a = tl.abs(z)
+        z2 = z * z
+        small = z * (1.0 + z2 * (-1.0 / 3.0 + z2 * (2.0 / 15.0 + z2 * (-17.0 / 315.0 + z2 * (62.0 / 2835.0)))))
+        e = tl.exp(-2.0 * a)
+        big = (1.0 - e) / (1.0 + e)
+        big = tl.where(z < 0, -big, big)
+        return tl.where(a < 0.2, small, big)
+
+    @triton.jit
+    def _rms_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, R, H, sx0, sx1, sc0, eps,
+                              D: tl.constexpr, HALF: tl.constexpr, HAS_W: tl.constexpr,
+                              ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Rows r = t*H + h of x [T, H, D] (strides sx0, sx1, 1) -> out [R, D] contiguous.
+        ROPE: dims j < HALF pair with j + HALF (cos/sin [T, HALF], row stride sc0); j >= 2*HALF pass."""
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.arange(0, BLOCK_D)
+        rmask = rows < R
+        cmask = cols < D
+        mask = rmask[:, None] & cmask[None, :]
+        t = (rows // H).to(tl.int64)
+        base = t * sx0 + (rows % H).to(tl.int64) * sx1
+        x = tl.load(x_ptr + base[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+        y = x * rstd[:, None]
+        if HAS_W:
+            w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+            y = y * w[None, :]
+        if ROPE:
+            first = cols < HALF
+            rot = cols < 2 * HALF
+            pcols = tl.where(first, cols + HALF, cols - HALF)
+            pmask = rmask[:, None] & rot[None, :]
+            xp = tl.load(x_ptr + base[:, None] + pcols[None, :], mask=pmask, other=0.0).to(tl.float32)
+            yp = xp * rstd[:, None]
+            if HAS_W:
+                wp = tl.load(w_ptr + pcols, mask=rot, other=0.0).to(tl.float32)
+                yp = yp * wp[None, :]
+            j = tl.where(first, cols, cols - HALF)
+            cs_off = t[:, None] * sc0 + j[None, :]
+            c = tl.load(cos_ptr + cs_off, mask=pmask, other=1.0)
+            s = tl.load(sin_ptr + cs_off, mask=pmask, other=0.0)
+            # j < HALF: y1 cos - y2 sin; HALF <= j < 2*HALF: y2 cos + y1 sin; else y.
+            rotated = tl.where(first[None, :], y * c - yp * s, y * c + yp * s)
+            y = tl.where(rot[None, :], rotated, y)
+        out_off = rows.to(tl.int64)[:, None] * D + cols[None, :]
+        tl.store(out_ptr + out_off, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _gelu_tanh_mul_kernel(g_ptr, u_ptr, out_ptr, R, sg, su, F_: tl.constexpr,
+                              BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+        """out[r, f] = gelu_tanh(gate[r, f]) * up[r, f]; gate/up row strides sg/su, out [R, F_]."""
+        rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+        mask = (rows < R)[:, None] & (cols < F_)[None, :]
+        g = tl.load(g_ptr + rows[:, None] * sg + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + rows[:, None] * su + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        y = 0.5 * g * (1.0 + _tanh(inner)) * u
+        tl.store(out_ptr + rows[:, None] * F_ + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _softcap_kernel(x_ptr, out_ptr, N, cap, BLOCK: tl.constexpr):
+        """out = cap * tanh(x / cap) over N contiguous elements."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < N
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        y = _tanh(x / cap) * cap
+        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------------------------ launchers
+
+def _need_triton(fn: str) -> None:
+    if triton is None:
+        raise RuntimeError(f"{fn}: triton is not installed; use {fn}_ref")
+
+
+def _as_rows3(x: torch.Tensor, fn: str) -> torch.Tensor:
+    """x [..., D] -> a [T, H, D] view (unit last stride) whose rows t*H + h are x's rows in order."""
+    assert x.dim() >= 1 and x.shape[-1] > 0, f"{fn}: x {tuple(x.shape)}"
+    assert x.stride(-1) == 1 or x.shape[-1] == 1, f"{fn}: x's last dim must be contiguous, strides {x.stride()}"
+    if x.dim() == 1:
+        return x.view(1, 1, -1)
+    if x.dim() == 2:
+        return x.unsqueeze(1)
+    if x.dim() > 3:
+        x = x.flatten(0, -3)  # a view when the leading dims collapse, else a copy
+    return x
+
+
+def _norm_launch(x, weight, eps, cos, sin, fn):
+    _need_triton(fn)
+    assert x.dtype in _DTYPES, f"{fn}: x dtype {x.dtype}"
+    D = x.shape[-1]
+    if weight is not None:
+        assert weight.shape == (D,) and weight.is_contiguous(), f"{fn}: weight {tuple(weight.shape)}, D={D}"
+        assert weight.device == x.device and weight.dtype in _DTYPES, f"{fn}: weight {weight.dtype} {weight.device}"
+    x3 = _as_rows3(x, fn)
+    T, H, _ = x3.shape
+    R = T * H
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if R == 0:
+        return out
+    half = 0
+    if cos is not None:
+        half = cos.shape[-1]
+        assert cos.shape == sin.shape == (T, half), f"{fn}: cos {tuple(cos.shape)} sin {tuple(sin.shape)}, T={T}"
+        assert cos.dtype == sin.dtype == torch.float32, f"{fn}: cos/sin must be fp32, got {cos.dtype}/{sin.dtype}"
+        assert cos.stride(-1) == 1 and sin.stride(-1) == 1 and cos.stride(0) == sin.stride(0), \
+            f"{fn}: cos/sin strides {cos.stride()} {sin.stride()}"
+        assert cos.device == x.device and sin.device == x.device, f"{fn}: cos/sin on {cos.device}, x on {x.device}"
+        assert 2 * half <= D, f"{fn}: n_rot = {2 * half} > head dim {D}"
+    block_d = triton.next_power_of_2(D)
+    block_r = max(1, min(_ELEMS // block_d, triton.next_power_of_2(R)))
+    warps = 4 if block_d <= 1024 else (8 if block_d <= 4096 else 16)
+    _rms_norm_rope_kernel[(triton.cdiv(R, block_r),)](
+        x3, weight if weight is not None else x3, cos if cos is not None else x3,
+        sin if sin is not None else x3, out, R, H, x3.stride(0), x3.stride(1),
+        cos.stride(0) if cos is not None else 0, float(eps),
+        D=D, HALF=half, HAS_W=weight is not None, ROPE=cos is not None and half > 0,
+        BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight, eps: float) -> torch.Tensor:
+    """x [..., D] (fp16/bf16/fp32, unit last stride) * rsqrt(mean(x^2) + eps) [* weight [D]] over
+    the last dim, fp32 math, output contiguous in x's dtype.  weight None: weightless (Gemma-4's V
+    norm).  x [T, H, hd] with weight [hd] is the per-head q/k norm (any T and H strides)."""
+    return _norm_launch(x, weight, eps, None, None, "rms_norm")
+
+
+def rms_norm_rope(x: torch.Tensor, weight, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """rms_norm over hd, then NeoX RoPE: x [T, H, hd]; cos, sin fp32 [T, n_rot/2] (or [T, 1, n_rot/2]
+    as models.common.rope_cos_sin returns them).  Dim j < n_rot/2 pairs with j + n_rot/2; dims
+    >= n_rot pass through normalised only.  Output [T, H, hd] contiguous in x's dtype."""
+    assert x.dim() == 3, f"rms_norm_rope: x must be [T, H, hd], got {tuple(x.shape)}"
+    if cos.dim() == 3:
+        assert cos.shape[1] == 1 and sin.shape[1] == 1, f"rms_norm_rope: cos {tuple(cos.shape)}"
+        cos, sin = cos[:, 0], sin[:, 0]
+    return _norm_launch(x, weight, eps, cos, sin, "rms_norm_rope")
+
+
+def gelu_tanh_mul(gate: torch.Tensor, up=None) -> torch.Tensor:
+    """gelu_tanh(gate) * up, fp32 math, output [..., F] contiguous in gate's dtype.
+
+    gate, up [..., F] with unit last stride (row strides free: the two halves of a [T, 2F] tensor
+    are read in place); or up None and gate the fused gate_up [..., 2F] (gate first)."""
+    _need_triton("gelu_tanh_mul")
+    if up is None:
+        assert gate.shape[-1] % 2 == 0, f"gelu_tanh_mul: gate_up last dim {gate.shape[-1]} is odd"
+        gate, up = gate.chunk(2, dim=-1)
+    assert gate.shape == up.shape, f"gelu_tanh_mul: gate {tuple(gate.shape)} up {tuple(up.shape)}"
+    assert gate.dtype in _DTYPES and up.dtype == gate.dtype, f"gelu_tanh_mul: dtypes {gate.dtype} {up.dtype}"
+    assert gate.device == up.device, f"gelu_tanh_mul: devices {gate.device} {up.device}"
+    Fd = gate.shape[-1]
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    g2 = _as_rows3(gate, "gelu_tanh_mul").flatten(0, 1)
+    u2 = _as_rows3(up, "gelu_tanh_mul").flatten(0, 1)
+    R = g2.shape[0]
+    if R == 0 or Fd == 0:
+        return out
+    block_f = min(triton.next_power_of_2(Fd), 1024 if _INTERPRET else 2048)
+    block_r = max(1, min(_ELEMS // block_f, triton.next_power_of_2(R)))
+    _gelu_tanh_mul_kernel[(triton.cdiv(R, block_r), triton.cdiv(Fd, block_f))](
+        g2, u2, out, R, g2.stride(0), u2.stride(0), F_=Fd, BLOCK_R=block_r, BLOCK_F=block_f,
+        num_warps=4 if block_r * block_f <= 2048 else 8)
+    return out
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap) (cap > 0), fp32 math, output contiguous in x's dtype."""
+    _need_triton("softcap")
+    assert x.dtype in _DTYPES, f"softcap: x dtype {x.dtype}"
+    assert cap and cap > 0, f"softcap: cap {cap}"
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    N = x.numel()
+    if N == 0:
+        return out
+    block = 1 << 16 if _INTERPRET else 4096
+    block = min(block, triton.next_power_of_2(N))
+    _softcap_kernel[(triton.cdiv(N, block),)](x, out, N, float(cap), BLOCK=block, num_warps=4)
+    return out
+
+
+# ------------------------------------------------------------------------------------ references
+
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def rms_norm_ref(x: torch.Tensor, weight, eps: float) -> torch.Tensor:
+    xf = _f32(x)
+    w = None if weight is None else weight.to(xf.dtype)
+    return F.rms_norm(xf, (xf.shape[-1],), w, eps).to(x.dtype)
+
+
+def rms_norm_rope_ref(x: torch.Tensor, weight, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    xf = _f32(x)
+    w = None if weight is None else weight.to(xf.dtype)
+    y = F.rms_norm(xf, (xf.shape[-1],), w, eps)
+    if cos.dim() == 2:
+        cos, sin = cos[:, None, :], sin[:, None, :]
+    c, s = cos.to(y.dtype), sin.to(y.dtype)
+    h = c.shape[-1]
+    y1, y2, rest = y[..., :h], y[..., h:2 * h], y[..., 2 * h:]
+    return torch.cat([y1 * c - y2 * s, y2 * c + y1 * s, rest], dim=-1).to(x.dtype)
+
+
+def gelu_tanh_mul_ref(gate: torch.Tensor, up=None) -> torch.Tensor:
+    if up is None:
+        gate, up = gate.chunk(2, dim=-1)
+    return (F.gelu(_f32(gate), approximate="tanh") * _f32(up)).to(gate.dtype)
+
+
+def softcap_ref(x: torch.Tensor, cap: float) -> torch.Tensor:
+    return (torch.tanh(_f32(x) / cap) * cap).to(x.dtype)
