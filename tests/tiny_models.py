@@ -199,6 +199,99 @@ def write_tiny_gemma4(path: Path, spec: TinySpec, seed: int = 0) -> Path:
     return Path(path)
 
 
+
+def write_tiny_assistant(path: Path, target_spec: TinySpec, seed: int = 0, *, n_layer: int = 4,
+                         d_model: int = 64, n_head: int = 4, ffn: int = 128, n_centroids: int = 0,
+                         d_backbone: Optional[int] = None, n_kv_head: Optional[int] = None) -> Path:
+    """Write an F32 GGUF of a random Gemma-4 assistant (MTP drafter, §2.3/§2.7) for a target shaped
+    by `target_spec`: layers [S,..,S,F], the target's KV-head count, head dims, window and vocab.
+    `n_centroids` > 0 adds `masked_embd_centroids.weight` + `masked_embd_ordering` (HF-style sparse
+    head). `d_backbone` / `n_kv_head` override the target's values (to build mismatched drafts)."""
+    rng = np.random.default_rng(seed)
+    arch = "gemma4-assistant"
+    L, d, V = n_layer, d_model, target_spec.n_vocab
+    D = target_spec.d_model if d_backbone is None else d_backbone
+    tkv = target_spec.n_kv_head if isinstance(target_spec.n_kv_head, int) else target_spec.n_kv_head[0]
+    nk = tkv if n_kv_head is None else n_kv_head
+    sliding = [True] * (L - 1) + [False]
+
+    def mat(out_dim, in_dim, gain=1.0):
+        return (rng.standard_normal((out_dim, in_dim)) * gain / np.sqrt(in_dim)).astype(np.float32)
+
+    def norm(n, spread=0.1):
+        return (1.0 + spread * rng.standard_normal(n)).astype(np.float32)
+
+    w = GGUFWriter(str(path), arch=arch)
+    w.add_name("tiny-gemma4-assistant")
+    w.add_uint32(f"{arch}.block_count", L)
+    w.add_uint32(f"{arch}.context_length", 4096)
+    w.add_uint32(f"{arch}.embedding_length", d)
+    w.add_uint32(f"{arch}.embedding_length_out", D)
+    w.add_uint32(f"{arch}.nextn_predict_layers", L)
+    w.add_uint32(f"{arch}.feed_forward_length", ffn)
+    w.add_uint32(f"{arch}.attention.head_count", n_head)
+    w.add_uint32(f"{arch}.attention.head_count_kv", nk)
+    for suffix, hd in (("", target_spec.hd_full), ("_swa", target_spec.hd_sliding)):
+        w.add_uint32(f"{arch}.attention.key_length{suffix}", hd)
+        w.add_uint32(f"{arch}.attention.value_length{suffix}", hd)
+        w.add_uint32(f"{arch}.rope.dimension_count{suffix}", hd)
+    w.add_float32(f"{arch}.rope.freq_base", 1_000_000.0)
+    w.add_float32(f"{arch}.rope.freq_base_swa", 10_000.0)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
+    w.add_uint32(f"{arch}.attention.sliding_window", target_spec.sliding_window)
+    w.add_array(f"{arch}.attention.sliding_window_pattern", sliding)
+    w.add_uint32(f"{arch}.attention.shared_kv_layers", L)
+    w.add_uint32(f"{arch}.embedding_length_per_layer_input", 0)
+    tokens, types, merges = tiny_vocab(V)
+    w.add_string("tokenizer.ggml.model", "gemma4")
+    w.add_array("tokenizer.ggml.tokens", tokens)
+    w.add_array("tokenizer.ggml.scores", [-1000.0] * V)
+    w.add_array("tokenizer.ggml.token_type", types)
+    w.add_array("tokenizer.ggml.merges", merges)
+    w.add_uint32("tokenizer.ggml.bos_token_id", 2)
+    w.add_uint32("tokenizer.ggml.eos_token_id", 1)
+    w.add_uint32("tokenizer.ggml.unknown_token_id", 3)
+    w.add_uint32("tokenizer.ggml.padding_token_id", 0)
+    w.add_bool("tokenizer.ggml.add_bos_token", True)
+    w.add_bool("tokenizer.ggml.add_space_prefix", False)
+
+    t = {}
+    t["token_embd.weight"] = (rng.standard_normal((V, d)) * 0.15).astype(np.float32)
+    t["output_norm.weight"] = norm(d)
+    # Columns 0..D-1 multiply the (x sqrt(D)-scaled) target embedding, D..2D-1 the target state h.
+    t["nextn.pre_projection.weight"] = mat(d, 2 * D)
+    t["nextn.post_projection.weight"] = mat(D, d)
+    n_rot_pairs = int(target_spec.partial_rotary * target_spec.hd_full / 2)
+    t["rope_freqs.weight"] = np.array([1.0 if j < n_rot_pairs else 1e30 for j in range(target_spec.hd_full // 2)],
+                                      dtype=np.float32)
+    for i in range(L):
+        b = f"blk.{i}."
+        hd = target_spec.hd_sliding if sliding[i] else target_spec.hd_full
+        t[b + "attn_norm.weight"] = norm(d)
+        t[b + "attn_q.weight"] = mat(n_head * hd, d)
+        t[b + "attn_q_norm.weight"] = norm(hd) * hd ** -0.25
+        t[b + "attn_output.weight"] = mat(d, n_head * hd)
+        t[b + "post_attention_norm.weight"] = norm(d)
+        t[b + "ffn_norm.weight"] = norm(d)
+        t[b + "ffn_gate.weight"] = mat(ffn, d)
+        t[b + "ffn_up.weight"] = mat(ffn, d)
+        t[b + "ffn_down.weight"] = mat(d, ffn)
+        t[b + "post_ffw_norm.weight"] = norm(d)
+        t[b + "layer_output_scale.weight"] = np.array([0.6 + 0.4 * rng.random()], dtype=np.float32)
+    if n_centroids:
+        if V % n_centroids:
+            raise ValueError(f"{n_centroids} centroids do not divide a {V}-token vocabulary")
+        t["masked_embd_centroids.weight"] = mat(n_centroids, d)
+        t["masked_embd_ordering"] = rng.permutation(V).astype(np.int32)
+    for name, arr in t.items():
+        w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
+
+
 _QUIET = []
 
 
