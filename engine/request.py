@@ -55,6 +55,7 @@ class Request:
     t_first: Optional[float] = None
     t_done: Optional[float] = None
     abort_requested: bool = False
+    h: object = None  # speculative decoding: the target's post-norm state at the last KV position
 
     def __post_init__(self):
         if not self.prompt_ids:

@@ -7,7 +7,6 @@ sampled. With `fast_prefill=False` every row goes through every layer (the plain
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 
@@ -23,9 +22,10 @@ class ModelRunner:
 
     @torch.no_grad()  # not inference_mode: slot bookkeeping tensors made here are updated in place later
     def forward(self, kv: SequenceKV, tokens: list[int], start: int, want_logits: bool,
-                all_rows: bool = False) -> Optional[torch.Tensor]:
+                all_rows: bool = False, return_hidden: bool = False):
         """Compute `tokens` at positions start.. into `kv`; logits [V] of the last row if
-        `want_logits` ([T, V] for every row if `all_rows`, e.g. speculative verification)."""
+        `want_logits` ([T, V] for every row if `all_rows`, e.g. speculative verification).
+        `return_hidden`: (logits, y) with y the post-final-norm rows (the assistant's h)."""
         model, L = self.model, self.model.cfg.n_layer
         ids = torch.tensor(tokens, dtype=torch.long)
         pos = torch.arange(start, start + len(tokens), device=model.device)
@@ -43,8 +43,10 @@ class ModelRunner:
                 x = model.layer(i, x, pos, None if pl is None else pl[:, i], kv)
             if not want_logits:
                 return None
-            rows = x if all_rows else x[-1:]
-            logits = model.head(model.norm(rows))
+            y = model.norm(x if all_rows else x[-1:])
+            logits = model.head(y)
+            if return_hidden:
+                return (logits, y) if all_rows else (logits[0], y[0])
             return logits if all_rows else logits[0]
         finally:
             kv.end()

@@ -22,6 +22,7 @@ from .request import Request, RequestState, StreamEvent
 from .runner import ModelRunner
 from .sampler import SamplingParams
 from .sequence_kv import SequenceKV
+from .speculative import SpecConfig, SpecStats, accept, check_draft, draft_tokens, max_draft
 
 
 class ContextOverflowError(ValueError):
@@ -49,8 +50,12 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, model, tokenizer=None, config: Optional[EngineConfig] = None):
+    def __init__(self, model, tokenizer=None, config: Optional[EngineConfig] = None,
+                 spec: Optional[SpecConfig] = None):
         self.model, self.tokenizer, self.config = model, tokenizer, config or EngineConfig()
+        if spec is not None:
+            check_draft(spec.draft, model.cfg)
+        self.spec, self.spec_stats = spec, SpecStats()
         self.window = model.cfg.sliding_window if any(model.cfg.is_sliding) else None
         self.runner = ModelRunner(model, self.config.fast_prefill)
         backend = get_attention_backend(self.config.attention_backend, model.device)
@@ -122,6 +127,8 @@ class Engine:
                 n = min(budget, req.n_prompt - req.computed_len)
                 budget -= n
                 self._run(req, req.prompt_ids[req.computed_len:req.computed_len + n])
+            elif self.spec is not None:
+                self._spec_round(req)
             else:
                 self._run(req, [req.all_ids[-1]])
             touched.append(req)
@@ -153,12 +160,16 @@ class Engine:
 
     def _run(self, req: Request, tokens: list[int]) -> None:
         last_of_prompt = req.state == RequestState.DECODE or req.computed_len + len(tokens) == req.n_prompt
+        hidden = self.spec is not None and last_of_prompt  # the draft's first h
         try:
             self._reserve(len(tokens))
-            logits = self.runner.forward(req.kv, tokens, req.computed_len, want_logits=last_of_prompt)
+            logits = self.runner.forward(req.kv, tokens, req.computed_len, want_logits=last_of_prompt,
+                                         return_hidden=hidden)
         except KVPoolFull as e:
             self._finish(req, "error", str(e))
             return
+        if hidden:
+            logits, req.h = logits
         req.computed_len += len(tokens)
         req.check()
         if req.state == RequestState.PREFILL and req.computed_len == req.n_prompt:
@@ -181,13 +192,45 @@ class Engine:
         self.cache.release(req.locked)
         req.locked = nodes
 
+    def _spec_round(self, req: Request) -> None:
+        """Draft, verify in one target forward, accept by sample-then-match, roll back (speculative.py)."""
+        start, last = req.computed_len, req.all_ids[-1]
+        k = max_draft(self.spec.tokens, len(req.all_ids), len(req.output_ids), req.params.max_tokens,
+                      self.context_limit)
+        drafts = draft_tokens(self.spec, self.model, req.kv, last, req.h, start, k) if k else []
+        tokens = [last] + drafts
+        try:
+            self._reserve(len(tokens))
+            logits, ys = self.runner.forward(req.kv, tokens, start, want_logits=True, all_rows=True,
+                                             return_hidden=True)
+        except KVPoolFull as e:
+            self._finish(req, "error", str(e))
+            return
+        out = accept(req.sampler.sample, logits, drafts, req.all_ids, self._eog)
+        n_acc = len(out) - 1
+        req.kv.truncate(start + 1 + n_acc)  # drop the rejected drafts' KV
+        req.computed_len, req.h = start + 1 + n_acc, ys[n_acc]
+        st = self.spec_stats
+        st.rounds, st.drafted, st.accepted, st.emitted = (st.rounds + 1, st.drafted + len(drafts),
+                                                          st.accepted + n_acc, st.emitted + len(out))
+        for tok in out:
+            self._accept_token(req, tok)
+            if req.state == RequestState.FINISHED:
+                break
+
     # --- after a forward ---------------------------------------------------------------------
+    @property
+    def _eog(self) -> frozenset:
+        return frozenset(self.tokenizer.eog_ids) if self.tokenizer is not None else frozenset()
+
     def _postprocess(self, req: Request, logits: torch.Tensor) -> None:
-        tok = req.sampler.sample(logits, req.all_ids)
+        self._accept_token(req, req.sampler.sample(logits, req.all_ids))
+
+    def _accept_token(self, req: Request, tok: int) -> None:
+        """Append one sampled token: stream it, or finish on end-of-generation / stops / limits."""
         if req.t_first is None:
             req.t_first = time.perf_counter()
-        eog = self.tokenizer.eog_ids if self.tokenizer is not None else ()
-        if tok in eog:
+        if tok in self._eog:
             self._finish(req, "stop")
             return
         req.output_ids.append(tok)
@@ -215,6 +258,8 @@ class Engine:
         if req in self.running:
             self.running.remove(req)
         if req.kv is not None:
+            if len(req.kv) > len(req.all_ids):  # a speculative round committed fewer tokens
+                req.kv.truncate(len(req.all_ids))
             n = len(req.kv)
             if reason != "error" and n:
                 self._hand_to_cache(req, n)  # the next turn reuses the conversation
@@ -233,7 +278,8 @@ class Engine:
         return {"pools": self.pools.status(), "cache_type": self.cache.kind,
                 "attention_backend": "torch" if self.attention_backend is None else self.attention_backend.name,
                 "cached_prefix_tokens": self.cache.cached_tokens(), "running": len(self.running),
-                "waiting": len(self.waiting), "context_limit": self.context_limit}
+                "waiting": len(self.waiting), "context_limit": self.context_limit,
+                "speculative": self.spec_stats.as_dict() if self.spec is not None else None}
 
     def run_to_completion(self) -> None:
         while self.has_work:

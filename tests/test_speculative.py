@@ -1,0 +1,137 @@
+"""Speculative decoding with the assistant draft leaves the target's output unchanged.
+
+Tiny random target + draft pairs written by the test (tests/tiny_models.py). A random draft
+accepts little, which is the hard case for bookkeeping: nearly every round rolls KV back.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.sampler import Sampler, SamplingParams
+from engine.scheduler import Engine, EngineConfig
+from engine.speculative import SpecConfig, accept
+from models.gemma4_assistant import load_gemma4_assistant
+from models.gguf import GGUFFile
+from models.loader import load_model
+from tiny_models import TinySpec, write_tiny_assistant, write_tiny_gemma4
+
+SPEC = TinySpec()  # 8 layers, 4 KV-shared, window 8
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    d = tmp_path_factory.mktemp("spec")
+    target = load_model(write_tiny_gemma4(d / "t.gguf", SPEC, seed=31))
+    draft = load_gemma4_assistant(GGUFFile(write_tiny_assistant(d / "a.gguf", SPEC, seed=32)))
+    return target, draft
+
+
+def _prompt(n, seed):
+    return [2] + np.random.default_rng(seed).integers(11, 384, size=n - 1).tolist()
+
+
+def _generate(target, prompts, params, draft=None, k=3, **cfg):
+    spec = SpecConfig(draft, tokens=k) if draft is not None else None
+    eng = Engine(target.model, target.tokenizer, EngineConfig(full_tokens=2048, **cfg), spec=spec)
+    reqs = [eng.add(p, params) for p in prompts]
+    eng.run_to_completion()
+    return [r.output_ids for r in reqs], eng
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=200)
+
+
+@pytest.mark.parametrize("cfg", [{}, {"cache_type": "naive"},
+                                 {"kv_cache_dtype": "int8_per_token_head",
+                                  "swa_kv_cache_dtype": "int8_per_token_head"}],
+                         ids=["radix", "naive", "int8-kv"])
+def test_greedy_with_draft_equals_greedy_without(pair, cfg):
+    target, draft = pair
+    prompts = [_prompt(23, 1), _prompt(14, 2)]  # two concurrent requests
+    plain, _ = _generate(target, prompts, GREEDY, **cfg)
+    spec, eng = _generate(target, prompts, GREEDY, draft=draft, **cfg)
+    assert spec == plain and all(len(o) >= 200 or o for o in spec)
+    st = eng.status()["speculative"]
+    assert st["rounds"] > 0 and st["drafted"] > 0
+    assert st["tokens_per_target_forward"] >= 1.0
+    # every pool slot is accounted for after rollbacks: used == what the prefix cache holds
+    assert eng.pools.full.n_used == eng.cache.cached_tokens()
+
+
+def test_second_turn_with_draft_hits_prefix_cache(pair):
+    target, draft = pair
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    prompt = _prompt(30, 3)
+    eng = Engine(target.model, target.tokenizer, EngineConfig(full_tokens=2048), spec=SpecConfig(draft, 2))
+    r1 = eng.add(prompt, params)
+    eng.run_to_completion()
+    turn2 = prompt + r1.output_ids + [105, 40, 41, 106]
+    r2 = eng.add(turn2, params)
+    eng.run_to_completion()
+    assert r2.cached_len >= len(prompt) + len(r1.output_ids) - 1
+    plain, _ = _generate(target, [turn2], params)
+    assert r2.output_ids == plain[0]
+
+
+def test_draft_for_another_target_is_refused(tmp_path, pair):
+    target, _ = pair
+    other = TinySpec(d_model=512)
+    bad = load_gemma4_assistant(GGUFFile(write_tiny_assistant(tmp_path / "b.gguf", other, seed=1)))
+    with pytest.raises(ValueError, match="embedding_length_out"):
+        Engine(target.model, None, EngineConfig(full_tokens=64), spec=SpecConfig(bad))
+
+
+def _chi2(counts: np.ndarray, probs: np.ndarray) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+def test_sample_then_match_keeps_the_target_distribution():
+    """Rows with known target distributions: the first committed token follows row 0, and given
+    the first draft was accepted, the second follows row 1 (what a sequential sampler would do)."""
+    p0 = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
+    p1 = torch.tensor([0.1, 0.5, 0.2, 0.15, 0.05])
+    p2 = torch.tensor([0.2, 0.2, 0.2, 0.2, 0.2])
+    logits = torch.log(torch.stack([p0, p1, p2]))
+    drafts = [0, 1]  # the draft's guesses: row 0's and row 1's most likely tokens
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=123))
+    first, second = np.zeros(5), np.zeros(5)
+    for _ in range(8000):
+        out = accept(sampler.sample, logits, drafts, [], frozenset())
+        first[out[0]] += 1
+        if out[0] == drafts[0]:
+            assert len(out) >= 2
+            second[out[1]] += 1
+        else:
+            assert len(out) == 1
+    # chi-square, 4 degrees of freedom: 18.47 is the 0.001 critical value
+    assert _chi2(first, p0.numpy()) < 18.47
+    assert _chi2(second, p1.numpy()) < 18.47
+
+
+def test_sampling_with_draft_matches_target_distribution(pair):
+    """Temperature 1, top-k 4 on the tiny model: the second generated token (sampled at the first
+    verify row) over many seeds follows the target's own next-token distribution."""
+    target, draft = pair
+    prompt = _prompt(12, 7)
+    params = dict(temperature=1.0, top_k=4, max_tokens=2)
+    eng = Engine(target.model, target.tokenizer, EngineConfig(full_tokens=4096), spec=SpecConfig(draft, 2))
+    pairs = []
+    for seed in range(1500):
+        r = eng.add(prompt, SamplingParams(seed=seed, **params))
+        eng.run_to_completion()
+        pairs.append(tuple(r.output_ids))
+    firsts = [p[0] for p in pairs]
+    t1 = max(set(firsts), key=firsts.count)
+    seconds = np.array([p[1] for p in pairs if p[0] == t1 and len(p) > 1])
+    from engine.sampler import logits_to_probs
+    logits = target.model.forward(torch.tensor(prompt + [t1]))[-1]
+    probs = logits_to_probs(logits, SamplingParams(**params)).numpy()
+    support = np.nonzero(probs)[0]
+    counts = np.array([(seconds == t).sum() for t in support], dtype=float)
+    assert counts.sum() == len(seconds) > 200
+    # top-k 4 -> 3 degrees of freedom: 16.27 is the 0.001 critical value
+    assert _chi2(counts, probs[support]) < 16.27
