@@ -109,15 +109,25 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: cuda when torch sees a GPU (untested on GPUs so far), else cpu")
     g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
                    help="auto: triton kernels on cuda, the torch reference on cpu")
+    g.add_argument("--spec-algo", choices=["none", "mtp"], default=None,
+                   help="speculative decoding; mtp: the Gemma-4 assistant draft (on when a draft is given)")
+    g.add_argument("--spec-draft-model", metavar="PATH", help="Gemma-4 assistant GGUF (gemma4-assistant)")
+    g.add_argument("--spec-tokens", type=int, default=2, help="draft tokens per round (2 for E2B, 4 for E4B)")
+    g.add_argument("--spec-p-min", type=float, default=0.0,
+                   help="stop drafting when the draft's top probability falls below this")
 
 
 def _engine_options(a):
     from engine.api import EngineOptions
+    if a.spec_algo == "mtp" and not a.spec_draft_model:
+        raise ValueError("--spec-algo mtp needs --spec-draft-model PATH (a gemma4-assistant GGUF)")
     return EngineOptions(gpu_memory_budget=a.gpu_memory_budget, kv_cache_dtype=a.kv_cache_dtype,
                          swa_kv_cache_dtype=a.swa_kv_cache_dtype, embed_weights=a.embed_weights,
                          max_running_requests=a.max_running_requests, prefill_chunk=a.prefill_chunk,
                          fast_prefill=a.fast_prefill == "on", cache_type=a.cache_type,
-                         context_overflow=a.context_overflow, attention_backend=a.attention_backend)
+                         context_overflow=a.context_overflow, attention_backend=a.attention_backend,
+                         spec_draft_model=None if a.spec_algo == "none" else a.spec_draft_model,
+                         spec_tokens=a.spec_tokens, spec_p_min=a.spec_p_min)
 
 
 def _device(a) -> str:
@@ -181,6 +191,7 @@ def cmd_run(a) -> int:
     try:
         out = api.run_prompt(client, lm, a.prompt, gen, raw=a.raw, system=a.system,
                              on_text=None if a.json else _emit)
+        out["speculative"] = client.status().get("speculative")
     finally:
         client.close()
     if a.json:

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from models.gguf import GGUFError
+from models.gguf import GGUFError, GGUFFile
 from models.loader import LoadedModel, load_model, open_gguf
 
 from .client import GenerationParams, LocalClient
@@ -104,6 +104,9 @@ class EngineOptions:
     cache_type: str = "radix"
     context_overflow: str = "error"
     attention_backend: str = "auto"
+    spec_draft_model: Optional[str] = None  # --spec-algo mtp: the Gemma-4 assistant GGUF
+    spec_tokens: int = 2
+    spec_p_min: float = 0.0
 
 
 # Without an explicit budget the CPU plan would hand the full pool most of the host's RAM; a chat
@@ -135,8 +138,24 @@ def engine_config(lm: LoadedModel, opts: EngineOptions) -> EngineConfig:
                         attention_backend=opts.attention_backend)
 
 
+def load_draft(path: str, lm: LoadedModel, spec_tokens: int = 2, p_min: float = 0.0):
+    """The assistant draft for speculative decoding, checked against the target (one-line errors)."""
+    from models.gemma4_assistant import load_gemma4_assistant
+
+    from .speculative import SpecConfig, check_draft
+
+    f = GGUFFile(Path(path).expanduser())
+    f.check_architecture(("gemma4-assistant",))
+    draft = load_gemma4_assistant(f, dtype=lm.model.dtype, device=lm.model.device)
+    check_draft(draft, lm.config)
+    if spec_tokens < 1:
+        raise ValueError("--spec-tokens must be at least 1")
+    return SpecConfig(draft, tokens=spec_tokens, p_min=p_min)
+
+
 def start_client(lm: LoadedModel, opts: EngineOptions = EngineOptions()) -> LocalClient:
-    return LocalClient(lm, engine_config(lm, opts), opts.context_overflow)
+    spec = load_draft(opts.spec_draft_model, lm, opts.spec_tokens, opts.spec_p_min) if opts.spec_draft_model else None
+    return LocalClient(lm, engine_config(lm, opts), opts.context_overflow, spec=spec)
 
 
 def run_prompt(client: LocalClient, lm: LoadedModel, prompt: str, gen: GenerationParams, raw: bool = False,

@@ -47,11 +47,12 @@ class EngineClient(abc.ABC):
 
 
 class LocalClient(EngineClient):
-    def __init__(self, loaded, config: Optional[EngineConfig] = None, context_overflow: str = "error"):
+    def __init__(self, loaded, config: Optional[EngineConfig] = None, context_overflow: str = "error",
+                 spec=None):
         if context_overflow not in ("error", "truncate"):
             raise ValueError(f"--context-overflow must be error or truncate, not {context_overflow!r}")
         self.loaded, self.context_overflow = loaded, context_overflow
-        self.engine = Engine(loaded.model, loaded.tokenizer, config)
+        self.engine = Engine(loaded.model, loaded.tokenizer, config, spec=spec)
         self._commands: "queue.Queue[tuple]" = queue.Queue()
         self._events: dict[int, queue.Queue] = {}
         self._prompts: dict[int, list[int]] = {}

@@ -135,3 +135,25 @@ def test_sampling_with_draft_matches_target_distribution(pair):
     assert counts.sum() == len(seconds) > 200
     # top-k 4 -> 3 degrees of freedom: 16.27 is the 0.001 critical value
     assert _chi2(counts, probs[support]) < 16.27
+
+
+def test_cli_run_with_draft(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    t = write_tiny_gemma4(tmp_path / "t.gguf", SPEC, seed=31)
+    a = write_tiny_assistant(tmp_path / "a.gguf", SPEC, seed=32)
+
+    def run(*extra):
+        r = subprocess.run([sys.executable, "-m", "app.cli", "run", "--model", str(t), "--prompt", "the cat",
+                            "--max-tokens", "12", "--json", *extra], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout.splitlines()[-1])
+
+    plain, spec = run(), run("--spec-draft-model", str(a), "--spec-tokens", "3")
+    assert spec["ids"] == plain["ids"] and plain["speculative"] is None
+    assert spec["speculative"]["rounds"] > 0 and spec["speculative"]["drafted"] > 0
+    bad = subprocess.run([sys.executable, "-m", "app.cli", "run", "--model", str(t), "--prompt", "x",
+                          "--spec-draft-model", str(t)], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "unsupported architecture 'gemma4'" in bad.stderr
