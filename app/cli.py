@@ -79,6 +79,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per context")
     g.add_argument("--peak-bandwidth", type=float, metavar="GBps",
                    help="the device's peak memory bandwidth (default: a table of known GPUs)")
+    b.add_argument("--spec-draft-model", metavar="PATH",
+                   help="assistant GGUF: decode tok/s with and without it, acceptance, verify cost")
+    b.add_argument("--spec-tokens", type=int, default=2)
     b.add_argument("--json", action="store_true")
 
     c = sub.add_parser("chat", help="plain line-by-line chat in the terminal")
@@ -282,7 +285,13 @@ def _int_list(s: str, what: str) -> tuple[int, ...]:
 def cmd_bench(a) -> int:
     if a.model and a.synthetic:
         raise ValueError("give --model or --synthetic, not both")
-    if a.device == "cpu" and not a.synthetic:  # the CPU bench beside llama.cpp, as before
+    if a.spec_draft_model:  # with vs without the assistant draft, through the engine
+        from engine import api
+        from engine.bench import spec_bench
+        out = spec_bench(api.resolve_model(a.model), Path(a.spec_draft_model), a.prompt_tokens, a.decode_tokens,
+                         a.spec_tokens, device=a.device)
+        out.pop("ids", None)
+    elif a.device == "cpu" and not a.synthetic:  # the CPU bench beside llama.cpp, as before
         from engine.bench import cpu_bench
         from engine import api
         path = api.resolve_model(a.model)

@@ -157,3 +157,14 @@ def test_cli_run_with_draft(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "app.cli", "run", "--model", str(t), "--prompt", "x",
                           "--spec-draft-model", str(t)], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "unsupported architecture 'gemma4'" in bad.stderr
+
+
+def test_spec_bench_reports_both_speeds_and_acceptance(tmp_path):
+    from engine.bench import spec_bench
+
+    t = write_tiny_gemma4(tmp_path / "t.gguf", SPEC, seed=31)
+    a = write_tiny_assistant(tmp_path / "a.gguf", SPEC, seed=32)
+    out = spec_bench(t, a, n_prompt=16, n_decode=12, spec_tokens=2)
+    assert out["greedy_equal"] and out["plain_decode_tok_s"] > 0 and out["draft_decode_tok_s"] > 0
+    assert out["drafted"] > 0 and 0.0 <= out["acceptance_rate"] <= 1.0 and out["verify_step_cost"] > 0
+    assert "acceptance" in out["table"]
