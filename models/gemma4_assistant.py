@@ -210,9 +210,11 @@ class Gemma4AssistantConfig:
 
 
 # HF `Gemma4AssistantForCausalLM` names -> GGUF names (layer names as the target's HF_LAYER_NAMES).
+# HF name (after a `model.` prefix, or at the top level) -> GGUF name; layers use the target's
+# per-layer table (models/gemma4.HF_LAYER_NAMES).
 HF_ASSISTANT_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
+    "embed_tokens.weight": "token_embd.weight",
+    "norm.weight": "output_norm.weight",
     "pre_projection.weight": "nextn.pre_projection.weight",
     "post_projection.weight": "nextn.post_projection.weight",
     "masked_embedding.centroids.weight": CENTROIDS,
@@ -383,4 +385,16 @@ def load_gemma4_assistant(gguf, dtype=torch.float32, device="cpu", weight_dtype=
     cfg = Gemma4AssistantConfig.from_gguf(gguf)
     weights = load_weights(gguf, assistant_tensor_plan(cfg), dtype, device, weight_dtype)
     ordering = _load_ordering(gguf) if cfg.n_centroids else None
+    return Gemma4Assistant(cfg, weights, dtype=dtype, device=device, ordering=ordering)
+
+
+def load_gemma4_assistant_hf(folder, dtype=torch.float32, device="cpu") -> Gemma4Assistant:
+    """The assistant from an HF checkpoint folder (Gemma4AssistantForCausalLM naming)."""
+    from .gemma4 import HF_LAYER_NAMES
+    from .hf import HFCheckpoint
+
+    ckpt = HFCheckpoint(folder, HF_ASSISTANT_NAMES, HF_LAYER_NAMES)
+    cfg = Gemma4AssistantConfig.from_hf(ckpt.config)
+    weights = load_weights(ckpt, assistant_tensor_plan(cfg), dtype, device)
+    ordering = ckpt.load(ORDERING, dtype=torch.long) if cfg.n_centroids and ORDERING in ckpt else None
     return Gemma4Assistant(cfg, weights, dtype=dtype, device=device, ordering=ordering)

@@ -15,8 +15,9 @@ import torch
 from .weights import load_weights
 from .gguf import GGUFError, MissingTensorError, TensorShapeError
 
-# Text weights sit under one of these prefixes (multimodal wrapper first).
-_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
+# Text weights sit under one of these prefixes (multimodal wrapper first); the assistant's
+# pre/post projections sit at the top level.
+_PREFIXES = ("model.language_model.", "language_model.model.", "model.", "")
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 
 

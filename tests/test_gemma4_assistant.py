@@ -290,3 +290,59 @@ def test_centroid_masked_logits(setup):
         rest = torch.ones(SPEC.n_vocab, dtype=torch.bool)
         rest[cand] = False
         assert torch.all(logits[r, rest] == dense[cand].min() - 1)
+
+
+def test_hf_safetensors_assistant_equals_gguf(tmp_path):
+    """An HF folder (Gemma4AssistantForCausalLM names, config with backbone_hidden_size) of the
+    same weights gives the same draft step as the GGUF."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from models.common import DenseKVCache
+    from models.gemma4 import load_gemma4
+    from models.gemma4_assistant import load_gemma4_assistant_hf
+    from tiny_models import write_tiny_gemma4
+
+    spec = TinySpec()
+    target = load_gemma4(GGUFFile(write_tiny_gemma4(tmp_path / "t.gguf", spec, seed=5)))
+    apath = write_tiny_assistant(tmp_path / "a.gguf", spec, seed=6)
+    f = GGUFFile(apath)
+    g = load_gemma4_assistant(f)
+    cfg = g.cfg
+    layer_names = {v: k for k, v in {
+        "input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+        "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.o_proj.weight": "attn_output.weight",
+        "post_attention_layernorm.weight": "post_attention_norm.weight",
+        "pre_feedforward_layernorm.weight": "ffn_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+        "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+        "post_feedforward_layernorm.weight": "post_ffw_norm.weight", "layer_scalar": "layer_output_scale.weight",
+    }.items()}
+    tensors = {"model.embed_tokens.weight": f.load("token_embd.weight"), "model.norm.weight": f.load("output_norm.weight"),
+               "pre_projection.weight": f.load("nextn.pre_projection.weight"),
+               "post_projection.weight": f.load("nextn.post_projection.weight")}
+    for j in range(cfg.n_layer):
+        for gguf_suffix, hf_suffix in layer_names.items():
+            tensors[f"model.layers.{j}.{hf_suffix}"] = f.load(f"blk.{j}.{gguf_suffix}").contiguous()
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    save_file(tensors, str(folder / "model.safetensors"))
+    layer_types = ["sliding_attention" if s else "full_attention" for s in cfg.is_sliding]
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "gemma4_assistant", "backbone_hidden_size": cfg.d_backbone, "use_ordered_embeddings": False,
+        "text_config": {"hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layer, "layer_types": layer_types,
+                        "num_attention_heads": cfg.n_head[0], "num_key_value_heads": cfg.n_kv_head[0],
+                        "head_dim": spec.hd_sliding, "global_head_dim": spec.hd_full,
+                        "intermediate_size": cfg.ffn_width[0], "vocab_size": cfg.vocab_size,
+                        "sliding_window": cfg.sliding_window, "rms_norm_eps": 1e-6,
+                        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                            "full_attention": {"rope_type": "proportional", "rope_theta": 1e6,
+                                                               "partial_rotary_factor": spec.partial_rotary}}}}))
+    h_model = load_gemma4_assistant_hf(folder)
+    cache = DenseKVCache()
+    prompt = torch.tensor([2] + list(range(20, 33)))
+    target.forward(prompt, cache=cache)
+    args = (torch.tensor([40]), torch.randn(1, cfg.d_backbone), torch.tensor([len(prompt)]), target, cache)
+    a, b = g.draft_step(*args), h_model.draft_step(*args)
+    for x, y in zip(a, b):
+        assert torch.allclose(x, y, atol=1e-5), (x - y).abs().max()
