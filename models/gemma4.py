@@ -43,6 +43,20 @@ def _per_layer(value: Any, n_layer: int, what: str) -> tuple[int, ...]:
     return vals
 
 
+def check_layer_arrays(cfg, who: str = "") -> None:
+    """Per-layer arrays of a Gemma-4 (or assistant) config: one entry a layer, whole KV groups,
+    rope within the head. `who` prefixes the one-line error ("assistant ")."""
+    L = cfg.n_layer
+    for name in ("n_head", "n_kv_head", "head_dim", "is_sliding", "ffn_width", "rope_base", "rope_dims"):
+        if len(getattr(cfg, name)) != L:
+            raise ConfigError(f"{who}{name} has {len(getattr(cfg, name))} entries for {L} layers")
+    for i in range(L):
+        if cfg.n_kv_head[i] <= 0 or cfg.n_head[i] % cfg.n_kv_head[i]:
+            raise ConfigError(f"{who}layer {i}: {cfg.n_head[i]} query heads over {cfg.n_kv_head[i]} KV heads")
+        if cfg.rope_dims[i] % 2 or cfg.rope_dims[i] > cfg.head_dim[i]:
+            raise ConfigError(f"{who}layer {i}: rope dims {cfg.rope_dims[i]} for head dim {cfg.head_dim[i]}")
+
+
 def kv_sharing_plan(is_sliding: Sequence[bool], n_kv_shared: int) -> tuple[tuple[int, int], ...]:
     """(layer, source) for every KV-shared layer: the last non-shared layer of the same type (§1.3)."""
     n_layer = len(is_sliding)
@@ -86,15 +100,7 @@ class Gemma4Config:
     kv_shared_layers: tuple[tuple[int, int], ...] = field(init=False)
 
     def __post_init__(self):
-        L = self.n_layer
-        for name in ("n_head", "n_kv_head", "head_dim", "is_sliding", "ffn_width", "rope_base", "rope_dims"):
-            if len(getattr(self, name)) != L:
-                raise ConfigError(f"{name} has {len(getattr(self, name))} entries for {L} layers")
-        for i in range(L):
-            if self.n_kv_head[i] <= 0 or self.n_head[i] % self.n_kv_head[i]:
-                raise ConfigError(f"layer {i}: {self.n_head[i]} query heads over {self.n_kv_head[i]} KV heads")
-            if self.rope_dims[i] % 2 or self.rope_dims[i] > self.head_dim[i]:
-                raise ConfigError(f"layer {i}: rope dims {self.rope_dims[i]} for head dim {self.head_dim[i]}")
+        check_layer_arrays(self)
         if self.n_expert and not 0 < self.n_expert_used <= self.n_expert:
             raise ConfigError(f"{self.n_expert_used} experts used of {self.n_expert}")
         object.__setattr__(self, "kv_shared_layers", kv_sharing_plan(self.is_sliding, self.n_kv_shared))

@@ -85,17 +85,9 @@ class Gemma4AssistantConfig:
     centroid_top_k: int = 32
 
     def __post_init__(self):
-        L = self.n_layer
-        for name in ("n_head", "n_kv_head", "head_dim", "is_sliding", "ffn_width", "rope_base", "rope_dims"):
-            if len(getattr(self, name)) != L:
-                raise ConfigError(f"assistant {name} has {len(getattr(self, name))} entries for {L} layers")
-        for i in range(L):
-            if self.n_kv_head[i] <= 0 or self.n_head[i] % self.n_kv_head[i]:
-                raise ConfigError(f"assistant layer {i}: {self.n_head[i]} query heads over "
-                                  f"{self.n_kv_head[i]} KV heads")
-            if self.rope_dims[i] % 2 or self.rope_dims[i] > self.head_dim[i]:
-                raise ConfigError(f"assistant layer {i}: rope dims {self.rope_dims[i]} for head dim "
-                                  f"{self.head_dim[i]}")
+        from .gemma4 import check_layer_arrays
+
+        check_layer_arrays(self, "assistant ")
         if self.d_backbone == self.d_model:
             raise ConfigError("assistant embedding_length_out must carry the target hidden size "
                               f"(it equals embedding_length {self.d_model})")

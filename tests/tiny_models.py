@@ -38,6 +38,22 @@ def tiny_vocab(n_vocab: int) -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
+def add_tiny_tokenizer(w: GGUFWriter, n_vocab: int) -> None:
+    """The tiny `gemma4` tokenizer keys (llama.cpp needs a vocabulary to load a model)."""
+    tokens, types, merges = tiny_vocab(n_vocab)
+    w.add_string("tokenizer.ggml.model", "gemma4")
+    w.add_array("tokenizer.ggml.tokens", tokens)
+    w.add_array("tokenizer.ggml.scores", [-1000.0] * n_vocab)
+    w.add_array("tokenizer.ggml.token_type", types)
+    w.add_array("tokenizer.ggml.merges", merges)
+    w.add_uint32("tokenizer.ggml.bos_token_id", 2)
+    w.add_uint32("tokenizer.ggml.eos_token_id", 1)
+    w.add_uint32("tokenizer.ggml.unknown_token_id", 3)
+    w.add_uint32("tokenizer.ggml.padding_token_id", 0)
+    w.add_bool("tokenizer.ggml.add_bos_token", True)
+    w.add_bool("tokenizer.ggml.add_space_prefix", False)
+
+
 @dataclass
 class TinySpec:
     """Shape of a tiny Gemma-4. Defaults: an E-series-like 8-layer model with every feature on."""
@@ -121,18 +137,7 @@ def write_tiny_gemma4(path: Path, spec: TinySpec, seed: int = 0) -> Path:
         w.add_uint32(f"{arch}.expert_count", spec.n_expert)
         w.add_uint32(f"{arch}.expert_used_count", spec.n_expert_used)
         w.add_uint32(f"{arch}.expert_feed_forward_length", spec.expert_ffn)
-    tokens, types, merges = tiny_vocab(V)
-    w.add_string("tokenizer.ggml.model", "gemma4")
-    w.add_array("tokenizer.ggml.tokens", tokens)
-    w.add_array("tokenizer.ggml.scores", [-1000.0] * V)
-    w.add_array("tokenizer.ggml.token_type", types)
-    w.add_array("tokenizer.ggml.merges", merges)
-    w.add_uint32("tokenizer.ggml.bos_token_id", 2)
-    w.add_uint32("tokenizer.ggml.eos_token_id", 1)
-    w.add_uint32("tokenizer.ggml.unknown_token_id", 3)
-    w.add_uint32("tokenizer.ggml.padding_token_id", 0)
-    w.add_bool("tokenizer.ggml.add_bos_token", True)
-    w.add_bool("tokenizer.ggml.add_space_prefix", False)
+    add_tiny_tokenizer(w, V)
     for k, v in spec.extra.items():
         w.add_key_value(k, v[0], v[1])
 
@@ -242,18 +247,7 @@ def write_tiny_assistant(path: Path, target_spec: TinySpec, seed: int = 0, *, n_
     w.add_array(f"{arch}.attention.sliding_window_pattern", sliding)
     w.add_uint32(f"{arch}.attention.shared_kv_layers", L)
     w.add_uint32(f"{arch}.embedding_length_per_layer_input", 0)
-    tokens, types, merges = tiny_vocab(V)
-    w.add_string("tokenizer.ggml.model", "gemma4")
-    w.add_array("tokenizer.ggml.tokens", tokens)
-    w.add_array("tokenizer.ggml.scores", [-1000.0] * V)
-    w.add_array("tokenizer.ggml.token_type", types)
-    w.add_array("tokenizer.ggml.merges", merges)
-    w.add_uint32("tokenizer.ggml.bos_token_id", 2)
-    w.add_uint32("tokenizer.ggml.eos_token_id", 1)
-    w.add_uint32("tokenizer.ggml.unknown_token_id", 3)
-    w.add_uint32("tokenizer.ggml.padding_token_id", 0)
-    w.add_bool("tokenizer.ggml.add_bos_token", True)
-    w.add_bool("tokenizer.ggml.add_space_prefix", False)
+    add_tiny_tokenizer(w, V)
 
     t = {}
     t["token_embd.weight"] = (rng.standard_normal((V, d)) * 0.15).astype(np.float32)
