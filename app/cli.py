@@ -41,14 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="architecture, layer plan, tensor types and sizes, memory plan")
     i.add_argument("model", nargs="?", help="GGUF file (or use --synthetic)")
     i.add_argument("--synthetic", choices=["e2b", "e4b"], help="a synthetic Gemma-4 E2B/E4B Q4_K_M layout")
-    i.add_argument("--gpu-memory-budget", metavar="SIZE",
-                   help="8GiB, 7.5G, 8000MB, ... (default: 90%% of free device memory; host memory on the CPU)")
-    i.add_argument("--kv-cache-dtype", default="auto", metavar="F",
-                   help="full-attention KV format: auto (bf16 on cuda), bf16, fp16, fp32, "
-                        "int8_per_token_head, fp8_per_token_head")
-    i.add_argument("--swa-kv-cache-dtype", default="bf16", metavar="F", help="sliding-window KV format")
-    i.add_argument("--embed-weights", choices=["host", "device"], default="host",
-                   help="host: token/per-layer embedding tables stay in host memory (tied head stays on the device)")
+    _memory_args(i, swa_default="bf16")
     i.add_argument("--prefill-chunk", type=int, help="tokens per prefill step (default 2048 on cuda, 512 on cpu)")
     i.add_argument("--max-running-requests", type=int, default=4)
     i.add_argument("--spec-draft-model", metavar="PATH", help="draft (assistant) GGUF kept on the device")
@@ -67,12 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", type=int, default=0, help="0: torch's default")
     b.add_argument("--no-llama-cpp", action="store_true", help="skip the llama-cpp-python run")
     g = b.add_argument_group("engine bench (--device cuda or --synthetic)")
-    g.add_argument("--gpu-memory-budget", metavar="SIZE", help="budget the pools are planned for (e.g. 8GiB)")
-    g.add_argument("--kv-cache-dtype", default="auto", metavar="F",
-                   help="full-attention KV: auto (bf16 on cuda), bf16, fp16, fp32, int8_per_token_head, "
-                        "fp8_per_token_head")
-    g.add_argument("--swa-kv-cache-dtype", default="auto", metavar="F", help="sliding-window KV format")
-    g.add_argument("--embed-weights", choices=["host", "device"], default="host")
+    _memory_args(g)
     g.add_argument("--fast-prefill", choices=["on", "off"], default="on")
     g.add_argument("--prompt-lengths", default="512,4096,16384", metavar="N,N,...", help="prefill prompt lengths")
     g.add_argument("--contexts", default="0,4096,32768", metavar="N,N,...", help="decode contexts")
@@ -93,14 +81,22 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--gpu-memory-budget", metavar="SIZE", help="memory for weights, workspace and KV (e.g. 8GiB)")
+def _memory_args(g, swa_default: str = "auto") -> None:
+    """The budget and KV-format flags `run`, `chat`, `info` and `bench` share."""
+    g.add_argument("--gpu-memory-budget", metavar="SIZE",
+                   help="memory for weights, workspace and KV: 8GiB, 7.5G, 8000MB (default: 90%% of free "
+                        "device memory; host memory on the CPU)")
     g.add_argument("--kv-cache-dtype", default="auto", metavar="F",
                    help="full-attention KV: auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32, "
                         "int8_per_token_head, fp8_per_token_head")
-    g.add_argument("--swa-kv-cache-dtype", default="auto", metavar="F", help="sliding-window KV format")
-    g.add_argument("--embed-weights", choices=["host", "device"], default="host")
+    g.add_argument("--swa-kv-cache-dtype", default=swa_default, metavar="F", help="sliding-window KV format")
+    g.add_argument("--embed-weights", choices=["host", "device"], default="host",
+                   help="host: token/per-layer embedding tables stay in host memory (tied head stays on the device)")
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    _memory_args(g)
     g.add_argument("--max-running-requests", type=int, default=4)
     g.add_argument("--prefill-chunk", type=int, help="prompt tokens per step (default 2048 on cuda, 512 on cpu)")
     g.add_argument("--fast-prefill", choices=["on", "off"], default="on",

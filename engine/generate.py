@@ -14,10 +14,7 @@ import torch
 from models.common import DenseKVCache
 
 from .sampler import Sampler, SamplingParams
-
-
-class ContextOverflowError(ValueError):
-    """The prompt does not fit the model's context (one-line message)."""
+from .scheduler import ContextOverflowError
 
 
 @dataclass

@@ -54,6 +54,17 @@ def add_tiny_tokenizer(w: GGUFWriter, n_vocab: int) -> None:
     w.add_bool("tokenizer.ggml.add_space_prefix", False)
 
 
+def _tame_random(rng):
+    """mat(out, in): N(0, 1/in) weights; norm(n): weights near 1 — keeps random models well conditioned."""
+    def mat(out_dim, in_dim, gain=1.0):
+        return (rng.standard_normal((out_dim, in_dim)) * gain / np.sqrt(in_dim)).astype(np.float32)
+
+    def norm(n, spread=0.1):
+        return (1.0 + spread * rng.standard_normal(n)).astype(np.float32)
+
+    return mat, norm
+
+
 @dataclass
 class TinySpec:
     """Shape of a tiny Gemma-4. Defaults: an E-series-like 8-layer model with every feature on."""
@@ -100,11 +111,7 @@ def write_tiny_gemma4(path: Path, spec: TinySpec, seed: int = 0) -> Path:
     else:
         ffn = [spec.ffn * 2 if spec.double_wide and i >= first else spec.ffn for i in range(L)]
 
-    def mat(out_dim, in_dim, gain=1.0):
-        return (rng.standard_normal((out_dim, in_dim)) * gain / np.sqrt(in_dim)).astype(np.float32)
-
-    def norm(n, spread=0.1):
-        return (1.0 + spread * rng.standard_normal(n)).astype(np.float32)
+    mat, norm = _tame_random(rng)
 
     w = GGUFWriter(str(path), arch=arch)
     w.add_name("tiny-gemma4")
@@ -220,11 +227,7 @@ def write_tiny_assistant(path: Path, target_spec: TinySpec, seed: int = 0, *, n_
     nk = tkv if n_kv_head is None else n_kv_head
     sliding = [True] * (L - 1) + [False]
 
-    def mat(out_dim, in_dim, gain=1.0):
-        return (rng.standard_normal((out_dim, in_dim)) * gain / np.sqrt(in_dim)).astype(np.float32)
-
-    def norm(n, spread=0.1):
-        return (1.0 + spread * rng.standard_normal(n)).astype(np.float32)
+    mat, norm = _tame_random(rng)
 
     w = GGUFWriter(str(path), arch=arch)
     w.add_name("tiny-gemma4-assistant")
