@@ -1,9 +1,10 @@
 """The engine loop: admit waiting requests (reusing cached prefixes), prefill in chunks, decode,
 stream, stop, and give KV back. `Engine.step()` is schedule -> run -> postprocess.
 
-On the CPU each scheduled sequence runs its own forward within a step (the plain-torch path); the
-CUDA backend batches them. Outputs are the same either way: a request's tokens depend only on its
-own KV.
+Prefill chunks run one sequence per forward. Decode-phase requests step together through
+`BatchDecoder` (engine/batch_decode.py: static buffers, a CUDA graph per batch shape on CUDA) when
+`batched_decode` is on (the default on CUDA; it also runs on the CPU), else one forward each.
+Outputs are the same either way: a request's tokens depend only on its own KV.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Optional
 import torch
 
 from .attention_backend import get_attention_backend
+from .batch_decode import BUCKETS, BatchDecoder
 from .kv_format import resolve_format
 from .kv_pool import HybridKVPool, KVPoolFull
 from .prefix_cache import make_prefix_cache
@@ -43,6 +45,8 @@ class EngineConfig:
     share_kv: bool = True  # False: debug mode, shared layers keep their own KV copies
     attention_backend: str = "auto"  # auto: triton on CUDA, torch (the reference) otherwise
     window_margin: int = 64
+    batched_decode: Optional[bool] = None  # None: on when the model is on CUDA (works on the CPU too)
+    cuda_graphs: bool = True  # capture the batched decode per (batch, verify width) on CUDA + triton
 
     def __post_init__(self):
         if self.max_running_requests < 1 or self.prefill_chunk < 1 or self.full_tokens < 1:
@@ -75,6 +79,10 @@ class Engine:
                                   resolve_format(c.kv_cache_dtype, dev), resolve_format(c.swa_kv_cache_dtype, dev),
                                   dev, share_kv=c.share_kv)
         self.cache = make_prefix_cache(c.cache_type, self.pools, self.window)
+        batched = c.batched_decode if c.batched_decode is not None else self.model.device.type == "cuda"
+        # Its graphs hold the slab addresses, so it is rebuilt with the pools.
+        self.decoder = BatchDecoder(self.model, self.pools, self.attention_backend, c.cuda_graphs) \
+            if batched else None
 
     def rebuild(self, **changes) -> None:
         """Rebuild the pools with a new size or format (drops the prefix cache). Only when idle."""
@@ -119,7 +127,7 @@ class Engine:
         """Admit, run one prefill chunk or decode token per running request, post-process."""
         self._admit()
         budget = self.config.prefill_chunk
-        touched = []
+        touched, decoding = [], []
         for req in list(self.running):
             if req.state == RequestState.PREFILL:
                 if budget <= 0:
@@ -127,11 +135,15 @@ class Engine:
                 n = min(budget, req.n_prompt - req.computed_len)
                 budget -= n
                 self._run(req, req.prompt_ids[req.computed_len:req.computed_len + n])
+            elif self.decoder is not None:
+                decoding.append(req)  # stepped together below
             elif self.spec is not None:
                 self._spec_round(req)
             else:
                 self._run(req, [req.all_ids[-1]])
             touched.append(req)
+        for i in range(0, len(decoding), BUCKETS[-1]):
+            self._decode_batch(decoding[i:i + BUCKETS[-1]])
         return touched
 
     def _admit(self) -> None:
@@ -192,12 +204,46 @@ class Engine:
         self.cache.release(req.locked)
         req.locked = nodes
 
+    def _decode_batch(self, reqs: list[Request]) -> None:
+        """One batched forward for up to 4 decode-phase requests: a token each, or with a draft
+        model [last] + drafts each, padded to a verify width of 1 + spec.tokens rows."""
+        rows = [[req.all_ids[-1]] + self._drafts(req) for req in reqs]
+        self._reserve(sum(map(len, rows)))
+        batch = []
+        for req, tokens in zip(reqs, rows):
+            try:  # SequenceKV stays the owner of the slots; the decoder copies them into its tables
+                req.kv.begin(torch.arange(req.computed_len, req.computed_len + len(tokens)))
+            except KVPoolFull as e:
+                self._finish(req, "error", str(e))
+                continue
+            batch.append((req, tokens))
+        if not batch:
+            return
+        T = 1 + self.spec.tokens if self.spec is not None else 1
+        try:
+            logits, ys = self.decoder.forward([r.kv for r, _ in batch], [t for _, t in batch], T)
+        finally:
+            for req, _ in batch:
+                req.kv.end()
+        for (req, tokens), lg, y in zip(batch, logits, ys):
+            if self.spec is not None:
+                self._commit_verified(req, req.computed_len, tokens[1:], lg[:len(tokens)], y)
+            else:
+                req.computed_len += 1
+                req.check()
+                self._postprocess(req, lg[0])
+
+    def _drafts(self, req: Request) -> list[int]:
+        if self.spec is None:
+            return []
+        k = max_draft(self.spec.tokens, len(req.all_ids), len(req.output_ids), req.params.max_tokens,
+                      self.context_limit)
+        return draft_tokens(self.spec, self.model, req.kv, req.all_ids[-1], req.h, req.computed_len, k) if k else []
+
     def _spec_round(self, req: Request) -> None:
         """Draft, verify in one target forward, accept by sample-then-match, roll back (speculative.py)."""
         start, last = req.computed_len, req.all_ids[-1]
-        k = max_draft(self.spec.tokens, len(req.all_ids), len(req.output_ids), req.params.max_tokens,
-                      self.context_limit)
-        drafts = draft_tokens(self.spec, self.model, req.kv, last, req.h, start, k) if k else []
+        drafts = self._drafts(req)
         tokens = [last] + drafts
         try:
             self._reserve(len(tokens))
@@ -206,6 +252,11 @@ class Engine:
         except KVPoolFull as e:
             self._finish(req, "error", str(e))
             return
+        self._commit_verified(req, start, drafts, logits, ys)
+
+    def _commit_verified(self, req: Request, start: int, drafts: list[int], logits: torch.Tensor,
+                         ys: torch.Tensor) -> None:
+        """Accept over verify rows logits [1+k, V] (post-norm ys [>= 1+k, d]) and roll back the rest."""
         out = accept(req.sampler.sample, logits, drafts, req.all_ids, self._eog)
         n_acc = len(out) - 1
         req.kv.truncate(start + 1 + n_acc)  # drop the rejected drafts' KV

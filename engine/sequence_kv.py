@@ -67,6 +67,13 @@ class SequenceKV:
         self._step = (new_full, new_win)
         self._reads = {}
 
+    @property
+    def step_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(full [T], window [T] or empty) slots `begin` allocated for this forward: what the
+        batched decoder copies into its static tables."""
+        assert self._step is not None, "no forward in progress (call begin first)"
+        return self._step
+
     def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         new_full, new_win = self._step
         self.pools.write(layer, new_full, new_win, k, v, None if self.backend is None else self.backend.store)

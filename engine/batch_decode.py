@@ -1,0 +1,292 @@
+"""One decode (or draft-verify) forward for up to 4 running sequences over STATIC buffers, so that
+on CUDA the whole forward is captured once as a `torch.cuda.CUDAGraph` and replayed every step.
+
+A step for n sequences (n <= 4) of T rows each (T = 1 decode, T = 1 + K draft-verify):
+  - pad to the bucket B in (1, 2, 4); dummy sequences and the unused rows of a short verify write
+    their K/V to slot -1 ("padding row, write nothing": kernels/kv_store.py) and are ignored;
+  - host side, outside the graph (graphs cannot capture host work): `SequenceKV.begin` has already
+    allocated the new slots (its bookkeeping stays authoritative); the embedding rows are gathered
+    (from host tables with `--embed-weights host`) and every input is `copy_`-ed into the static
+    buffers: x [N, d], per-layer inputs [N, L, P], positions [N], new slots [N] per pool, and the
+    per-sequence slot tables [B, C] of the full and the window pool with their positions;
+  - device side (the captured region): layers, final norm, head -> logits [N, V] and the post-norm
+    rows y [N, d] (the assistant's h) in static output buffers. N = B * T.
+Attention reads the tables: the torch reference gathers K/V by slot ([B, C] at once) and runs a
+masked SDPA; the triton path calls `kernels.attention.decode_attention` with one query row per
+(sequence, t) and a constant `num_splits` (a compile-time constant, so the captured grid is fixed).
+Table entries past a sequence's length hold slot 0 (a valid address) at position POS_PAD, which
+no query can see (q_pos - POS_PAD < 0).
+
+On the CPU (or with graphs off) the very same static-buffer code runs eagerly, so the CPU tests
+exercise the bookkeeping the graph replays. Capacities C are powers of two >= the longest
+sequence; when a sequence outgrows them the buffers of that (B, T) are reallocated (and the graph
+re-captured), so a long chat re-captures about log2(context / 64) times per shape.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .kv_pool import HybridKVPool
+from .sequence_kv import SequenceKV
+
+BUCKETS = (1, 2, 4)
+POS_PAD = 1 << 30  # position of unused table entries: after every query, so never visible
+MIN_CAPACITY = 64
+
+
+def bucket_of(n: int) -> int:
+    """The smallest batch bucket holding n sequences."""
+    for b in BUCKETS:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} sequences in one batched decode (at most {BUCKETS[-1]})")
+
+
+def capacity_of(n: int) -> int:
+    """Slot-table capacity for a sequence of n slots: a power of two, at least MIN_CAPACITY."""
+    return max(MIN_CAPACITY, 1 << max(0, n - 1).bit_length())
+
+
+def decode_splits(capacity: int) -> int:
+    """Split-K programs per (row, KV head), fixed per capacity so a captured graph keeps its grid.
+    Untuned guess (no GPU measured): about one split per 512 table entries, at most 16."""
+    return max(1, min(16, capacity // 512))
+
+
+@dataclass
+class StaticBatch:
+    """Buffers of one (B, T) shape; replays read and write only these (and the KV slabs)."""
+
+    B: int
+    T: int
+    full_cap: int
+    win_cap: int
+    x: torch.Tensor  # [N, d] model dtype: scaled token embeddings
+    pl: Optional[torch.Tensor]  # [N, L, P] per-layer inputs (Gemma-4 PLE) or None
+    pos: torch.Tensor  # [N] int64: position of every row
+    new_full: torch.Tensor  # [N] int64: full-pool slot each row's K/V goes to, -1 = write nothing
+    new_win: torch.Tensor  # [N] int64: the same for the window pool
+    full_slots: torch.Tensor  # [B, full_cap] int64: slot of position p at [b, p], slot 0 beyond
+    full_pos: torch.Tensor  # [B, full_cap] int64: p, POS_PAD beyond the sequence
+    win_slots: torch.Tensor  # [B, win_cap] int64: the window slots a sequence holds
+    win_pos: torch.Tensor  # [B, win_cap] int64: their positions, POS_PAD beyond
+    indptr: torch.Tensor  # triton path: [N+1] = arange * capacity (one slot list per query row)
+    logits: torch.Tensor  # [N, V]
+    hidden: torch.Tensor  # [N, d] post-final-norm rows
+    graph: object = None  # torch.cuda.CUDAGraph once captured
+
+    @property
+    def N(self) -> int:
+        return self.B * self.T
+
+
+class BatchDecoder:
+    """Batched decode / verify forwards for one model and one set of pools.
+
+    `backend`: None (the torch reference) or the engine's triton attention backend. Graphs are
+    used when `graphs` and the model lives on CUDA and the backend is triton (the torch store's
+    boolean masking needs a host sync) and the model has no MoE layers (their routing reads the
+    chosen experts back to the host)."""
+
+    def __init__(self, model, pools: HybridKVPool, backend=None, graphs: bool = True):
+        self.model, self.pools, self.backend = model, pools, backend
+        cfg = model.cfg
+        self.triton = backend is not None and backend.name == "triton"
+        self.use_graphs = (graphs and self.triton and model.device.type == "cuda"
+                           and torch.cuda.is_available() and not getattr(cfg, "n_expert", 0))
+        self.statics: dict[tuple[int, int], StaticBatch] = {}
+        self._pool = None  # the CUDA graphs' shared memory pool
+        self.replays = 0  # forwards served by a graph replay (for status and tests)
+
+    # --- static buffers ----------------------------------------------------------------------
+    def _static(self, B: int, T: int, full_need: int, win_need: int) -> StaticBatch:
+        st = self.statics.get((B, T))
+        if st is not None and st.full_cap >= full_need and st.win_cap >= win_need:
+            return st
+        m, cfg, dev = self.model, self.model.cfg, self.model.device
+        full_cap = capacity_of(max(full_need, st.full_cap if st else 0)) if self.pools.full.layers else 0
+        win_cap = capacity_of(max(win_need, st.win_cap if st else 0)) if self.pools.window.layers else 0
+        N, P = B * T, getattr(cfg, "ple_width", 0)
+
+        def ints(*shape):
+            return torch.zeros(shape, dtype=torch.long, device=dev)
+
+        st = StaticBatch(
+            B, T, full_cap, win_cap,
+            x=torch.zeros((N, cfg.d_model), dtype=m.dtype, device=dev),
+            pl=torch.zeros((N, cfg.n_layer, P), dtype=m.dtype, device=dev) if P else None,
+            pos=ints(N), new_full=ints(N), new_win=ints(N),
+            full_slots=ints(B, full_cap), full_pos=ints(B, full_cap),
+            win_slots=ints(B, win_cap), win_pos=ints(B, win_cap),
+            indptr=torch.arange(N + 1, device=dev),  # scaled per pool in _TableKV
+            logits=torch.zeros((N, cfg.vocab_size), dtype=m.dtype, device=dev),
+            hidden=torch.zeros((N, cfg.d_model), dtype=m.dtype, device=dev))
+        self.statics[(B, T)] = st  # the old buffers (and graph) of this shape are dropped
+        return st
+
+    # --- one step ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, kvs: list[SequenceKV], tokens: list[list[int]], T: int):
+        """Run `tokens[i]` (1 <= len <= T, already `begin`-ed into kvs[i]) for every sequence.
+        Returns (logits [n, T, V], y [n, T, d]), copies the caller may keep; rows past len(tokens[i])
+        are padding."""
+        n = len(kvs)
+        assert n == len(tokens) and all(1 <= len(t) <= T for t in tokens)
+        B = bucket_of(n)
+        st = self._static(B, T, max(len(kv) for kv in kvs),
+                          max((len(kv.win_slots) for kv in kvs), default=0))
+        self._fill(st, kvs, tokens)
+        if not self.use_graphs:
+            self._run_layers(st)
+        else:
+            if st.graph is None:
+                self._capture(st)
+            st.graph.replay()
+            self.replays += 1
+        logits = st.logits.view(B, T, -1)[:n].clone()
+        return logits, st.hidden.view(B, T, -1)[:n].clone()
+
+    def _fill(self, st: StaticBatch, kvs: list[SequenceKV], tokens: list[list[int]]) -> None:
+        """Host side: build every input on the CPU, then one `copy_` per static buffer."""
+        B, T = st.B, st.T
+        ids = torch.zeros(B * T, dtype=torch.long)  # padding rows embed token 0 (outputs ignored)
+        pos = torch.zeros(B * T, dtype=torch.long)
+        new_full = torch.full((B * T,), -1, dtype=torch.long)
+        new_win = torch.full((B * T,), -1, dtype=torch.long)
+        full_slots, full_pos = torch.zeros((B, st.full_cap), dtype=torch.long), torch.full((B, st.full_cap), POS_PAD)
+        win_slots, win_pos = torch.zeros((B, st.win_cap), dtype=torch.long), torch.full((B, st.win_cap), POS_PAD)
+        for b, (kv, toks) in enumerate(zip(kvs, tokens)):
+            r, k = b * T, len(toks)
+            start = len(kv) - k
+            step_full, step_win = kv.step_slots
+            ids[r:r + k] = torch.tensor(toks)
+            pos[r:r + T] = start  # padding rows of a short verify: a visible position, no write
+            pos[r:r + k] = torch.arange(start, start + k)
+            new_full[r:r + k] = step_full
+            if len(step_win):
+                new_win[r:r + k] = step_win
+            if st.full_cap:
+                full_slots[b, :len(kv)] = kv.full_slots
+                full_pos[b, :len(kv)] = torch.arange(len(kv))
+            if st.win_cap:
+                w = len(kv.win_slots)
+                win_slots[b, :w], win_pos[b, :w] = kv.win_slots, kv.win_pos
+        # Dummy sequences: one visible key (slot 0 at position 0) so no softmax row is empty
+        # (the torch path would give NaN); their rows write nothing and are never read back.
+        full_pos[len(kvs):, :1] = 0
+        win_pos[len(kvs):, :1] = 0
+        x, pl = self.model.embed(ids)  # host-table gathers happen here, never inside the graph
+        st.x.copy_(x)
+        if st.pl is not None:
+            st.pl.copy_(pl)
+        for dst, src in ((st.pos, pos), (st.new_full, new_full), (st.new_win, new_win),
+                         (st.full_slots, full_slots), (st.full_pos, full_pos),
+                         (st.win_slots, win_slots), (st.win_pos, win_pos)):
+            dst.copy_(src, non_blocking=True)
+
+    def _run_layers(self, st: StaticBatch) -> None:
+        """Device side, static buffers in and out: what the graph captures."""
+        m = self.model
+        kv = _TableKV(self, st)
+        # A fresh view each run: `DecoderModel.rope` memoizes cos/sin on the identity of `pos`,
+        # and the static buffer's contents change between runs.
+        pos = st.pos.view(-1)
+        x = st.x
+        for i in range(m.cfg.n_layer):
+            x = m.layer(i, x, pos, None if st.pl is None else st.pl[:, i], kv)
+        y = m.norm(x)
+        st.hidden.copy_(y)
+        st.logits.copy_(m.head(y))
+
+    def _capture(self, st: StaticBatch) -> None:
+        """Warm up on a side stream (Triton compiles, the allocator settles), then capture. The
+        warm-up computes this step for real; the replay that follows recomputes it identically
+        (the same K/V written to the same slots)."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._run_layers(st)
+        torch.cuda.current_stream().wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._run_layers(st)
+        st.graph = graph
+
+
+class _TableKV:
+    """The models' KV-store protocol (`write`, `attend`) over a StaticBatch's tables: N = B * T
+    query rows, sequence b owning rows b*T .. b*T + T - 1."""
+
+    def __init__(self, dec: BatchDecoder, st: StaticBatch):
+        self.dec, self.st, self.pools = dec, st, dec.pools
+        self._gathered: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slab -> K, V [B, C, n_kv, hd]
+        self._rows: dict[str, tuple] = {}  # triton: pool name -> (slots, k_pos, indptr) per query row
+
+    def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        store = self.dec.backend.store if self.dec.triton else _masked_store
+        self.pools.write(layer, self.st.new_full, self.st.new_win, k, v, store)
+
+    def _tables(self, pool):
+        st = self.st
+        return (st.win_slots, st.win_pos) if pool is self.pools.window else (st.full_slots, st.full_pos)
+
+    def attend(self, layer: int, q: torch.Tensor, pos: torch.Tensor, window: Optional[int],
+               scale: float) -> torch.Tensor:
+        """q [N, n_h, hd] at pos [N] -> [N, n_h * hd] over the slab `layer` reads."""
+        slab = self.pools.slab(layer)
+        pool = self.pools.pool_of(slab)
+        slots, k_pos = self._tables(pool)
+        if self.dec.triton:
+            return self._attend_triton(pool, slab, slots, k_pos, q, pos, window, scale)
+        return self._attend_torch(pool, slab, slots, k_pos, q, pos, window, scale)
+
+    def _attend_torch(self, pool, slab, slots, k_pos, q, pos, window, scale):
+        B, C = slots.shape
+        N, n_h, hd = q.shape
+        T = N // B
+        if slab not in self._gathered:  # KV-shared layers re-read their source's slab: once a step
+            k, v = pool.read(slab, slots.reshape(-1), q.dtype)
+            self._gathered[slab] = (k.view(B, C, *k.shape[1:]), v.view(B, C, *v.shape[1:]))
+        k, v = self._gathered[slab]
+        n_kv = k.shape[2]
+        group = n_h // n_kv
+        diff = pos.view(B, T, 1) - k_pos.view(B, 1, C)  # [B, T, C]
+        mask = diff >= 0
+        if window is not None:
+            mask &= diff < window
+        # As models.common.attention, per sequence: fold each KV head's query group into the query
+        # axis, q [B, n_kv, group*T, hd] (row g*T + t) against k, v [B, n_kv, C, hd].
+        qg = q.view(B, T, n_kv, group, hd).permute(0, 2, 3, 1, 4).reshape(B, n_kv, group * T, hd)
+        o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=mask.repeat(1, group, 1)[:, None], scale=scale)
+        return o.reshape(B, n_kv, group, T, hd).permute(0, 3, 1, 2, 4).reshape(N, n_h * hd)
+
+    def _attend_triton(self, pool, slab, slots, k_pos, q, pos, window, scale):
+        from kernels.attention import decode_attention
+
+        B, C = slots.shape
+        N, n_h, hd = q.shape
+        T = N // B
+        if pool.name not in self._rows:
+            # One slot list per query row (sequence b's table repeated T times): the decode kernel
+            # takes one query per list, and causality inside a verify comes from the positions.
+            rows_slots = (slots if T == 1 else slots.repeat_interleave(T, dim=0)).reshape(-1)
+            rows_pos = (k_pos if T == 1 else k_pos.repeat_interleave(T, dim=0)).reshape(-1)
+            self._rows[pool.name] = (rows_slots, rows_pos, self.st.indptr * C)
+        rows_slots, rows_pos, indptr = self._rows[pool.name]
+        scales = (pool.k_scale[slab], pool.v_scale[slab]) if pool.fmt.scaled else (None, None)
+        o = decode_attention(q.contiguous(), pool.k[slab], pool.v[slab], rows_slots, rows_pos, pos, scale,
+                             window, scales[0], scales[1], slot_indptr=indptr, num_splits=decode_splits(C))
+        return o.reshape(N, n_h * hd)
+
+
+def _masked_store(pool, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """The torch store with kv_store's padding rule: rows at a negative slot write nothing."""
+    keep = slots >= 0
+    pool.write(layer, slots[keep], k[keep], v[keep])
