@@ -1,4 +1,5 @@
-"""`edgegem` command line: score, tokenize, run, info, bench (and, until the TUI lands, a line chat).
+"""`edgegem` command line. With no command (or `app`) it opens the full-screen chat; `run` prints
+one reply to stdout for scripts; `chat` is a plain line chat; score, tokenize, info, bench.
 
 Bad input ends in one line on stderr and exit code 2; `--debug` shows the traceback.
 """
@@ -9,6 +10,8 @@ import json
 import sys
 from pathlib import Path
 
+from . import cli_tools
+
 EXIT_BAD_INPUT = 2
 
 
@@ -17,6 +20,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.add_argument("--version", action="version", version=f"edgegem {_version()}")
     sub = p.add_subparsers(dest="cmd")
+
+    a = sub.add_parser("app", help="the full-screen chat (the default: `edgegem [--model PATH] [flags]`)")
+    a.add_argument("--model", help="GGUF file or HF folder (default: the demo model)")
+    a.add_argument("--data-dir", metavar="DIR",
+                   help="where conversations are kept (default: $EDGEGEM_DATA_DIR or the XDG data dir)")
+    _engine_args(a)
 
     s = sub.add_parser("score", help="write float32 logits [n_tokens, vocab] of every position")
     s.add_argument("--model", required=True)
@@ -72,12 +81,13 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--spec-tokens", type=int, default=2)
     b.add_argument("--json", action="store_true")
 
-    c = sub.add_parser("chat", help="plain line-by-line chat in the terminal")
+    c = sub.add_parser("chat", help="plain line-by-line chat in the terminal (no full-screen app)")
     c.add_argument("--model", help="GGUF file (default: the demo model)")
     c.add_argument("--system")
     c.add_argument("--thinking", action="store_true", help="let the model think first (Gemma-4)")
     _sampling_args(c, temperature=0.7)
     _engine_args(c)
+    cli_tools.add_commands(sub)
     return p
 
 
@@ -317,11 +327,27 @@ def cmd_bench(a) -> int:
     return 0
 
 
+def cmd_app(a) -> int:
+    """The Textual app: loads the model in a worker, then the chat (app/app.py)."""
+    import sqlite3
+
+    from app.app import EdgegemApp
+    from app.backend import EngineBackend
+    from app.store import Store
+
+    try:
+        store = Store(Path(a.data_dir).expanduser() if a.data_dir else None)
+    except sqlite3.Error as e:
+        raise OSError(f"cannot open the conversation database: {e}") from None
+    backend = EngineBackend(a.model, _engine_options(a), a.device)
+    return EdgegemApp(backend, store).run() or 0
+
+
 def cmd_chat(a) -> int:
-    """Line chat until the Textual app exists (issue 6); the history stays in the prefix cache."""
+    """Plain line chat (no full-screen UI, no saved history); the history stays in the prefix cache."""
     from engine import api
     path = api.resolve_model(a.model)
-    print(f"edgegem: plain terminal chat on {path.name} (the full-screen app is not built yet).")
+    print(f"edgegem: plain terminal chat on {path.name} (run `edgegem` for the full-screen app).")
     if a.model is None:
         print("This is the bundled demo model, Gemma 3 270M: a small base model that rambles. "
               "Load a Gemma-4 GGUF with --model PATH for real answers.")
@@ -354,14 +380,21 @@ def cmd_chat(a) -> int:
     return 0
 
 
-COMMANDS = {"score": cmd_score, "tokenize": cmd_tokenize, "run": cmd_run, "info": cmd_info,
+COMMANDS = {"app": cmd_app, "score": cmd_score, "tokenize": cmd_tokenize, "run": cmd_run, "info": cmd_info,
             "bench": cmd_bench, "chat": cmd_chat}
+COMMANDS.update(cli_tools.COMMANDS)
+
+
+def _with_default_command(argv: list[str]) -> list[str]:
+    """`edgegem [--model PATH] [flags]` means `edgegem app ...` (top-level --debug stays in front)."""
+    if any(t in COMMANDS for t in argv) or {"-h", "--help", "--version"} & set(argv):
+        return argv
+    debug = [t for t in argv if t == "--debug"]
+    return debug + ["app"] + [t for t in argv if t != "--debug"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.cmd is None:
-        args = _parser().parse_args((["--debug"] if args.debug else []) + ["chat"])
+    args = _parser().parse_args(_with_default_command(sys.argv[1:] if argv is None else list(argv)))
     try:
         return COMMANDS[args.cmd](args)
     except KeyboardInterrupt:

@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from models.chat import split_thinking
 from models.gguf import GGUFError, GGUFFile
 from models.loader import LoadedModel, load_model, open_gguf
 
@@ -21,7 +22,8 @@ from .scheduler import EngineConfig
 
 __all__ = ["GGUFError", "LoadedModel", "SamplingParams", "GenerationParams", "EngineOptions",
            "demo_model_path", "resolve_model", "open_model", "tokenize", "score", "prompt_ids",
-           "engine_config", "start_client", "run_prompt", "describe", "open_layout", "memory_plan"]
+           "engine_config", "engine_plan", "split_thinking", "start_client", "run_prompt", "describe",
+           "open_layout", "memory_plan"]
 
 
 def demo_model_path() -> Optional[Path]:
@@ -33,9 +35,16 @@ def demo_model_path() -> Optional[Path]:
     return Path(demo.assemble())
 
 
-def resolve_model(model: Optional[str]) -> Path:
-    if model:
-        return Path(model).expanduser()
+def resolve_model(model: Optional[str], models_dir: Optional[Path] = None) -> Path:
+    """An existing path as is; else a model name in the models directory (a file name, stem,
+    pulled `owner/name:QUANT` or unique piece of it: engine/model_store.py); "demo" or nothing:
+    the demo model. A missing or ambiguous name is a one-line ValueError listing candidates."""
+    if model and model != "demo":
+        path = Path(model).expanduser()
+        if path.exists():
+            return path
+        from .model_store import find_model
+        return find_model(model, models_dir)
     demo = demo_model_path()
     if demo is None:
         raise GGUFError("edgegem", "no --model given and the demo model is not installed "
@@ -47,14 +56,15 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def open_model(path: Path, exact: bool = True, device: str = "cpu", embed_weights: str = "host") -> LoadedModel:
+def open_model(path: Path, exact: bool = True, device: str = "cpu", embed_weights: str = "host",
+               progress: Optional[Callable[[int, int, int, int], None]] = None) -> LoadedModel:
     """CPU: `exact` float32 weights (the reference), else the float16 runtime format, about 3x
     faster decode on a memory-bound CPU (models/weights.py). CUDA: bf16 activations, GGUF matrices
     kept quantized for the Triton kernels (`exact`: float32 activations)."""
     if device == "cuda":
         return load_model(path, dtype=torch.float32 if exact else torch.bfloat16, device=device, quantized=True,
-                          host_embeddings=embed_weights == "host")
-    return load_model(path, device=device, weight_dtype=None if exact else torch.float16)
+                          host_embeddings=embed_weights == "host", progress=progress)
+    return load_model(path, device=device, weight_dtype=None if exact else torch.float16, progress=progress)
 
 
 def tokenize(path: Path, text: str) -> list[int]:
@@ -114,8 +124,9 @@ class EngineOptions:
 CPU_DEFAULT_FULL_TOKENS = 65536
 
 
-def engine_config(lm: LoadedModel, opts: EngineOptions) -> EngineConfig:
-    """Pool sizes from the memory plan for the model's device and the chosen formats."""
+def engine_plan(lm: LoadedModel, opts: EngineOptions):
+    """The memory plan (engine/memory_plan.MemoryPlan) for a loaded GGUF model under `opts`, with
+    the KV formats and prefill chunk it assumed; plan is None for an HF folder (no tensor table)."""
     from .kv_format import resolve_format
     from .memory_plan import PlanOptions, default_budget, parse_size, plan_memory
 
@@ -123,14 +134,22 @@ def engine_config(lm: LoadedModel, opts: EngineOptions) -> EngineConfig:
     kv = resolve_format(opts.kv_cache_dtype, device).name
     swa = resolve_format(opts.swa_kv_cache_dtype, device).name
     chunk = opts.prefill_chunk or (2048 if device == "cuda" else 512)
-    full, window = min(lm.config.context_length, CPU_DEFAULT_FULL_TOKENS), None
+    plan = None
     if isinstance(getattr(lm.source, "tensors", None), dict):  # a GGUF: plan from its tensor table
         budget = parse_size(opts.gpu_memory_budget) if opts.gpu_memory_budget else default_budget(device)[0]
         plan = plan_memory(lm.source, PlanOptions(budget=budget, device=device, kv_format=kv, swa_format=swa,
                                                   embed_weights=opts.embed_weights, prefill_chunk=chunk,
                                                   max_running=opts.max_running_requests), lm.config)
+    return plan, kv, swa, chunk
+
+
+def engine_config(lm: LoadedModel, opts: EngineOptions) -> EngineConfig:
+    """Pool sizes from the memory plan for the model's device and the chosen formats."""
+    plan, kv, swa, chunk = engine_plan(lm, opts)
+    full, window = min(lm.config.context_length, CPU_DEFAULT_FULL_TOKENS), None
+    if plan is not None:
         full, window = plan.kv["full"]["tokens"] or 1, plan.kv["window"]["tokens"] or 1
-        if device == "cpu" and not opts.gpu_memory_budget:
+        if lm.model.device.type == "cpu" and not opts.gpu_memory_budget:
             full = min(full, CPU_DEFAULT_FULL_TOKENS)
     return EngineConfig(max_running_requests=opts.max_running_requests, prefill_chunk=chunk,
                         fast_prefill=opts.fast_prefill, cache_type=opts.cache_type, kv_cache_dtype=kv,

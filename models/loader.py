@@ -40,10 +40,11 @@ def open_gguf(path: str | Path) -> GGUFFile:
 
 def load_model(path: str | Path, dtype=torch.float32, device="cpu", with_tokenizer: bool = True,
                weight_dtype: Optional[torch.dtype] = None, quantized: bool = False,
-               host_embeddings: bool = False) -> LoadedModel:
+               host_embeddings: bool = False, progress=None) -> LoadedModel:
     """`weight_dtype=torch.float16`: the fast CPU runtime format (models/weights.py); None: exact.
     `quantized`: GGUF matrices stay in their quantized bytes for the Triton kernels.
-    `host_embeddings`: embedding lookup tables stay in host memory (`--embed-weights host`)."""
+    `host_embeddings`: embedding lookup tables stay in host memory (`--embed-weights host`).
+    `progress(done, total, bytes_done, bytes_total)`: called after each tensor (GGUF files)."""
     path = Path(path)
     if path.is_dir():
         return _load_hf(path, dtype, device, weight_dtype)
@@ -52,11 +53,11 @@ def load_model(path: str | Path, dtype=torch.float32, device="cpu", with_tokeniz
         if f.architecture == "gemma4":
             from .gemma4 import load_gemma4
             model = load_gemma4(f, dtype=dtype, device=device, weight_dtype=weight_dtype, quantized=quantized,
-                                host_embeddings=host_embeddings)
+                                host_embeddings=host_embeddings, progress=progress)
         else:
             from .gemma3 import load_gemma3
             model = load_gemma3(f, dtype=dtype, device=device, weight_dtype=weight_dtype, quantized=quantized,
-                                host_embeddings=host_embeddings)
+                                host_embeddings=host_embeddings, progress=progress)
     except ConfigError as e:
         raise GGUFError(path, str(e)) from None
     tok = chat = None

@@ -82,17 +82,27 @@ def _quant_weight(source, name: str, shape, device) -> QuantWeight | None:
 HOST_TABLES = ("token_embd.weight", "per_layer_token_embd.weight")
 
 
+def _file_bytes(source, name: str) -> int:
+    """Bytes of tensor `name` as stored (GGUF: its quantized blocks), 0 when the source cannot say."""
+    tensors = getattr(source, "tensors", None)
+    t = tensors.get(name) if isinstance(tensors, dict) else None
+    return int(getattr(t, "n_bytes", 0) or 0)
+
+
 def load_weights(source, plan: dict, dtype: torch.dtype = torch.float32, device="cpu",
                  weight_dtype: torch.dtype | None = None, quantized: bool = False,
-                 host_embeddings: bool = False) -> dict:
+                 host_embeddings: bool = False, progress=None) -> dict:
     """Dequantize every tensor of `plan` (name -> expected torch shape) from a GGUFFile or
     HFCheckpoint. Matrices go to `weight_dtype` (float16: HalfWeight) when given, the rest to
     `dtype`; norms and scales are never rounded below float32. `quantized`: matrices of the types
     the Triton kernels read stay in their GGUF bytes (QuantWeight). `host_embeddings`
     (`--embed-weights host`): the embedding lookup tables stay in host memory and only the rows of
     the current tokens go to the device; a tied LM head keeps its device copy ("token_embd.host"
-    is then the lookup copy)."""
+    is then the lookup copy). `progress(done, total, bytes_done, bytes_total)` is called after
+    each tensor (bytes as stored in the file: what a loading bar should count)."""
     out = {}
+    sizes = [_file_bytes(source, name) for name in plan]
+    total, done = sum(sizes), 0
 
     def one(name, shape, where):
         if quantized:
@@ -104,7 +114,7 @@ def load_weights(source, plan: dict, dtype: torch.dtype = torch.float32, device=
         return HalfWeight(t) if matrix and weight_dtype == torch.float16 else t
 
     host = host_embeddings and torch.device(device).type != "cpu"
-    for name, shape in plan.items():
+    for i, (name, shape) in enumerate(plan.items()):
         if host and name == "per_layer_token_embd.weight":
             out[name] = one(name, shape, "cpu")
         elif host and name == "token_embd.weight" and "output.weight" not in plan:
@@ -112,6 +122,9 @@ def load_weights(source, plan: dict, dtype: torch.dtype = torch.float32, device=
             out["token_embd.host"] = one(name, shape, "cpu")
         else:
             out[name] = one(name, shape, "cpu" if host and name in HOST_TABLES else device)
+        if progress is not None:
+            done += sizes[i]
+            progress(i + 1, len(plan), done, total)
     if weight_dtype == torch.float16:
         fuse_projections(out)
     return out

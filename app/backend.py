@@ -1,0 +1,92 @@
+"""What the app needs from the engine, and nothing more: load a model (with progress), then a client.
+
+`EngineBackend` is the real one (engine.api); tests pass a fake with the same two members. The app
+never imports `models` or `kernels`: this file is its only door into the engine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from engine.api import EngineOptions, GenerationParams, SamplingParams, split_thinking  # noqa: F401 - re-exported
+
+# progress(fraction 0..1, one-line description)
+Progress = Callable[[float, str], None]
+
+
+@dataclass
+class Session:
+    """A loaded model: its client (engine.client.EngineClient) and what the status panel shows."""
+
+    client: Any
+    info: dict = field(default_factory=dict)  # model, path, arch, device, demo, plan (bytes), context_limit
+
+
+class EngineBackend:
+    def __init__(self, model: Optional[str] = None, options: EngineOptions = EngineOptions(),
+                 device: str = "auto", exact: bool = False):
+        self.model, self.options, self.device, self.exact = model, options, device, exact
+
+    def with_options(self, **changes) -> "EngineBackend":
+        """The same model with other engine flags (the settings screen's reload)."""
+        return EngineBackend(self.model, replace(self.options, **changes), self.device, self.exact)
+
+    def load(self, progress: Progress) -> Session:
+        from engine import api
+
+        path = api.resolve_model(self.model)
+        device = api.default_device() if self.device == "auto" else self.device
+        progress(0.0, f"opening {path.name}")
+
+        def on_tensor(done: int, total: int, nbytes: int, total_bytes: int) -> None:
+            frac = nbytes / total_bytes if total_bytes else done / max(total, 1)
+            progress(0.9 * frac, f"tensors {done}/{total} · {_size(nbytes)} of {_size(total_bytes)} → {device}")
+
+        lm = api.open_model(path, exact=self.exact, device=device, embed_weights=self.options.embed_weights,
+                            progress=on_tensor)
+        progress(0.92, "allocating the KV pools")
+        plan = api.engine_plan(lm, self.options)[0]
+        client = api.start_client(lm, self.options)
+        progress(1.0, "ready")
+        status = client.status()
+        info = {"model": lm.source.get("general.name") if hasattr(lm.source, "get") else path.name,
+                "file": path.name, "path": str(path), "arch": lm.arch, "demo": self.model is None,
+                "device": device, "context_limit": status.get("context_limit"),
+                "draft": self.options.spec_draft_model,
+                "budget_bytes": plan.budget if plan is not None else None,
+                "plan": plan_lines(plan, status)}
+        info["model"] = info["model"] or path.stem
+        return Session(client, info)
+
+
+def size(n: Optional[int]) -> str:
+    if n is None:
+        return "?"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+_size = size
+
+
+def plan_lines(plan, status: dict) -> list[str]:
+    """The memory plan as the loading screen prints it: weights and workspace from the plan, the KV
+    pools as the engine actually built them (on the CPU without a budget they stop well short of
+    what the plan would allow)."""
+    pools = {k: p for k, p in status.get("pools", {}).items() if isinstance(p, dict) and p.get("slabs")}
+    kv_bytes = sum(p["capacity"] * p["unit_bytes"] for p in pools.values())
+    lines = []
+    if plan is not None:
+        rest = [c for c in plan.components if "KV pool" not in c["name"]]
+        used = sum(c["device_bytes"] for c in rest) + kv_bytes
+        lines.append(f"budget {size(plan.budget)} on {plan.device}: {size(used)} used on the device, "
+                     f"{size(sum(c['host_bytes'] for c in rest))} in host memory")
+        for c in rest:
+            where = [f"device {size(c['device_bytes'])}"] if c["device_bytes"] else []
+            where += [f"host {size(c['host_bytes'])}"] if c["host_bytes"] else []
+            lines.append(f"  {c['name']}: {', '.join(where) or '0'}")
+    for name, p in pools.items():
+        lines.append(f"  KV {name} pool: {p['capacity']} tokens × {p['slabs']} layers, {p['format']}, "
+                     f"{size(p['capacity'] * p['unit_bytes'])}")
+    lines.append(f"max context: {status.get('context_limit')} tokens")
+    return lines

@@ -1,0 +1,63 @@
+"""The setup subcommands of `edgegem`: doctor, pull, models (registered by app/cli.py)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _dir_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data-dir", metavar="DIR", help="edgegem's data folder (default: $EDGEGEM_DATA_DIR, "
+                                                     "else the platform's user data dir)")
+    p.add_argument("--models-dir", metavar="DIR", help="where models live (default: $EDGEGEM_MODELS_DIR, "
+                                                       "else DATA_DIR/models)")
+
+
+def add_commands(sub) -> None:
+    d = sub.add_parser("doctor", help="check Python, torch, CUDA, GPU, driver, Triton, memory and folders")
+    _dir_args(d)
+    d.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("pull", help="download a GGUF (and its assistant draft) from the Hugging Face Hub")
+    p.add_argument("spec", metavar="REPO[:QUANT]", help="e.g. unsloth/gemma-4-E2B-it-GGUF:Q4_K_M (default quant Q4_K_M)")
+    p.add_argument("--draft", metavar="REPO[:QUANT]", help="take the assistant draft from this repo")
+    p.add_argument("--no-draft", action="store_true", help="skip the assistant draft")
+    p.add_argument("--revision", help="branch, tag or commit (default: main)")
+    _dir_args(p)
+
+    m = sub.add_parser("models", help="local models: size, architecture, quant and the context that fits")
+    _dir_args(m)
+    m.add_argument("--gpu-memory-budget", metavar="SIZE", help="plan for this budget (default: 90%% of free "
+                                                               "device memory)")
+    m.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="device of the plan")
+    m.add_argument("--json", action="store_true")
+
+
+def cmd_doctor(a) -> int:
+    from . import doctor
+    checks = doctor.evaluate(doctor.gather(a.data_dir, a.models_dir))
+    print(doctor.report(checks, a.json))
+    return doctor.exit_code(checks)
+
+
+def cmd_pull(a) -> int:
+    from engine.hub import pull
+    from engine.model_store import models_dir
+    r = pull(a.spec, models_dir(a.models_dir, a.data_dir), draft=a.draft, no_draft=a.no_draft, revision=a.revision)
+    print(r.model)
+    if r.draft:
+        print(r.draft)
+    name = r.model if a.models_dir or a.data_dir else r.model.stem  # names resolve in the default folder only
+    run = f"edgegem chat --model {name}" + (f" --spec-draft-model {r.draft}" if r.draft else "")
+    print(f"run it: {run}", file=sys.stderr)
+    return 0
+
+
+def cmd_models(a) -> int:
+    from engine.model_store import models_dir
+
+    from .models_list import model_rows, print_models
+    print_models(model_rows(models_dir(a.models_dir, a.data_dir), a.gpu_memory_budget, a.device), a.json)
+    return 0
+
+
+COMMANDS = {"doctor": cmd_doctor, "pull": cmd_pull, "models": cmd_models}

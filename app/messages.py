@@ -1,0 +1,35 @@
+"""Messages the worker threads post to the UI (Textual's `post_message` is thread-safe).
+
+Streaming text is not posted token by token: the chat screen's timer pulls it (at most 20 times a
+second) and the status panel pulls `client.status()`, so a fast decode never floods the UI.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from textual.message import Message
+
+
+class LoadProgress(Message):
+    def __init__(self, fraction: float, text: str) -> None:
+        super().__init__()
+        self.fraction, self.text = fraction, text
+
+
+class Loaded(Message):
+    def __init__(self, session) -> None:  # app.backend.Session
+        super().__init__()
+        self.session = session
+
+
+class LoadFailed(Message):
+    def __init__(self, error: str) -> None:
+        super().__init__()
+        self.error = error
+
+
+class GenerationDone(Message):
+    def __init__(self, gen_id: int, text: str, reason: Optional[str], error: Optional[str],
+                 stats: Optional[dict]) -> None:
+        super().__init__()
+        self.gen_id, self.text, self.reason, self.error, self.stats = gen_id, text, reason, error, stats or {}

@@ -1,0 +1,350 @@
+"""The chat screen: conversation sidebar, message list, input, status panel.
+
+Generation runs in a worker thread that talks to the engine client (submit, stream, abort): it
+only appends to `Generation.text` and posts one `GenerationDone`. A UI timer renders the text at
+most 20 times a second (coalesced, so a fast decode never floods the UI, and a stalled stream
+still shows everything it has). The UI thread alone renders and writes the store; every finished
+or stopped answer is committed the moment it ends.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Optional
+
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import Screen
+from textual.widgets import Footer, Static
+
+from app.backend import GenerationParams, SamplingParams, split_thinking
+from app.messages import GenerationDone
+from app.screens.dialogs import ConfirmScreen, HelpScreen, TextPrompt
+from app.store import DEFAULT_TITLE
+from app.screens.settings import DEFAULT_SETTINGS, SettingsResult, SettingsScreen
+from app.widgets.chat_input import ChatInput
+from app.widgets.message_view import MessageView, code_blocks
+from app.widgets.sidebar import Sidebar
+from app.widgets.status_panel import StatusPanel
+
+CHUNK_INTERVAL_S = 0.05  # at most ~20 UI updates a second, however fast the decode
+_gen_ids = itertools.count(1)
+
+
+@dataclass
+class Generation:
+    """One answer being written: which conversation, which view, the engine's request id."""
+
+    conversation_id: int
+    view: MessageView
+    id: int = field(default_factory=lambda: next(_gen_ids))
+    request_id: Optional[int] = None
+    stop_requested: bool = False
+    prompt_tokens: int = 0
+    tokens: int = 0
+    text: str = ""  # raw text so far (thought channel included); written by the worker only
+    shown: str = ""  # what the view shows; UI thread only
+
+
+def one_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def sampling_params(s: dict) -> GenerationParams:
+    s = {**DEFAULT_SETTINGS, **s}
+    return GenerationParams(SamplingParams(temperature=float(s["temperature"]), top_k=int(s["top_k"]),
+                                           top_p=float(s["top_p"]), min_p=float(s["min_p"]),
+                                           max_tokens=int(s["max_tokens"]),
+                                           repetition_penalty=float(s["repetition_penalty"])),
+                            thinking=bool(s["thinking"]))
+
+
+class ChatScreen(Screen[None]):
+    BINDINGS = [
+        Binding("escape", "stop", "Stop"),
+        Binding("ctrl+r", "regenerate", "Regenerate"),
+        Binding("ctrl+l", "edit_last", "Edit last"),
+        Binding("ctrl+o", "copy_answer", "Copy"),
+        Binding("ctrl+b", "copy_code", "Copy code", show=False),
+        Binding("ctrl+t", "toggle_thinking", "Thinking"),
+        Binding("ctrl+n", "new_conversation", "New"),
+        Binding("ctrl+f", "search", "Search", show=False),
+        Binding("f2", "rename", "Rename", show=False),
+        Binding("f8", "delete", "Delete", show=False),
+        Binding("f4", "export", "Export", show=False),
+        Binding("ctrl+s", "settings", "Settings"),
+        Binding("f1", "help", "Help"),
+    ]
+
+    def __init__(self, session, store, conversation_id: Optional[int] = None) -> None:
+        super().__init__()
+        self.session, self.store = session, store
+        self.conversation_id = conversation_id
+        self.messages: list = []  # app.store.Message of the current conversation, in order
+        self.gen: Optional[Generation] = None
+        self.last_stats: Optional[dict] = None
+
+    @property
+    def client(self):
+        return self.session.client
+
+    def compose(self) -> ComposeResult:
+        with Horizontal():
+            yield Sidebar(self.store, id="sidebar")
+            with Vertical(id="main"):
+                yield VerticalScroll(id="messages")
+                yield ChatInput(id="input")
+            yield StatusPanel(id="status")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        convs = self.store.conversations()
+        if self.conversation_id is None:
+            self.conversation_id = convs[0].id if convs else self._new().id
+        self.load_conversation(self.conversation_id)
+        self.set_interval(0.5, self.refresh_status)
+        self.set_interval(CHUNK_INTERVAL_S, self._pump)
+        self.query_one(ChatInput).focus()
+
+    # --- conversations -----------------------------------------------------------------------
+    def _new(self):
+        return self.store.new_conversation(settings=dict(getattr(self.app, "default_settings", {})))
+
+    def load_conversation(self, conversation_id: int) -> None:
+        self.conversation_id = conversation_id
+        self.messages = self.store.messages(conversation_id)
+        box = self.query_one("#messages", VerticalScroll)
+        box.remove_children()
+        if self.session.info.get("demo"):
+            box.mount(Static(DEMO_NOTE, classes="notice", markup=False))
+        box.mount_all([MessageView(m.role, m.content, m.thinking, m.status, m.id)
+                       for m in self.messages if m.role != "system"])
+        box.scroll_end(animate=False)
+        last = next((m.stats for m in reversed(self.messages) if m.role == "assistant" and m.stats), None)
+        self.last_stats = last
+        self.query_one(Sidebar).reload(conversation_id)
+        self.sub_title = self.store.get(conversation_id).title
+        self.refresh_status()
+
+    @property
+    def settings(self) -> dict:
+        return {**DEFAULT_SETTINGS, **self.store.get(self.conversation_id).settings}
+
+    def _busy(self) -> bool:
+        if self.gen is not None:
+            self.notify("An answer is being written: wait, or press Escape to stop it.", severity="warning")
+            return True
+        return False
+
+    @on(Sidebar.Selected)
+    def switch_conversation(self, event: Sidebar.Selected) -> None:
+        if not self._busy():
+            self.load_conversation(event.conversation_id)
+        else:
+            self.query_one(Sidebar).reload(self.conversation_id)
+
+    def action_new_conversation(self) -> None:
+        if not self._busy():
+            self.load_conversation(self._new().id)
+            self.query_one(ChatInput).focus()
+
+    def action_search(self) -> None:
+        self.query_one("#search").focus()
+
+    def action_rename(self) -> None:
+        def done(title: Optional[str]) -> None:
+            if title:
+                self.store.rename(self.conversation_id, title)
+                self.sub_title = self.store.get(self.conversation_id).title
+                self.query_one(Sidebar).reload(self.conversation_id)
+        self.app.push_screen(TextPrompt("Rename conversation", self.store.get(self.conversation_id).title), done)
+
+    def action_delete(self) -> None:
+        if self._busy():
+            return
+        title = self.store.get(self.conversation_id).title
+
+        def done(yes: bool) -> None:
+            if yes:
+                self.store.delete(self.conversation_id)
+                convs = self.store.conversations()
+                self.load_conversation(convs[0].id if convs else self._new().id)
+                self.notify(f"Deleted “{title}”.")
+        self.app.push_screen(ConfirmScreen(f"Delete “{title}” and all its messages?", yes="Delete"), done)
+
+    def action_export(self) -> None:
+        md, js = self.store.export_to(self.conversation_id, self.app.export_dir)
+        self.notify(f"Exported to {md} and {js.name}", timeout=8)
+
+    def action_help(self) -> None:
+        self.app.push_screen(HelpScreen())
+
+    def action_settings(self) -> None:
+        def done(result: Optional[SettingsResult]) -> None:
+            if result is None:
+                return
+            self.store.update_settings(self.conversation_id, result.conversation)
+            if result.engine:
+                self.app.confirm_reload(result.engine)
+            else:
+                self.notify("Settings saved for this conversation.")
+        self.app.push_screen(SettingsScreen(self.settings, self.app.engine_flags()), done)
+
+    def action_toggle_thinking(self) -> None:
+        on_ = not self.settings["thinking"]
+        self.store.update_settings(self.conversation_id, {"thinking": on_})
+        self.notify(f"Thinking {'on' if on_ else 'off'} for this conversation.")
+
+    # --- copying -----------------------------------------------------------------------------
+    def _last_answer(self) -> Optional[str]:
+        return next((m.content for m in reversed(self.messages) if m.role == "assistant"), None)
+
+    def action_copy_answer(self) -> None:
+        text = self._last_answer()
+        if text:
+            self.app.copy_to_clipboard(text)
+            self.notify("Copied the last answer.")
+
+    def action_copy_code(self) -> None:
+        blocks = code_blocks(self._last_answer() or "")
+        if blocks:
+            self.app.copy_to_clipboard(blocks[-1])
+            self.notify("Copied the last code block.")
+        else:
+            self.notify("The last answer has no code block.", severity="warning")
+
+    # --- sending, regenerating, editing --------------------------------------------------------
+    @on(ChatInput.Submitted)
+    async def send(self, event: ChatInput.Submitted) -> None:
+        if self._busy():
+            return
+        conv = self.store.get(self.conversation_id)
+        if not self.messages and conv.title == DEFAULT_TITLE:
+            self.store.rename(conv.id, self.store.title_from(event.text))
+            self.sub_title = self.store.get(conv.id).title
+        m = self.store.add_message(conv.id, "user", event.text)
+        self.messages.append(m)
+        self.query_one(ChatInput).clear()
+        await self.query_one("#messages", VerticalScroll).mount(MessageView("user", m.content, message_id=m.id))
+        self.query_one(Sidebar).reload(conv.id)
+        await self.generate()
+
+    def _drop_last(self, role: str) -> Optional[object]:
+        """Remove the last message if it has `role` (store and view); return it."""
+        if not self.messages or self.messages[-1].role != role:
+            return None
+        m = self.messages.pop()
+        self.store.delete_message(m.id)
+        views = [v for v in self.query(MessageView) if v.message_id == m.id]
+        for v in views:
+            v.remove()
+        return m
+
+    async def action_regenerate(self) -> None:
+        if self._busy() or not self.messages:
+            return
+        self._drop_last("assistant")
+        if self.messages and self.messages[-1].role == "user":
+            await self.generate()
+
+    def action_edit_last(self) -> None:
+        if self._busy():
+            return
+        self._drop_last("assistant")
+        m = self._drop_last("user")
+        if m is not None:
+            box = self.query_one(ChatInput)
+            box.text = m.content
+            box.focus()
+
+    def action_stop(self) -> None:
+        g = self.gen
+        if g is None:
+            return
+        g.stop_requested = True
+        if g.request_id is not None:
+            self.client.abort(g.request_id)
+
+    # --- generation ----------------------------------------------------------------------------
+    def prompt_messages(self) -> list[dict]:
+        s = self.settings
+        msgs = [{"role": "system", "content": s["system"]}] if s["system"].strip() else []
+        # Answers that failed carry no text worth conditioning on; stopped ones are kept.
+        msgs += [{"role": m.role, "content": m.content} for m in self.messages
+                 if m.role in ("user", "assistant") and m.status != "error"]
+        return msgs
+
+    async def generate(self) -> None:
+        view = MessageView("assistant", status="streaming")
+        await self.query_one("#messages", VerticalScroll).mount(view)
+        view.start_stream()
+        self.gen = Generation(self.conversation_id, view)
+        params = sampling_params(self.settings)
+        msgs = self.prompt_messages()
+        self.run_worker(lambda: self._work(self.gen, msgs, params), thread=True, group="generate")
+
+    def _work(self, g: Generation, msgs: list[dict], params: GenerationParams) -> None:
+        """Worker thread: submit and stream. Never touches widgets or the store."""
+        try:
+            rid = self.client.submit(msgs, params)
+            g.prompt_tokens = len(self.client.last_prompt_ids(rid))
+            g.request_id = rid
+            if g.stop_requested:
+                self.client.abort(rid)
+            for ev in self.client.stream(rid):
+                g.text += ev.text
+                g.tokens += len(ev.token_ids)
+                if ev.finished:
+                    self.post_message(GenerationDone(g.id, g.text, ev.finish_reason, ev.error, ev.stats))
+                    return
+        except Exception as e:  # noqa: BLE001 - context overflow, CUDA OOM...: shown, not raised
+            self.post_message(GenerationDone(g.id, g.text, "error", one_line(e), None))
+
+    async def _pump(self) -> None:
+        """Timer: show what the worker has written since the last tick."""
+        g = self.gen
+        if g is None or g.text == g.shown:
+            return
+        g.shown = g.text
+        thought, answer = split_thinking(g.shown)
+        await g.view.show(thought, answer)
+        self.query_one("#messages", VerticalScroll).scroll_end(animate=False)
+
+    async def on_generation_done(self, msg: GenerationDone) -> None:
+        g = self.gen
+        if g is None or msg.gen_id != g.id:
+            return
+        thought, answer = split_thinking(msg.text)
+        status = "error" if msg.error else "stopped" if msg.reason == "abort" else "done"
+        stats = {**msg.stats, "finish_reason": msg.reason, **({"error": msg.error} if msg.error else {})}
+        m = self.store.add_message(g.conversation_id, "assistant", answer, thinking=thought or "",
+                                   status=status, stats=stats)
+        self.messages.append(m)
+        self.gen = None
+        await g.view.finish(thought, answer, status, m.id)
+        if msg.stats:
+            self.last_stats = msg.stats
+        if msg.error:
+            self.notify(msg.error, title="Generation failed", severity="error", timeout=10)
+        self.query_one("#messages", VerticalScroll).scroll_end(animate=False)
+        self.query_one(Sidebar).reload(self.conversation_id)
+        self.refresh_status()
+
+    # --- status --------------------------------------------------------------------------------
+    def context_tokens(self) -> int:
+        if self.gen is not None:
+            return self.gen.prompt_tokens + self.gen.tokens
+        s = self.last_stats or {}
+        return int(s.get("prompt_tokens", 0)) + int(s.get("output_tokens", 0))
+
+    def refresh_status(self) -> None:
+        self.query_one(StatusPanel).refresh_from(self.session.info, self.client.status(),
+                                                 self.context_tokens(), self.last_stats)
+
+
+DEMO_NOTE = ("This is the bundled demo model, Gemma 3 270M: a small base model that rambles rather than "
+             "answers. For real answers load a Gemma-4 GGUF: edgegem --model PATH (or edgegem pull "
+             "unsloth/gemma-4-E2B-it-GGUF:Q4_K_M).")

@@ -1,0 +1,102 @@
+"""Settings: this conversation's system prompt and sampling (saved with the conversation), and the
+engine flags that need a model reload (KV format, memory budget, draft model; asked to confirm)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from textual.app import ComposeResult
+from textual.containers import Grid, Horizontal, VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Button, Input, Label, Select, Static, Switch, TextArea
+
+# Per-conversation defaults: llama.cpp-like chat sampling.
+DEFAULT_SETTINGS = {"system": "", "temperature": 0.7, "top_p": 0.95, "top_k": 64, "min_p": 0.0,
+                    "repetition_penalty": 1.0, "max_tokens": 1024, "thinking": False}
+# name -> (label, type, lower bound, upper bound)
+NUMBERS = {"temperature": ("Temperature", float, 0.0, 5.0), "top_p": ("Top-p", float, 0.0, 1.0),
+           "top_k": ("Top-k (0: off)", int, 0, 1_000_000), "min_p": ("Min-p", float, 0.0, 1.0),
+           "repetition_penalty": ("Repetition penalty", float, 0.1, 5.0),
+           "max_tokens": ("Max tokens", int, 1, 1_000_000)}
+KV_FORMATS = ["auto", "bf16", "fp16", "fp32", "int8_per_token_head", "fp8_per_token_head"]
+
+
+@dataclass
+class SettingsResult:
+    conversation: dict  # the new per-conversation settings
+    engine: Optional[dict]  # engine flags that changed (None: no reload)
+
+
+def parse_settings(raw: dict) -> dict:
+    """Validate the form's strings into typed settings; ValueError names the first bad field."""
+    out = {"system": raw.get("system", ""), "thinking": bool(raw.get("thinking"))}
+    for key, (label, typ, lo, hi) in NUMBERS.items():
+        try:
+            v = typ(str(raw[key]).strip())
+        except (KeyError, ValueError):
+            raise ValueError(f"{label}: not a number") from None
+        if not lo <= v <= hi:
+            raise ValueError(f"{label}: must be between {lo} and {hi}")
+        out[key] = v
+    return out
+
+
+class SettingsScreen(ModalScreen["SettingsResult | None"]):
+    BINDINGS = [("escape", "dismiss(None)", "Cancel"), ("ctrl+s", "save", "Save")]
+
+    def __init__(self, settings: dict, engine: dict) -> None:
+        super().__init__()
+        self.settings = {**DEFAULT_SETTINGS, **settings}
+        self.engine = engine  # kv_cache_dtype, gpu_memory_budget, spec_draft_model
+
+    def compose(self) -> ComposeResult:
+        s = self.settings
+        with VerticalScroll(classes="dialog settings"):
+            yield Label("This conversation", classes="heading")
+            yield Label("System prompt")
+            yield TextArea(s["system"], id="system", soft_wrap=True)
+            with Grid(classes="numbers"):
+                for key, (label, *_rest) in NUMBERS.items():
+                    yield Label(label)
+                    yield Input(str(s[key]), id=key)
+                yield Label("Thinking (Gemma-4)")
+                yield Switch(bool(s["thinking"]), id="thinking")
+            yield Label("Engine (applied by reloading the model)", classes="heading")
+            with Grid(classes="numbers"):
+                yield Label("KV cache format")
+                yield Select([(f, f) for f in KV_FORMATS], value=self.engine.get("kv_cache_dtype") or "auto",
+                             allow_blank=False, id="kv_cache_dtype")
+                yield Label("Memory budget")
+                yield Input(self.engine.get("gpu_memory_budget") or "", placeholder="default, or e.g. 8GiB",
+                            id="gpu_memory_budget")
+                yield Label("Draft model")
+                yield Input(self.engine.get("spec_draft_model") or "", placeholder="assistant GGUF path",
+                            id="spec_draft_model")
+            yield Static("", id="settings-error", markup=False)
+            with Horizontal(classes="buttons"):
+                yield Button("Save", variant="primary", id="save")
+                yield Button("Cancel", id="cancel")
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        if event.button.id == "save":
+            self.action_save()
+        else:
+            self.dismiss(None)
+
+    def action_save(self) -> None:
+        raw = {key: self.query_one(f"#{key}", Input).value for key in NUMBERS}
+        raw["system"] = self.query_one("#system", TextArea).text
+        raw["thinking"] = self.query_one("#thinking", Switch).value
+        try:
+            conv = parse_settings(raw)
+        except ValueError as e:
+            self.query_one("#settings-error", Static).update(str(e))
+            return
+        engine = {"kv_cache_dtype": self.query_one("#kv_cache_dtype", Select).value,
+                  "gpu_memory_budget": self.query_one("#gpu_memory_budget", Input).value.strip() or None,
+                  "spec_draft_model": self.query_one("#spec_draft_model", Input).value.strip() or None}
+        now = {"kv_cache_dtype": self.engine.get("kv_cache_dtype") or "auto",
+               "gpu_memory_budget": self.engine.get("gpu_memory_budget") or None,
+               "spec_draft_model": self.engine.get("spec_draft_model") or None}
+        changed = {k: v for k, v in engine.items() if v != now[k]}
+        self.dismiss(SettingsResult(conv, changed or None))

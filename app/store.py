@@ -1,0 +1,452 @@
+"""Conversation store: SQLite (WAL) under the user's data directory; no Textual, no engine.
+
+Durability: every call that changes something commits before it returns, so a crash or `kill -9`
+loses only the tokens still in flight. The database runs with `synchronous=NORMAL`: in WAL mode a
+commit is a write() into the `-wal` file, which the OS keeps after the process dies; only a power
+loss or OS crash can drop the last few commits, and even then the file stays consistent (no
+corruption, the WAL is checksummed). `FULL` would add an fsync to every commit (about 1 ms on an
+NVMe SSD, tens of ms on eMMC or a spinning disk), paid on the app's thread for a guarantee the
+requirement (process crash or kill) does not ask for.
+
+Thread safety: one connection opened with `check_same_thread=False`, every use under one lock,
+so the UI thread and a generation worker can both call the store.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+FORMAT = "edgegem.conversation"
+FORMAT_VERSION = 1
+ROLES = ("system", "user", "assistant")
+STATUSES = ("done", "stopped", "error")
+MAX_TITLE = 200
+MAX_IMPORT_MESSAGES = 10_000
+AUTO_TITLE_CHARS = 48
+DEFAULT_TITLE = "New chat"
+
+
+def default_data_dir() -> Path:
+    """$EDGEGEM_DATA_DIR, else the platform's user data dir (~/.local/share/edgegem on Linux)."""
+    env = os.environ.get("EDGEGEM_DATA_DIR")
+    if env:
+        return Path(env).expanduser()
+    import platformdirs  # a Textual dependency; imported here so the module loads without it
+
+    return Path(platformdirs.user_data_dir("edgegem"))
+
+
+@dataclass
+class Message:
+    id: int
+    conversation_id: int
+    role: str  # "system" | "user" | "assistant"
+    content: str
+    thinking: str = ""
+    status: str = "done"  # "done" | "stopped" | "error"
+    created: float = 0.0
+    stats: dict = field(default_factory=dict)  # e.g. {"prefill_tps": .., "decode_tps": .., "tokens": ..}
+
+
+@dataclass
+class Conversation:
+    id: int
+    title: str
+    created: float
+    updated: float
+    settings: dict
+
+
+def _schema_v1(db: sqlite3.Connection) -> None:
+    db.execute("""CREATE TABLE conversations (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        title TEXT NOT NULL,
+        created REAL NOT NULL,
+        updated REAL NOT NULL,
+        settings TEXT NOT NULL DEFAULT '{}')""")
+    # AUTOINCREMENT: ids are never reused, so an id the UI still holds after a delete cannot
+    # come to name another message.
+    db.execute(f"""CREATE TABLE messages (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+        role TEXT NOT NULL CHECK (role IN {ROLES!r}),
+        content TEXT NOT NULL,
+        thinking TEXT NOT NULL DEFAULT '',
+        status TEXT NOT NULL DEFAULT 'done' CHECK (status IN {STATUSES!r}),
+        created REAL NOT NULL,
+        stats TEXT NOT NULL DEFAULT '{{}}')""")
+    db.execute("CREATE INDEX messages_by_conversation ON messages(conversation_id, id)")
+    db.execute("CREATE INDEX conversations_by_updated ON conversations(updated)")
+
+
+# _MIGRATIONS[i] takes the schema from version i to i + 1; the version lives in PRAGMA
+# user_version (in the database header, changed in the same transaction as the migration).
+_MIGRATIONS = [_schema_v1]
+SCHEMA_VERSION = len(_MIGRATIONS)
+
+
+def _like_pattern(text: str) -> str:
+    """`text` as a LIKE pattern matching it literally anywhere (escape char: backslash)."""
+    escaped = text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return f"%{escaped}%"
+
+
+def _snippet(text: str, needle: str, width: int = 30) -> str:
+    """About `width` chars either side of the first case-insensitive hit, on one line."""
+    flat = " ".join(text.split())
+    at = flat.lower().find(needle.lower())
+    if at < 0:
+        return flat[: 2 * width] + ("…" if len(flat) > 2 * width else "")
+    start, end = max(0, at - width), min(len(flat), at + len(needle) + width)
+    return ("…" if start else "") + flat[start:end] + ("…" if end < len(flat) else "")
+
+
+def _clean_title(title: str) -> str:
+    title = " ".join(str(title).split())[:MAX_TITLE]
+    return title or DEFAULT_TITLE
+
+
+def _slug(title: str) -> str:
+    slug = re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")[:40].strip("-")
+    return slug or "chat"
+
+
+class Store:
+    def __init__(self, data_dir: Path | None = None):
+        self.data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.data_dir / "conversations.sqlite3"
+        self._lock = threading.Lock()
+        self._last_time = 0.0
+        # isolation_level=None: no implicit transactions; _tx() issues BEGIN/COMMIT itself.
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None,
+                                   timeout=5.0)
+        self._db.row_factory = sqlite3.Row
+        try:
+            mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if mode.lower() != "wal":
+                raise OSError(f"{self.path}: cannot use WAL journal mode (got {mode})")
+            self._db.execute("PRAGMA synchronous=NORMAL")  # why: see the module docstring
+            self._db.execute("PRAGMA foreign_keys=ON")
+            self._migrate()
+        except BaseException:
+            self._db.close()
+            raise
+
+    def _migrate(self) -> None:
+        with self._tx() as db:
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise ValueError(f"{self.path}: schema version {version} is newer than this "
+                                 f"edgegem knows ({SCHEMA_VERSION}); upgrade edgegem")
+            for migrate in _MIGRATIONS[version:]:
+                migrate(db)
+            if version != SCHEMA_VERSION:
+                db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction under the lock, committed before the caller goes on."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+                self._db.execute("COMMIT")
+            except BaseException:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
+
+    def _read(self, sql: str, args: tuple | dict = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    def _now(self) -> float:
+        # Called under the lock. Strictly increasing within this store, so "most recently updated
+        # first" has no ties even when two writes land in the same clock tick.
+        self._last_time = max(time.time(), self._last_time + 1e-6)
+        return self._last_time
+
+    @staticmethod
+    def _conversation(row: sqlite3.Row) -> Conversation:
+        return Conversation(row["id"], row["title"], row["created"], row["updated"],
+                            json.loads(row["settings"]))
+
+    @staticmethod
+    def _message(row: sqlite3.Row) -> Message:
+        return Message(row["id"], row["conversation_id"], row["role"], row["content"],
+                       row["thinking"], row["status"], row["created"], json.loads(row["stats"]))
+
+    @staticmethod
+    def title_from(text: str) -> str:
+        """Sidebar title from the first user message: its first non-blank line, ≤ 48 chars."""
+        line = next((ln for ln in text.splitlines() if ln.strip()), "")
+        line = " ".join(line.split())
+        if len(line) > AUTO_TITLE_CHARS:
+            line = line[: AUTO_TITLE_CHARS - 1].rstrip() + "…"
+        return line or DEFAULT_TITLE
+
+    # --- conversations ---
+
+    def new_conversation(self, title: str = DEFAULT_TITLE, settings: dict | None = None) -> Conversation:
+        settings = json.dumps(dict(settings or {}))
+        with self._tx() as db:
+            now = self._now()
+            cur = db.execute("INSERT INTO conversations (title, created, updated, settings) "
+                             "VALUES (?, ?, ?, ?)", (_clean_title(title), now, now, settings))
+        return self.get(cur.lastrowid)
+
+    def conversations(self) -> list[Conversation]:
+        rows = self._read("SELECT * FROM conversations ORDER BY updated DESC, id DESC")
+        return [self._conversation(r) for r in rows]
+
+    def get(self, conversation_id: int) -> Conversation:
+        rows = self._read("SELECT * FROM conversations WHERE id = ?", (conversation_id,))
+        if not rows:
+            raise KeyError(f"no conversation {conversation_id}")
+        return self._conversation(rows[0])
+
+    def _touch(self, db: sqlite3.Connection, conversation_id: int, sql: str = "", args: tuple = ()) -> None:
+        """Bump `updated` (plus an optional `, col = ?` SET clause); KeyError if there is no such row."""
+        cur = db.execute(f"UPDATE conversations SET updated = ?{sql} WHERE id = ?",
+                         (self._now(), *args, conversation_id))
+        if cur.rowcount == 0:
+            raise KeyError(f"no conversation {conversation_id}")
+
+    def rename(self, conversation_id: int, title: str) -> None:
+        with self._tx() as db:
+            self._touch(db, conversation_id, ", title = ?", (_clean_title(title),))
+
+    def delete(self, conversation_id: int) -> None:
+        with self._tx() as db:  # messages go with it: ON DELETE CASCADE
+            if db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,)).rowcount == 0:
+                raise KeyError(f"no conversation {conversation_id}")
+
+    def update_settings(self, conversation_id: int, settings: dict) -> None:
+        """Shallow merge into the stored settings; a key set to None is removed (back to default)."""
+        with self._tx() as db:
+            row = db.execute("SELECT settings FROM conversations WHERE id = ?", (conversation_id,)).fetchone()
+            if row is None:
+                raise KeyError(f"no conversation {conversation_id}")
+            merged = {**json.loads(row["settings"]), **settings}
+            merged = {k: v for k, v in merged.items() if v is not None}
+            self._touch(db, conversation_id, ", settings = ?", (json.dumps(merged),))
+
+    # --- messages ---
+
+    def add_message(self, conversation_id: int, role: str, content: str, thinking: str = "",
+                    status: str = "done", stats: dict | None = None) -> Message:
+        if role not in ROLES or status not in STATUSES:
+            raise ValueError(f"bad role {role!r} or status {status!r}")
+        with self._tx() as db:
+            created = self._now()
+            self._touch(db, conversation_id)
+            cur = db.execute("INSERT INTO messages (conversation_id, role, content, thinking, status, "
+                             "created, stats) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                             (conversation_id, role, content, thinking, status, created,
+                              json.dumps(stats or {})))
+        return Message(cur.lastrowid, conversation_id, role, content, thinking, status, created,
+                       dict(stats or {}))
+
+    def update_message(self, message_id: int, content: str | None = None, thinking: str | None = None,
+                       status: str | None = None, stats: dict | None = None) -> None:
+        """Replace the given fields (stats is replaced whole, not merged)."""
+        if status is not None and status not in STATUSES:
+            raise ValueError(f"bad status {status!r}")
+        changes = {"content": content, "thinking": thinking, "status": status,
+                   "stats": None if stats is None else json.dumps(stats)}
+        changes = {k: v for k, v in changes.items() if v is not None}
+        with self._tx() as db:
+            conversation_id = self._conversation_of(db, message_id)
+            if changes:
+                sets = ", ".join(f"{k} = ?" for k in changes)
+                db.execute(f"UPDATE messages SET {sets} WHERE id = ?", (*changes.values(), message_id))
+            self._touch(db, conversation_id)
+
+    def delete_message(self, message_id: int) -> None:
+        with self._tx() as db:
+            conversation_id = self._conversation_of(db, message_id)
+            db.execute("DELETE FROM messages WHERE id = ?", (message_id,))
+            self._touch(db, conversation_id)
+
+    @staticmethod
+    def _conversation_of(db: sqlite3.Connection, message_id: int) -> int:
+        row = db.execute("SELECT conversation_id FROM messages WHERE id = ?", (message_id,)).fetchone()
+        if row is None:
+            raise KeyError(f"no message {message_id}")
+        return row[0]
+
+    def messages(self, conversation_id: int) -> list[Message]:
+        rows = self._read("SELECT * FROM messages WHERE conversation_id = ? ORDER BY id", (conversation_id,))
+        return [self._message(r) for r in rows]
+
+    def search(self, text: str) -> list[tuple[Conversation, str]]:
+        """Conversations whose title or any message content contains `text`, newest first, each
+        with a one-line snippet around the first hit. LIKE is case-insensitive for ASCII only
+        (SQLite without ICU); `%`, `_` and `\\` in `text` match literally."""
+        if not text:
+            return [(c, "") for c in self.conversations()]
+        rows = self._read(
+            "SELECT * FROM (SELECT c.*, (SELECT m.content FROM messages m WHERE m.conversation_id = c.id"
+            "  AND m.content LIKE :p ESCAPE '\\' ORDER BY m.id LIMIT 1) AS hit FROM conversations c)"
+            " WHERE hit IS NOT NULL OR title LIKE :p ESCAPE '\\' ORDER BY updated DESC, id DESC",
+            {"p": _like_pattern(text)})
+        return [(self._conversation(r), _snippet(r["hit"] if r["hit"] is not None else r["title"], text))
+                for r in rows]
+
+    # --- export / import ---
+
+    def export_markdown(self, conversation_id: int) -> str:
+        conv = self.get(conversation_id)
+        out = [f"# {conv.title}", ""]
+        for m in self.messages(conversation_id):
+            out += [f"## {m.role.capitalize()}", ""]
+            if m.thinking:
+                out += ["<details><summary>Thinking</summary>", "", m.thinking, "", "</details>", ""]
+            out += [m.content, ""]
+            if m.status != "done":
+                out += [f"_({m.status})_", ""]
+        return "\n".join(out)
+
+    def export_json(self, conversation_id: int) -> dict:
+        conv = self.get(conversation_id)
+        return {"format": FORMAT, "version": FORMAT_VERSION, "title": conv.title,
+                "created": conv.created, "settings": conv.settings,
+                "messages": [{"role": m.role, "content": m.content, "thinking": m.thinking,
+                              "status": m.status, "created": m.created, "stats": m.stats}
+                             for m in self.messages(conversation_id)]}
+
+    def export_to(self, conversation_id: int, directory: Path) -> tuple[Path, Path]:
+        """Write <slug>-<id>.md and .json into `directory` (created if missing)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        stem = f"{_slug(self.get(conversation_id).title)}-{conversation_id}"
+        md, js = directory / f"{stem}.md", directory / f"{stem}.json"
+        md.write_text(self.export_markdown(conversation_id), encoding="utf-8")
+        js.write_text(json.dumps(self.export_json(conversation_id), ensure_ascii=False, indent=1) + "\n",
+                      encoding="utf-8")
+        return md, js
+
+    def import_json(self, data: bytes | str | dict, max_bytes: int = 8 << 20) -> Conversation:
+        """Add a conversation from `export_json` output. Anything malformed is refused with a
+        one-line ValueError and nothing is written (one transaction)."""
+        doc = _parse_import(data, max_bytes)
+        with self._tx() as db:
+            now = self._now()
+            cur = db.execute("INSERT INTO conversations (title, created, updated, settings) "
+                             "VALUES (?, ?, ?, ?)",
+                             (doc["title"], doc["created"], now, json.dumps(doc["settings"])))
+            db.executemany("INSERT INTO messages (conversation_id, role, content, thinking, status, created, "
+                           "stats) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                           [(cur.lastrowid, m["role"], m["content"], m["thinking"], m["status"],
+                             m["created"], json.dumps(m["stats"])) for m in doc["messages"]])
+        return self.get(cur.lastrowid)
+
+    # --- maintenance ---
+
+    def integrity_check(self) -> str:
+        return "; ".join(r[0] for r in self._read("PRAGMA integrity_check"))
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+def _refuse(why: str) -> ValueError:
+    return ValueError("import refused: " + " ".join(why.split()))
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _number(value: object, where: str) -> float:
+    try:  # float() of a 400-digit int raises OverflowError
+        number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    except OverflowError:
+        number = math.nan
+    if not math.isfinite(number):
+        raise _refuse(f"{where} must be a finite number, not {_short(value)}")
+    return number
+
+
+def _text(value: object, where: str) -> str:
+    # A lone surrogate ("\ud800" in the JSON) parses but cannot be stored as UTF-8 by sqlite3.
+    if not isinstance(value, str):
+        raise _refuse(f"{where} must be a string, not {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _refuse(f"{where} is not valid Unicode (lone surrogate)") from None
+    return value
+
+
+def _parse_import(data: bytes | str | dict, max_bytes: int) -> dict:
+    """Validate an import and return it normalised (defaults filled in)."""
+    if isinstance(data, dict):
+        try:
+            size = len(json.dumps(data, allow_nan=False).encode("utf-8"))
+        except (TypeError, ValueError, RecursionError):
+            raise _refuse("not JSON-serialisable") from None
+    elif isinstance(data, (bytes, str)):
+        size = len(data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data)
+    else:
+        raise _refuse(f"expected bytes, str or dict, got {type(data).__name__}")
+    if size > max_bytes:
+        raise _refuse(f"{size} bytes is over the {max_bytes}-byte limit")
+    if not isinstance(data, dict):
+        def no_constants(name: str):
+            raise ValueError(f"{name} is not JSON")
+        try:
+            data = json.loads(data, parse_constant=no_constants)
+        except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise _refuse(f"not valid JSON ({str(e)[:80]})") from None
+    if not isinstance(data, dict):
+        raise _refuse(f"expected a JSON object, got {type(data).__name__}")
+    allowed = {"format", "version", "title", "created", "settings", "messages"}
+    if extra := set(data) - allowed:
+        raise _refuse(f"unknown key {_short(min(extra, key=str))}")
+    if data.get("format") != FORMAT:
+        raise _refuse(f"format is {_short(data.get('format'))}, expected {FORMAT!r}")
+    if type(data.get("version")) is not int or data["version"] != FORMAT_VERSION:
+        raise _refuse(f"version {_short(data.get('version'))} is not supported (expected {FORMAT_VERSION})")
+    title = _text(data.get("title", DEFAULT_TITLE), "title")
+    if len(title) > MAX_TITLE:
+        raise _refuse(f"title is {len(title)} characters, over the {MAX_TITLE} limit")
+    settings = data.get("settings", {})
+    if not isinstance(settings, dict):
+        raise _refuse("settings must be an object")
+    messages = data.get("messages")
+    if not isinstance(messages, list):
+        raise _refuse("messages must be a list")
+    if len(messages) > MAX_IMPORT_MESSAGES:
+        raise _refuse(f"{len(messages)} messages is over the {MAX_IMPORT_MESSAGES} limit")
+    created = _number(data.get("created", time.time()), "created")
+    clean = []
+    for i, m in enumerate(messages):
+        where = f"message {i}"
+        if not isinstance(m, dict):
+            raise _refuse(f"{where} is not an object")
+        if extra := set(m) - {"role", "content", "thinking", "status", "created", "stats"}:
+            raise _refuse(f"{where}: unknown key {_short(min(extra, key=str))}")
+        if m.get("role") not in ROLES:
+            raise _refuse(f"{where}: role {_short(m.get('role'))} is not one of {', '.join(ROLES)}")
+        if m.get("status", "done") not in STATUSES:
+            raise _refuse(f"{where}: status {_short(m.get('status'))} is not one of {', '.join(STATUSES)}")
+        if not isinstance(m.get("stats", {}), dict):
+            raise _refuse(f"{where}: stats must be an object")
+        clean.append({"role": m["role"], "content": _text(m.get("content"), f"{where}: content"),
+                      "thinking": _text(m.get("thinking", ""), f"{where}: thinking"),
+                      "status": m.get("status", "done"), "stats": m.get("stats", {}),
+                      "created": _number(m.get("created", created), f"{where}: created")})
+    return {"title": _clean_title(title), "created": created, "settings": settings, "messages": clean}

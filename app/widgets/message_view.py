@@ -1,0 +1,75 @@
+"""One chat message: a role line, the model's thought in a collapsible pane, the Markdown body.
+
+While streaming, the answer goes through `Markdown.get_stream()` (appends are batched by Textual
+when they come faster than it renders); the thought pane is replaced whole on each coalesced chunk.
+"""
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.widgets import Collapsible, Label, Markdown, Static
+
+ROLE_LABEL = {"user": "You", "assistant": "Model", "system": "System"}
+_CODE = re.compile(r"```[^\n]*\n(.*?)```", re.S)
+
+
+def code_blocks(markdown: str) -> list[str]:
+    """Fenced code blocks of a Markdown text, in order (an unclosed last fence counts too)."""
+    blocks = [m.group(1) for m in _CODE.finditer(markdown)]
+    rest = _CODE.sub("", markdown)
+    if rest.count("```") % 2:  # still being written
+        tail = rest[rest.rfind("```"):]
+        blocks.append(tail.split("\n", 1)[1] if "\n" in tail else "")
+    return blocks
+
+
+class MessageView(Vertical):
+    def __init__(self, role: str, content: str = "", thinking: str = "", status: str = "done",
+                 message_id: Optional[int] = None) -> None:
+        super().__init__(classes=f"message {role}")
+        self.role, self.content, self.thinking, self.status = role, content, thinking, status
+        self.message_id = message_id
+        self._stream = None
+
+    def compose(self) -> ComposeResult:
+        yield Label(self._header(), classes="role")
+        with Collapsible(title="Thought", collapsed=True, classes="thought") as c:
+            c.display = bool(self.thinking)
+            yield Static(self.thinking, classes="thought-text", markup=False)
+        yield Markdown(self.content, classes="body")
+
+    def _header(self) -> str:
+        extra = {"stopped": "  (stopped)", "error": "  (error)", "streaming": "  …"}.get(self.status, "")
+        return ROLE_LABEL.get(self.role, self.role) + extra
+
+    # --- streaming ---------------------------------------------------------------------------
+    def start_stream(self) -> None:
+        self.status = "streaming"
+        self.query_one(".role", Label).update(self._header())
+        self._stream = Markdown.get_stream(self.query_one(".body", Markdown))
+
+    async def show(self, thought: Optional[str], answer: str) -> None:
+        """New totals (not deltas): the thought so far and the answer so far."""
+        if thought is not None and thought != self.thinking:
+            self.thinking = thought
+            pane = self.query_one(".thought", Collapsible)
+            pane.display = bool(thought)
+            self.query_one(".thought-text", Static).update(thought)
+        if answer == self.content:
+            return
+        if self._stream is not None and answer.startswith(self.content):
+            await self._stream.write(answer[len(self.content):])
+        else:  # the answer changed shape (e.g. a held-back stop string): redraw
+            await self.query_one(".body", Markdown).update(answer)
+        self.content = answer
+
+    async def finish(self, thought: Optional[str], answer: str, status: str, message_id: Optional[int]) -> None:
+        if self._stream is not None:
+            await self._stream.stop()
+            self._stream = None
+        await self.show(thought, answer)
+        self.status, self.message_id = status, message_id
+        self.query_one(".role", Label).update(self._header())

@@ -1,0 +1,52 @@
+"""The status panel: model, device, memory, KV pools, this conversation's context, speeds, draft.
+
+It pulls `client.status()` (a dict copy the engine thread refreshes after every step) on a timer,
+so generation never waits for the UI; `refresh_from` only formats.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from textual.widgets import Static
+
+from app.backend import size
+
+
+def _bar(used: int, cap: int, width: int = 12) -> str:
+    frac = 0.0 if cap <= 0 else min(used / cap, 1.0)
+    n = round(frac * width)
+    return "█" * n + "░" * (width - n)
+
+
+class StatusPanel(Static):
+    def __init__(self, **kw) -> None:
+        super().__init__("", markup=False, **kw)
+        self.lines: list[str] = []
+
+    def refresh_from(self, info: dict, status: dict, context_tokens: int, last: Optional[dict]) -> None:
+        lines = [f"model   {info.get('model', '?')}", f"file    {info.get('file', '?')}",
+                 f"device  {info.get('device', '?')}"]
+        pools = {k: p for k, p in status.get("pools", {}).items() if isinstance(p, dict) and p.get("slabs")}
+        kv_bytes = sum(p["capacity"] * p["unit_bytes"] for p in pools.values())
+        kv_used = sum(p["used"] * p["unit_bytes"] for p in pools.values())
+        if info.get("budget_bytes"):
+            lines.append(f"budget  {size(info['budget_bytes'])}")
+        lines.append(f"KV      {size(kv_used)} used of {size(kv_bytes)}")
+        for name, p in pools.items():
+            lines.append(f"  {name:<6} {_bar(p['used'], p['capacity'])} {p['used']}/{p['capacity']} {p['format']}")
+        limit = status.get("context_limit") or info.get("context_limit") or 0
+        lines.append(f"context {context_tokens}/{limit} tokens")
+        lines.append(f"cached  {status.get('cached_prefix_tokens', 0)} prefix tokens")
+        if last:
+            lines.append(f"prefill {last.get('prefill_tok_s', 0.0):.1f} tok/s "
+                         f"({last.get('prefilled_tokens', 0)} new, {last.get('cached_tokens', 0)} cached)")
+            lines.append(f"decode  {last.get('decode_tok_s', 0.0):.1f} tok/s ({last.get('output_tokens', 0)} tokens)")
+        spec = status.get("speculative")
+        if spec:
+            lines.append(f"draft   {100 * spec.get('acceptance_rate', 0.0):.0f}% accepted, "
+                         f"{spec.get('tokens_per_target_forward', 0.0):.2f} tok/forward")
+        if status.get("running"):
+            lines.append(f"running {status['running']}, waiting {status.get('waiting', 0)}")
+        if lines != self.lines:
+            self.lines = lines
+            self.update("\n".join(lines))

@@ -1,0 +1,108 @@
+"""A scripted engine client and backend for the app's pilot, snapshot and crash tests.
+
+`FakeClient` streams a fixed reply piece by piece from its own thread-safe queue-free loop, honours
+abort, and can hold the stream open at a gate (to stop "mid-stream" deterministically).
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+from app.backend import Session
+from engine.api import EngineOptions
+from engine.request import StreamEvent
+
+
+@dataclass
+class FakeClient:
+    pieces: list = field(default_factory=lambda: ["Hello", " **world**", ".\n\n```py\nprint(1)\n```\n", "Done."])
+    delay: float = 0.0
+    gate_after: Optional[int] = None  # hold the stream after this many pieces until aborted/opened
+    error: Optional[str] = None  # finish with this error instead of the last piece
+    prompt_tokens: int = 17
+
+    def __post_init__(self):
+        self._ids = itertools.count(1)
+        self.gate = threading.Event()
+        self.aborted: set[int] = set()
+        self.submitted: list[tuple] = []  # (messages, GenerationParams)
+        self.closed = False
+        self.cached = 0
+
+    def submit(self, messages, params) -> int:
+        self.submitted.append(([dict(m) for m in messages], params))
+        return next(self._ids)
+
+    def last_prompt_ids(self, rid: int) -> list[int]:
+        return list(range(self.prompt_tokens))
+
+    def stream(self, rid: int, timeout=None):
+        n = 0
+        for i, piece in enumerate(self.pieces):
+            if self.gate_after is not None and i == self.gate_after:
+                end = time.monotonic() + 10  # never hang a failing test
+                while rid not in self.aborted and not self.gate.wait(0.01) and time.monotonic() < end:
+                    pass
+            if rid in self.aborted:
+                yield StreamEvent(rid, [], "", True, "abort", None, self._stats(n))
+                return
+            time.sleep(self.delay)
+            n += 1
+            yield StreamEvent(rid, [i], piece)
+        if self.error:
+            yield StreamEvent(rid, [], "", True, "error", self.error, self._stats(n))
+        else:
+            self.cached = self.prompt_tokens + n
+            yield StreamEvent(rid, [], "", True, "stop", None, self._stats(n))
+
+    def _stats(self, n: int) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "cached_tokens": 5, "prefilled_tokens": self.prompt_tokens - 5,
+                "output_tokens": n, "prefill_s": 0.1, "decode_s": 0.5, "prefill_tok_s": 120.0,
+                "decode_tok_s": 42.5}
+
+    def abort(self, rid: int) -> None:
+        self.aborted.add(rid)
+
+    def status(self) -> dict:
+        return {"pools": {"full": {"format": "int8_per_token_head", "capacity": 4096, "used": 300, "free": 3796,
+                                   "unit_bytes": 1024, "slabs": 4},
+                          "window": {"format": "bf16", "capacity": 1024, "used": 64, "free": 960,
+                                     "unit_bytes": 2048, "slabs": 8}, "share_kv": True},
+                "cache_type": "radix", "attention_backend": "torch", "cached_prefix_tokens": self.cached,
+                "running": 0, "waiting": 0, "context_limit": 4096, "speculative": None}
+
+    def close(self) -> None:
+        self.closed = True
+
+
+INFO = {"model": "Fake Gemma 4", "file": "fake-q4_k_m.gguf", "path": "/models/fake-q4_k_m.gguf", "arch": "gemma4",
+        "demo": False, "device": "cpu", "context_limit": 4096, "draft": None, "budget_bytes": 8 << 30,
+        "plan": ["budget 8.00 GiB on cpu", "  KV full pool: 4096 tokens × 4 layers, int8_per_token_head, 4 MiB",
+                 "max context: 4096 tokens"]}
+
+
+class FakeBackend:
+    """Loads instantly (or waits at `hold`), or fails with `error`; counts loads for reload tests."""
+
+    def __init__(self, client: Optional[FakeClient] = None, error: Optional[Exception] = None,
+                 options: EngineOptions = EngineOptions(), hold: Optional[threading.Event] = None):
+        self.client, self.error, self.options, self.hold = client or FakeClient(), error, options, hold
+        self.model = "fake-q4_k_m.gguf"
+        self.loads = 0
+
+    def with_options(self, **changes) -> "FakeBackend":
+        b = FakeBackend(FakeClient(), self.error, replace(self.options, **changes))
+        b.loads = self.loads
+        return b
+
+    def load(self, progress) -> Session:
+        progress(0.5, "tensors 10/20 · 1.00 GiB of 2.00 GiB → cpu")
+        if self.hold is not None:
+            self.hold.wait(30)
+        if self.error is not None:
+            raise self.error
+        self.loads += 1
+        return Session(self.client, dict(INFO))
