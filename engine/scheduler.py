@@ -330,7 +330,15 @@ class Engine:
                 "attention_backend": "torch" if self.attention_backend is None else self.attention_backend.name,
                 "cached_prefix_tokens": self.cache.cached_tokens(), "running": len(self.running),
                 "waiting": len(self.waiting), "context_limit": self.context_limit,
-                "speculative": self.spec_stats.as_dict() if self.spec is not None else None}
+                "speculative": self.spec_stats.as_dict() if self.spec is not None else None,
+                "device_memory": self._device_memory()}
+
+    def _device_memory(self) -> Optional[dict]:
+        """CUDA: bytes torch has allocated now and at peak (weights, pools, workspace); None on the CPU."""
+        dev = self.model.device
+        if dev.type != "cuda":
+            return None
+        return {"allocated": torch.cuda.memory_allocated(dev), "peak": torch.cuda.max_memory_allocated(dev)}
 
     def run_to_completion(self) -> None:
         while self.has_work:

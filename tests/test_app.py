@@ -304,7 +304,8 @@ async def test_real_engine_answer_equals_edgegem_run_and_status_comes_from_the_e
         chat.refresh_status()
         lines = chat.query_one(StatusPanel).lines
         full = status["pools"]["full"]
-        assert any(f"{full['used']}/{full['capacity']} int8_per_token_head" in ln for ln in lines)
+        i = next(i for i, ln in enumerate(lines) if f"{full['used']}/{full['capacity']}" in ln)
+        assert lines[i + 1].strip() == "int8_per_token_head"
         assert any(ln.startswith(f"context {answer.stats['prompt_tokens'] + answer.stats['output_tokens']}/")
                    for ln in lines)
         assert answer.stats["output_tokens"] == 12 or answer.stats["finish_reason"] == "stop"

@@ -12,7 +12,7 @@ from textual.widgets import Static
 from app.backend import size
 
 
-def _bar(used: int, cap: int, width: int = 12) -> str:
+def _bar(used: int, cap: int, width: int = 8) -> str:
     frac = 0.0 if cap <= 0 else min(used / cap, 1.0)
     n = round(frac * width)
     return "█" * n + "░" * (width - n)
@@ -29,17 +29,19 @@ class StatusPanel(Static):
         pools = {k: p for k, p in status.get("pools", {}).items() if isinstance(p, dict) and p.get("slabs")}
         kv_bytes = sum(p["capacity"] * p["unit_bytes"] for p in pools.values())
         kv_used = sum(p["used"] * p["unit_bytes"] for p in pools.values())
+        mem = status.get("device_memory")
         if info.get("budget_bytes"):
-            lines.append(f"budget  {size(info['budget_bytes'])}")
+            lines.append(f"budget  {size(info['budget_bytes'])}"
+                         + (f", {size(mem['allocated'])} used" if mem else ""))
         lines.append(f"KV      {size(kv_used)} used of {size(kv_bytes)}")
         for name, p in pools.items():
-            lines.append(f"  {name:<6} {_bar(p['used'], p['capacity'])} {p['used']}/{p['capacity']} {p['format']}")
+            lines.append(f"  {name:<6} {_bar(p['used'], p['capacity'])} {p['used']}/{p['capacity']}")
+            lines.append(f"         {p['format']}")
         limit = status.get("context_limit") or info.get("context_limit") or 0
         lines.append(f"context {context_tokens}/{limit} tokens")
         lines.append(f"cached  {status.get('cached_prefix_tokens', 0)} prefix tokens")
         if last:
-            lines.append(f"prefill {last.get('prefill_tok_s', 0.0):.1f} tok/s "
-                         f"({last.get('prefilled_tokens', 0)} new, {last.get('cached_tokens', 0)} cached)")
+            lines.append(f"prefill {last.get('prefill_tok_s', 0.0):.1f} tok/s ({last.get('prefilled_tokens', 0)} tokens)")
             lines.append(f"decode  {last.get('decode_tok_s', 0.0):.1f} tok/s ({last.get('output_tokens', 0)} tokens)")
         spec = status.get("speculative")
         if spec:

@@ -1,0 +1,90 @@
+"""Snapshot tests (pytest-textual-snapshot) of the main screens, on the scripted fake engine.
+
+Update after an intended UI change with `pytest tests/test_app_snapshots.py --snapshot-update`
+and look at the SVGs in tests/__snapshots__/ before committing them.
+"""
+from __future__ import annotations
+
+import threading
+
+from app.app import EdgegemApp
+from app.screens.chat import ChatScreen
+from app.screens.dialogs import HelpScreen, LoadErrorScreen
+from app.screens.settings import SettingsScreen
+from app.store import Store
+from app.widgets.chat_input import ChatInput
+from tests.app_fakes import FakeBackend, FakeClient
+
+SIZE = (120, 34)
+
+
+def _app(tmp_path, backend=None) -> EdgegemApp:
+    ChatInput.cursor_blink = False  # a blinking cursor would make the pictures flaky
+    return EdgegemApp(backend or FakeBackend(FakeClient()), Store(tmp_path / "data"), plan_seconds=0.0)
+
+
+async def _until(pilot, cond, timeout: float = 20.0) -> None:
+    for _ in range(int(timeout / 0.02)):
+        if cond():
+            return
+        await pilot.pause(0.02)
+    raise AssertionError("condition not reached in time")
+
+
+async def _chat_with_one_answer(pilot) -> None:
+    await _until(pilot, lambda: isinstance(pilot.app.screen, ChatScreen))
+    chat = pilot.app.screen
+    chat.query_one("#input").text = "How do I print in Python?"
+    await pilot.press("enter")
+    await _until(pilot, lambda: chat.gen is None and len(chat.messages) == 2)
+    await pilot.pause(0.2)
+
+
+def test_snapshot_loading_screen(snap_compare, tmp_path):
+    hold = threading.Event()
+    app = _app(tmp_path, FakeBackend(hold=hold))
+
+    async def run_before(pilot) -> None:
+        await pilot.pause(0.3)
+        threading.Timer(1.0, hold.set).start()  # let the load finish after the picture
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_snapshot_chat_screen(snap_compare, tmp_path):
+    assert snap_compare(_app(tmp_path), terminal_size=SIZE, run_before=_chat_with_one_answer)
+
+
+def test_snapshot_settings_screen(snap_compare, tmp_path):
+    app = _app(tmp_path)
+
+    async def run_before(pilot) -> None:
+        await _chat_with_one_answer(pilot)
+        await pilot.press("ctrl+s")
+        await _until(pilot, lambda: isinstance(pilot.app.screen, SettingsScreen))
+        await pilot.pause(0.2)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_snapshot_help_screen(snap_compare, tmp_path):
+    app = _app(tmp_path)
+
+    async def run_before(pilot) -> None:
+        await _until(pilot, lambda: isinstance(pilot.app.screen, ChatScreen))
+        await pilot.press("f1")
+        await _until(pilot, lambda: isinstance(pilot.app.screen, HelpScreen))
+        await pilot.pause(0.2)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_snapshot_load_error_screen(snap_compare, tmp_path):
+    app = _app(tmp_path, FakeBackend(error=ValueError(
+        "gpu memory budget too small: the weights alone need 3.1 GiB of the 2.0 GiB budget")))
+
+    async def run_before(pilot) -> None:
+        await _until(pilot, lambda: isinstance(pilot.app.screen, LoadErrorScreen))
+        await pilot.pause(0.2)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
