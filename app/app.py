@@ -128,6 +128,7 @@ PALETTE = [
     ("Rename conversation", "F2", "rename"),
     ("Delete conversation", "F8", "delete"),
     ("Export conversation", "Markdown and JSON into the data directory (F4)", "export"),
+    ("Import conversation", "Add a conversation from an exported JSON file", "import"),
     ("Search conversations", "Ctrl+F", "search"),
     ("Settings", "Sampling, system prompt, engine flags (Ctrl+S)", "settings"),
     ("Help", "Key bindings (F1)", "help"),

@@ -1,4 +1,4 @@
-"""The setup subcommands of `edgegem`: doctor, pull, models (registered by app/cli.py)."""
+"""The setup subcommands of `edgegem`: doctor, pull, models, import (registered by app/cli.py)."""
 from __future__ import annotations
 
 import argparse
@@ -31,6 +31,30 @@ def add_commands(sub) -> None:
     m.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="device of the plan")
     m.add_argument("--json", action="store_true")
 
+    i = sub.add_parser("import", help="add a conversation exported as JSON (the app's F4) to the conversation list")
+    i.add_argument("file", help="an edgegem.conversation JSON file (at most 8 MiB)")
+    i.add_argument("--data-dir", metavar="DIR", help="the app's data folder (default: $EDGEGEM_DATA_DIR, "
+                                                     "else the platform's user data dir)")
+
+
+def cmd_import(a) -> int:
+    """Strict: a file that is too big, not JSON or not a conversation is refused in one line and
+    nothing is written (app/store.py import_json)."""
+    from pathlib import Path
+
+    from .store import Store
+    path = Path(a.file).expanduser()
+    if path.stat().st_size > 8 << 20:
+        raise ValueError(f"{path}: import refused: larger than 8 MiB")
+    store = Store(Path(a.data_dir).expanduser() if a.data_dir else None)
+    try:
+        conv = store.import_json(path.read_bytes())
+        n = len(store.messages(conv.id))
+    finally:
+        store.close()
+    print(f"imported “{conv.title}”: {n} messages, conversation {conv.id} in {store.path}")
+    return 0
+
 
 def cmd_doctor(a) -> int:
     from . import doctor
@@ -47,7 +71,7 @@ def cmd_pull(a) -> int:
     if r.draft:
         print(r.draft)
     name = r.model if a.models_dir or a.data_dir else r.model.stem  # names resolve in the default folder only
-    run = f"edgegem chat --model {name}" + (f" --spec-draft-model {r.draft}" if r.draft else "")
+    run = f"edgegem --model {name}" + (f" --spec-draft-model {r.draft}" if r.draft else "")
     print(f"run it: {run}", file=sys.stderr)
     return 0
 
@@ -60,4 +84,4 @@ def cmd_models(a) -> int:
     return 0
 
 
-COMMANDS = {"doctor": cmd_doctor, "pull": cmd_pull, "models": cmd_models}
+COMMANDS = {"doctor": cmd_doctor, "pull": cmd_pull, "models": cmd_models, "import": cmd_import}

@@ -188,7 +188,7 @@ def test_pull_downloads_verifies_and_prints_paths(fake_hub, tmp_path, capsys):
     assert out.out.splitlines() == [str(model), str(draft)]
     assert _sha(model) == _sha(fake_hub.remote / MODEL) and _sha(draft) == _sha(fake_hub.remote / DRAFT)
     assert "GGUF gemma4," in out.err and "GGUF gemma4-assistant," in out.err
-    assert f"edgegem chat --model {model.stem} --spec-draft-model {draft}" in out.err
+    assert f"edgegem --model {model.stem} --spec-draft-model {draft}" in out.err
     assert not list((tmp_path / "models").rglob("*.part*"))  # no partial or lock files left
     gets = [u for m, u, _ in fake_hub.requests if "cdn-lfs" in u]
     assert len(gets) == 2 and not any("mmproj" in u or "Q8_0" in u for u in gets)

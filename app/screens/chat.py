@@ -9,6 +9,7 @@ or stopped answer is committed the moment it ends.
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -29,6 +30,7 @@ from app.widgets.message_view import MessageView, code_blocks
 from app.widgets.sidebar import Sidebar
 from app.widgets.status_panel import StatusPanel
 
+IMPORT_MAX_BYTES = 8 << 20
 CHUNK_INTERVAL_S = 0.05  # at most ~20 UI updates a second, however fast the decode
 _gen_ids = itertools.count(1)
 
@@ -178,6 +180,23 @@ class ChatScreen(Screen[None]):
     def action_export(self) -> None:
         md, js = self.store.export_to(self.conversation_id, self.app.export_dir)
         self.notify(f"Exported to {md} and {js.name}", timeout=8)
+
+    def action_import(self) -> None:
+        """Add a conversation from an exported JSON file (refused in one line when malformed)."""
+        def done(path: Optional[str]) -> None:
+            if not path or self._busy():
+                return
+            try:
+                p = Path(path).expanduser()
+                if p.stat().st_size > IMPORT_MAX_BYTES:
+                    raise ValueError("import refused: larger than 8 MiB")
+                conv = self.store.import_json(p.read_bytes(), max_bytes=IMPORT_MAX_BYTES)
+            except (OSError, ValueError) as e:
+                self.notify(one_line(e), title="Import failed", severity="error", timeout=10)
+                return
+            self.load_conversation(conv.id)
+            self.notify(f"Imported “{conv.title}”.")
+        self.app.push_screen(TextPrompt("Import a conversation: path of an exported .json file"), done)
 
     def action_help(self) -> None:
         self.app.push_screen(HelpScreen())
