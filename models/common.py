@@ -163,6 +163,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
 
 
+def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The q/k path: rms_norm over the head dim, then NeoX RoPE. x [T, H, hd]; cos, sin [T, 1, n_rot/2].
+    CUDA: one Triton pass (kernels/fused.rms_norm_rope: fp32 math and fp32 angles, one read and one
+    write of x instead of ~8 elementwise kernels); elsewhere the reference composition."""
+    fused = _fused_for(x, weight)
+    if fused is not None and cos.shape[-1] > 0:
+        return fused.rms_norm_rope(x, weight, eps, cos.float(), sin.float())
+    return apply_rope(rms_norm(x, weight, eps), cos, sin)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
               k_pos: torch.Tensor, window: Optional[int], scale: float) -> torch.Tensor:
     """Causal (optionally sliding-window) GQA attention.

@@ -17,12 +17,12 @@ from .common import (
     DecoderModel,
     KVStore,
     Trace,
-    apply_rope,
     attend,
     embedding_rows,
     gated_mlp,
     linear,
     metadata_reader,
+    norm_rope,
     qkv_projection,
     rms_norm,
     rope_inv_freq,
@@ -146,8 +146,8 @@ class Gemma3Model(DecoderModel):
         q, k, v = qkv_projection(a, w, b, cfg.n_head * hd, cfg.n_kv_head * hd)
         q, k, v = q.reshape(T, cfg.n_head, hd), k.reshape(T, cfg.n_kv_head, hd), v.reshape(T, cfg.n_kv_head, hd)
         cos, sin = self.rope(i, pos, x.dtype)
-        q = apply_rope(rms_norm(q, w[b + "attn_q_norm.weight"], eps), cos, sin)
-        k = apply_rope(rms_norm(k, w[b + "attn_k_norm.weight"], eps), cos, sin)
+        q = norm_rope(q, w[b + "attn_q_norm.weight"], eps, cos, sin)
+        k = norm_rope(k, w[b + "attn_k_norm.weight"], eps, cos, sin)
         cache.write(i, pos, k, v)
         o = attend(cache, i, i, q, pos, cfg.window(i), scale=cfg.query_scale)
         x = x + rms_norm(linear(o, w[b + "attn_output.weight"]), w[b + "post_attention_norm.weight"], eps)

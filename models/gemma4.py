@@ -16,13 +16,13 @@ from .common import (
     DecoderModel,
     KVStore,
     Trace,
-    apply_rope,
     attend,
     embedding_rows,
     gated_mlp,
     gelu_tanh,
     linear,
     metadata_reader,
+    norm_rope,
     qkv_projection,
     rms_norm,
     rope_inv_freq,
@@ -352,9 +352,9 @@ class Gemma4Model(DecoderModel):
         else:
             q = linear(a, w[b + "attn_q.weight"])  # KV-shared: no K/V projections at all
         cos, sin = self.rope(i, pos, x.dtype)
-        q = apply_rope(rms_norm(q.reshape(T, nh, hd), w[b + "attn_q_norm.weight"], eps), cos, sin)
+        q = norm_rope(q.reshape(T, nh, hd), w[b + "attn_q_norm.weight"], eps, cos, sin)
         if cfg.has_kv(i):
-            k = apply_rope(rms_norm(k_raw, w[b + "attn_k_norm.weight"], eps), cos, sin)
+            k = norm_rope(k_raw, w[b + "attn_k_norm.weight"], eps, cos, sin)
             v = rms_norm(v_raw, None, eps)  # weightless V norm, no RoPE
             cache.write(i, pos, k, v)
         o = attend(cache, i, cfg.kv_source(i), q, pos, cfg.window(i), scale=1.0)
