@@ -13,6 +13,7 @@ and block sizes, and the test suite checks our reading against `gguf.GGUFReader`
 """
 from __future__ import annotations
 
+import itertools
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,13 +27,21 @@ SUPPORTED_VERSIONS = (2, 3)
 MAX_DIMS = 4  # GGML_MAX_DIMS
 
 
+def _printable(text: str, limit: int = 160) -> str:
+    """Names read from a hostile file may hold newlines or escapes, or run to megabytes: show them
+    escaped and cut so an error stays one readable line."""
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 class GGUFError(ValueError):
     """A problem with a GGUF file. `str(err)` is one line: `<file>: <what> [(tensor <name>)]`."""
 
     def __init__(self, path: str | Path, what: str, tensor: str | None = None):
         self.path, self.what, self.tensor = str(path), what, tensor
-        where = f" (tensor {tensor})" if tensor else ""
-        super().__init__(f"{Path(path).name}: {what}{where}")
+        where = f" (tensor {_printable(tensor)})" if tensor else ""
+        super().__init__(f"{_printable(Path(path).name)}: {_printable(what, 400)}{where}")
 
 
 class NotGGUFError(GGUFError): ...
@@ -275,10 +284,10 @@ class GGUFFile(TensorTable):
                     self.path, f"truncated: tensor data ends at {start + n_bytes}, file has {len(self._mm)}", name)
             self.tensors[name] = TensorInfo(name, gtype, ne, start, n_bytes, self)
             spans.append((start, start + n_bytes, name))
-        spans.sort()
-        for (s0, e0, n0), (s1, e1, n1) in zip(spans, spans[1:]):
-            if s1 < e0 and e1 > s1:
-                raise MalformedGGUFError(self.path, f"tensor data overlaps tensor {n0}", n1)
+        spans.sort()   # one sort, then neighbours only: n_bytes > 0, so any overlap shows between neighbours
+        for (_, end0, name0), (start1, _, name1) in itertools.pairwise(spans):
+            if start1 < end0:
+                raise MalformedGGUFError(self.path, f"tensor data overlaps tensor {name0}", name1)
 
     def _tensor_info(self, cur: _Cursor) -> tuple[str, tuple[int, ...], int, int]:
         name = cur.string("tensor name")
