@@ -16,7 +16,9 @@ EXIT_BAD_INPUT = 2
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="edgegem", description="Gemma-4 chat and engine for small GPUs.")
+    p = argparse.ArgumentParser(
+        prog="edgegem", description="Gemma-4 chat and engine for small GPUs. With no command, "
+        "`edgegem [--model M] [flags]` opens the chat app (`edgegem app --help` lists its flags).")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.add_argument("--version", action="version", version=f"edgegem {_version()}")
     sub = p.add_subparsers(dest="cmd")

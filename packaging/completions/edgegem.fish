@@ -13,6 +13,7 @@ complete -c edgegem -n '__fish_use_subcommand' -a chat -d 'plain line-by-line ch
 complete -c edgegem -n '__fish_use_subcommand' -a doctor -d 'check Python, torch, CUDA, GPU, driver, Triton, memory and folders'
 complete -c edgegem -n '__fish_use_subcommand' -a pull -d 'download a GGUF from the Hugging Face Hub'
 complete -c edgegem -n '__fish_use_subcommand' -a models -d 'local models, size, architecture, quant and the context that fits'
+complete -c edgegem -n '__fish_use_subcommand' -a import -d 'add a conversation exported as JSON to the conversation list'
 complete -c edgegem -n '__fish_seen_subcommand_from app' -s h -l help -d 'show this help message and exit'
 complete -c edgegem -n '__fish_seen_subcommand_from app' -l model -r -F -d 'GGUF file or HF folder'
 complete -c edgegem -n '__fish_seen_subcommand_from app' -l data-dir -x -a '(__fish_complete_directories)' -d 'where conversations are kept'
@@ -143,3 +144,5 @@ complete -c edgegem -n '__fish_seen_subcommand_from models' -l models-dir -x -a 
 complete -c edgegem -n '__fish_seen_subcommand_from models' -l gpu-memory-budget -x -d 'plan for this budget'
 complete -c edgegem -n '__fish_seen_subcommand_from models' -l device -x -a 'auto cuda cpu' -d 'device of the plan'
 complete -c edgegem -n '__fish_seen_subcommand_from models' -l json -d 'json'
+complete -c edgegem -n '__fish_seen_subcommand_from import' -s h -l help -d 'show this help message and exit'
+complete -c edgegem -n '__fish_seen_subcommand_from import' -l data-dir -x -a '(__fish_complete_directories)' -d 'the apps data folder'
