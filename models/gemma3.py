@@ -74,32 +74,37 @@ class Gemma3Config:
     def from_gguf(cls, gguf, arch: str = "gemma3") -> "Gemma3Config":
         key = metadata_reader(gguf, arch)
 
-        L = int(key("block_count"))
-        pattern = key("attention.sliding_window_pattern", None)
-        if pattern is not None and not isinstance(pattern, (int, float)):
+        L = key.int("block_count")
+        pattern = key.read("attention.sliding_window_pattern", ("bools", "int"), None)
+        if pattern is not None and not isinstance(pattern, int):
             is_sliding = tuple(bool(b) for b in pattern)
         else:
-            period = int(pattern) if pattern else 6  # llama.cpp load_swa_pattern(ml, 6)
+            period = pattern or 6  # llama.cpp load_swa_pattern(ml, 6)
             is_sliding = tuple(i % period < period - 1 for i in range(L))
-        window = int(key("attention.sliding_window", 0))
+        window = key.int("attention.sliding_window", 0)
         if window <= 0:
             is_sliding = (False,) * L
-        d, n_head = int(key("embedding_length")), int(key("attention.head_count"))
-        hd = int(key("attention.key_length", d // n_head))
+        d, n_head = key.int("embedding_length"), key.int("attention.head_count")
+        if n_head <= 0 or d < n_head:   # d // n_head below is a head size, under a square root
+            raise ConfigError(f"embedding length {d} over {n_head} heads")
+        hd = key.int("attention.key_length", d // n_head)
+        if hd <= 0:
+            raise ConfigError(f"key_length {hd} must be positive")
         scale = 1.0 / math.sqrt(d // n_head if L == 62 else hd)  # 27B: d/n_head (llama.cpp)
-        factor = float(key("rope.scaling.factor", 1.0) or 1.0) if key("rope.scaling.type", "none") == "linear" else 1.0
-        cap = key("final_logit_softcapping", None)
+        linear_rope = key.str("rope.scaling.type", "none") == "linear"
+        factor = (key.float("rope.scaling.factor", 1.0) or 1.0) if linear_rope else 1.0
+        cap = key.float("final_logit_softcapping", None)
         return cls(
             n_layer=L, d_model=d,
-            vocab_size=vocab_size_of(gguf, key("vocab_size", 0)),
-            n_head=n_head, n_kv_head=int(key("attention.head_count_kv", n_head)), head_dim=hd,
-            ffn_width=int(key("feed_forward_length")), is_sliding=is_sliding, sliding_window=window,
-            rope_base_full=float(key("rope.freq_base", 1e6)),
-            rope_base_sliding=float(key("rope.freq_base_swa", 10000.0)),
+            vocab_size=vocab_size_of(gguf, key.int("vocab_size", 0)),
+            n_head=n_head, n_kv_head=key.int("attention.head_count_kv", n_head), head_dim=hd,
+            ffn_width=key.int("feed_forward_length"), is_sliding=is_sliding, sliding_window=window,
+            rope_base_full=key.float("rope.freq_base", 1e6),
+            rope_base_sliding=key.float("rope.freq_base_swa", 10000.0),
             rope_scale_full=factor, query_scale=scale,
-            rms_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
-            final_softcap=float(cap) if cap else None,
-            context_length=int(key("context_length", 32768)),
+            rms_eps=key.float("attention.layer_norm_rms_epsilon", 1e-6),
+            final_softcap=cap or None,
+            context_length=key.int("context_length", 32768),
         )
 
 

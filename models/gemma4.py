@@ -53,7 +53,7 @@ def check_layer_arrays(cfg, who: str = "") -> None:
     for i in range(L):
         if cfg.n_kv_head[i] <= 0 or cfg.n_head[i] % cfg.n_kv_head[i]:
             raise ConfigError(f"{who}layer {i}: {cfg.n_head[i]} query heads over {cfg.n_kv_head[i]} KV heads")
-        if cfg.rope_dims[i] % 2 or cfg.rope_dims[i] > cfg.head_dim[i]:
+        if cfg.rope_dims[i] % 2 or not 0 <= cfg.rope_dims[i] <= cfg.head_dim[i]:
             raise ConfigError(f"{who}layer {i}: rope dims {cfg.rope_dims[i]} for head dim {cfg.head_dim[i]}")
 
 
@@ -126,44 +126,41 @@ class Gemma4Config:
         """From a `models.gguf.GGUFFile` (metadata plus the small `rope_freqs` tensor), per §2.8."""
         key = metadata_reader(gguf, arch)
 
-        L = int(key("block_count"))
-        pattern = key("attention.sliding_window_pattern", None)
-        if pattern is None:
-            raise ConfigError(f"{gguf.path.name}: missing {arch}.attention.sliding_window_pattern")
-        is_sliding = tuple(bool(b) for b in pattern)
+        L = key.int("block_count")
+        is_sliding = tuple(bool(b) for b in key.bools("attention.sliding_window_pattern"))
         if len(is_sliding) != L:
             raise ConfigError(f"sliding_window_pattern has {len(is_sliding)} entries for {L} layers")
-        hd_f, hd_s = int(key("attention.key_length")), int(key("attention.key_length_swa"))
-        if int(key("attention.value_length", hd_f)) != hd_f or int(key("attention.value_length_swa", hd_s)) != hd_s:
+        hd_f, hd_s = key.int("attention.key_length"), key.int("attention.key_length_swa")
+        if key.int("attention.value_length", hd_f) != hd_f or key.int("attention.value_length_swa", hd_s) != hd_s:
             raise ConfigError("value_length must equal key_length (llama.cpp refuses otherwise)")
-        n_head = _per_layer(key("attention.head_count"), L, "head_count")
-        rot_f, rot_s = int(key("rope.dimension_count", hd_f)), int(key("rope.dimension_count_swa", hd_s))
-        base_f, base_s = float(key("rope.freq_base", 10000.0)), float(key("rope.freq_base_swa", 10000.0))
+        n_head = _per_layer(key.int_or_ints("attention.head_count"), L, "head_count")
+        rot_f, rot_s = key.int("rope.dimension_count", hd_f), key.int("rope.dimension_count_swa", hd_s)
+        base_f, base_s = key.float("rope.freq_base", 10000.0), key.float("rope.freq_base_swa", 10000.0)
         factors = None
         if "rope_freqs.weight" in gguf:
             factors = tuple(float(v) for v in gguf.load("rope_freqs.weight").flatten().tolist())
-        cap = key("final_logit_softcapping", None)
+        cap = key.float("final_logit_softcapping", None)
         return cls(
             n_layer=L,
-            d_model=int(key("embedding_length")),
-            vocab_size=vocab_size_of(gguf, key("vocab_size", 0)),
+            d_model=key.int("embedding_length"),
+            vocab_size=vocab_size_of(gguf, key.int("vocab_size", 0)),
             n_head=n_head,
-            n_kv_head=_per_layer(key("attention.head_count_kv", n_head), L, "head_count_kv"),
+            n_kv_head=_per_layer(key.int_or_ints("attention.head_count_kv", n_head), L, "head_count_kv"),
             head_dim=tuple(hd_s if s else hd_f for s in is_sliding),
             is_sliding=is_sliding,
-            sliding_window=int(key("attention.sliding_window")),
-            ffn_width=_per_layer(key("feed_forward_length"), L, "feed_forward_length"),
+            sliding_window=key.int("attention.sliding_window"),
+            ffn_width=_per_layer(key.int_or_ints("feed_forward_length"), L, "feed_forward_length"),
             rope_base=tuple(base_s if s else base_f for s in is_sliding),
             rope_dims=tuple(rot_s if s else rot_f for s in is_sliding),
             full_rope_freq_factors=factors,
-            rms_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
-            final_softcap=float(cap) if cap else None,
-            ple_width=int(key("embedding_length_per_layer_input", 0)),
-            n_kv_shared=int(key("attention.shared_kv_layers", 0)),
-            n_expert=int(key("expert_count", 0)),
-            n_expert_used=int(key("expert_used_count", 0)),
-            expert_ffn_width=int(_per_layer(key("expert_feed_forward_length", 0), L, "expert_ffn")[0]),
-            context_length=int(key("context_length", 131072)),
+            rms_eps=key.float("attention.layer_norm_rms_epsilon", 1e-6),
+            final_softcap=cap or None,
+            ple_width=key.int("embedding_length_per_layer_input", 0),
+            n_kv_shared=key.int("attention.shared_kv_layers", 0),
+            n_expert=key.int("expert_count", 0),
+            n_expert_used=key.int("expert_used_count", 0),
+            expert_ffn_width=_per_layer(key.int_or_ints("expert_feed_forward_length", 0), L, "expert_ffn")[0],
+            context_length=key.int("context_length", 131072),
         )
 
     @classmethod

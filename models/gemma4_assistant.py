@@ -97,21 +97,21 @@ class Gemma4AssistantConfig:
     def from_gguf(cls, gguf, arch: str = ARCH) -> "Gemma4AssistantConfig":
         """From a `GGUFFile` of arch `gemma4-assistant` (§2.3, §2.8)."""
         key = metadata_reader(gguf, arch)
-        block_count = int(key("block_count"))
-        L = int(key("nextn_predict_layers", block_count)) or block_count
-        pattern = key("attention.sliding_window_pattern", None)
-        if pattern is None:
-            raise ConfigError(f"{gguf.path.name}: missing {arch}.attention.sliding_window_pattern")
+        block_count = key.int("block_count")
+        L = key.int("nextn_predict_layers", block_count) or block_count
+        if not 0 < L <= block_count:
+            raise ConfigError(f"{L} draft layers of {block_count} blocks")
+        pattern = key.bools("attention.sliding_window_pattern")
+        if len(pattern) != block_count:   # checked first: the per-layer values below are block_count long
+            raise ConfigError(f"sliding_window_pattern has {len(pattern)} entries for {block_count} layers")
         is_sliding = tuple(bool(b) for b in pattern)[:L]
-        if len(is_sliding) != L:
-            raise ConfigError(f"sliding_window_pattern has {len(pattern)} entries for {L} draft layers")
-        hd_f, hd_s = int(key("attention.key_length")), int(key("attention.key_length_swa"))
-        if int(key("attention.value_length", hd_f)) != hd_f or int(key("attention.value_length_swa", hd_s)) != hd_s:
+        hd_f, hd_s = key.int("attention.key_length"), key.int("attention.key_length_swa")
+        if key.int("attention.value_length", hd_f) != hd_f or key.int("attention.value_length_swa", hd_s) != hd_s:
             raise ConfigError("value_length must equal key_length (llama.cpp refuses otherwise)")
-        n_head = _per_layer(key("attention.head_count"), block_count, "head_count")[:L]
-        n_kv = _per_layer(key("attention.head_count_kv", n_head[0]), block_count, "head_count_kv")[:L]
-        rot_f, rot_s = int(key("rope.dimension_count", hd_f)), int(key("rope.dimension_count_swa", hd_s))
-        base_f, base_s = float(key("rope.freq_base", 10000.0)), float(key("rope.freq_base_swa", 10000.0))
+        n_head = _per_layer(key.int_or_ints("attention.head_count"), block_count, "head_count")[:L]
+        n_kv = _per_layer(key.int_or_ints("attention.head_count_kv", n_head[0]), block_count, "head_count_kv")[:L]
+        rot_f, rot_s = key.int("rope.dimension_count", hd_f), key.int("rope.dimension_count_swa", hd_s)
+        base_f, base_s = key.float("rope.freq_base", 10000.0), key.float("rope.freq_base_swa", 10000.0)
         factors = None
         if "rope_freqs.weight" in gguf:
             factors = tuple(float(v) for v in gguf.load("rope_freqs.weight").flatten().tolist())
@@ -120,21 +120,21 @@ class Gemma4AssistantConfig:
             n_centroids = int(gguf.tensor(CENTROIDS).shape[0])
         return cls(
             n_layer=L,
-            d_model=int(key("embedding_length")),
-            d_backbone=int(key("embedding_length_out")),
-            vocab_size=vocab_size_of(gguf, key("vocab_size", 0)),
+            d_model=key.int("embedding_length"),
+            d_backbone=key.int("embedding_length_out"),
+            vocab_size=vocab_size_of(gguf, key.int("vocab_size", 0)),
             n_head=n_head,
             n_kv_head=n_kv,
             head_dim=tuple(hd_s if s else hd_f for s in is_sliding),
             is_sliding=is_sliding,
-            sliding_window=int(key("attention.sliding_window")),
-            ffn_width=_per_layer(key("feed_forward_length"), block_count, "feed_forward_length")[:L],
+            sliding_window=key.int("attention.sliding_window"),
+            ffn_width=_per_layer(key.int_or_ints("feed_forward_length"), block_count, "feed_forward_length")[:L],
             rope_base=tuple(base_s if s else base_f for s in is_sliding),
             rope_dims=tuple(rot_s if s else rot_f for s in is_sliding),
             full_rope_freq_factors=factors,
-            rms_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+            rms_eps=key.float("attention.layer_norm_rms_epsilon", 1e-6),
             nextn_predict_layers=L,
-            context_length=int(key("context_length", 131072)),
+            context_length=key.int("context_length", 131072),
             n_centroids=n_centroids,
         )
 

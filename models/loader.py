@@ -62,10 +62,13 @@ def load_model(path: str | Path, dtype=torch.float32, device="cpu", with_tokeniz
         raise GGUFError(path, str(e)) from None
     tok = chat = None
     if with_tokenizer and "tokenizer.ggml.tokens" in f.metadata:
-        from .chat import ChatFormat
-        from .tokenizer import Tokenizer
-        tok = Tokenizer.from_metadata(f.metadata)
-        chat = ChatFormat.from_metadata(f.metadata)
+        from .chat import ChatFormat, ChatTemplateError
+        from .tokenizer import Tokenizer, TokenizerError
+        try:
+            tok = Tokenizer.from_metadata(f.metadata)
+            chat = ChatFormat.from_metadata(f.metadata)
+        except (TokenizerError, ChatTemplateError) as e:  # name the file in the one-line error
+            raise GGUFError(path, str(e)) from None
     return LoadedModel(model, f.architecture, path, tok, chat, f)
 
 

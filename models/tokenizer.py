@@ -42,6 +42,8 @@ from tokenizers import models as _models
 from tokenizers import normalizers as _normalizers
 from tokenizers import pre_tokenizers as _pre_tokenizers
 
+from .common import MetadataReader
+
 SUPPORTED_MODELS = ("gemma4", "llama")
 
 # GGUF token types (llama.h LLAMA_TOKEN_TYPE_*) -> llama.cpp attribute bits (LLAMA_TOKEN_ATTR_*).
@@ -64,10 +66,6 @@ class TokenizerError(ValueError):
 
 class UnsupportedTokenizer(TokenizerError):
     """`tokenizer.ggml.model` is not one we implement."""
-
-
-def _key(meta: Mapping[str, Any], name: str, default: Any = None) -> Any:
-    return meta.get(f"tokenizer.ggml.{name}", default)
 
 
 class _SpecialTokens:
@@ -126,17 +124,18 @@ class Tokenizer:
         return cls(meta)
 
     def __init__(self, meta: Mapping[str, Any]):
-        model = _key(meta, "model")
+        key = MetadataReader(meta, "tokenizer.ggml.", error=TokenizerError)   # wrong GGUF types: one line
+        model = key.str("model", None)
         if model not in SUPPORTED_MODELS:
             raise UnsupportedTokenizer(
                 f"unsupported tokenizer model {model!r} (supported: {', '.join(SUPPORTED_MODELS)})")
-        tokens = _key(meta, "tokens")
+        tokens = key.strs("tokens", None)
         if not tokens:
             raise TokenizerError("GGUF metadata has no tokenizer.ggml.tokens")
         n = len(tokens)
         # llama.cpp renames empty tokens; on duplicate texts the last id wins.
         tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
-        types = _key(meta, "token_type")
+        types = key.ints("token_type", None)
         types = [1] * n if types is None else np.asarray(types).tolist()
         if len(types) < n:
             raise TokenizerError(f"tokenizer.ggml.token_type has {len(types)} entries for {n} tokens")
@@ -146,15 +145,15 @@ class Tokenizer:
         attrs = [_TYPE_TO_ATTR.get(int(t), 0) for t in types[:n]]
 
         def token_id(name: str) -> int | None:
-            v = _key(meta, name)
-            return int(v) if v is not None and 0 <= int(v) < n else None
+            v = key.int(name, None)
+            return v if v is not None and 0 <= v < n else None
 
         self.bos_id, self.eos_id = token_id("bos_token_id"), token_id("eos_token_id")
         spm = model == "llama"
         # Defaults as llama.cpp: SPM adds BOS and a prefix space; Gemma 4 always adds BOS.
-        self.add_bos = bool(_key(meta, "add_bos_token", spm)) or model == "gemma4"
-        self.add_eos = bool(_key(meta, "add_eos_token", False))
-        self.add_space_prefix = spm and bool(_key(meta, "add_space_prefix", True))
+        self.add_bos = key.bool("add_bos_token", spm) or model == "gemma4"
+        self.add_eos = key.bool("add_eos_token", False)
+        self.add_space_prefix = spm and key.bool("add_space_prefix", True)
 
         # End-of-generation ids and llama.cpp's attribute fix-ups (see the module docstring).
         eog = {self._ids[t] for t in _EOG_TEXTS if t in self._ids}
@@ -188,12 +187,12 @@ class Tokenizer:
         self._hidden = frozenset(i for i, a in enumerate(attrs) if a & (UNKNOWN | CONTROL))
         self._byte_ids = [self._ids.get(f"<0x{b:02X}>") for b in range(256)]
 
-        merges = self._gemma4_merges(meta) if model == "gemma4" else self._spm_merges(meta)
+        merges = self._gemma4_merges(key) if model == "gemma4" else self._spm_merges(key)
         self._hf = self._build_hf(merges)
 
     # --- construction -------------------------------------------------------------------------
-    def _gemma4_merges(self, meta: Mapping[str, Any]) -> list[tuple[str, str]]:
-        merges = _key(meta, "merges")
+    def _gemma4_merges(self, key) -> list[tuple[str, str]]:
+        merges = key.strs("merges", None)
         if merges is None:
             raise TokenizerError("gemma4 tokenizer without tokenizer.ggml.merges")
         # llama.cpp splits at the first space at index >= 1 (a merge with none never applies)
@@ -203,11 +202,13 @@ class Tokenizer:
             pairs = list(dict.fromkeys(pairs))
         return pairs
 
-    def _spm_merges(self, meta: Mapping[str, Any]) -> list[tuple[str, str]]:
+    def _spm_merges(self, key) -> list[tuple[str, str]]:
         """Every split of every token into two possible symbols (a token or a single character),
         ordered by the token's score, highest first (llama.cpp's SPM bigram priority)."""
-        scores = _key(meta, "scores")
+        scores = key.floats("scores", None)
         scores = np.zeros(self.vocab_size, np.float32) if scores is None else np.asarray(scores, np.float32)
+        if len(scores) < self.vocab_size:
+            raise TokenizerError(f"tokenizer.ggml.scores has {len(scores)} entries for {self.vocab_size} tokens")
         ids = self._ids
         tok_ids, cuts = [], []
         for s, i in ids.items():

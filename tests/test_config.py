@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from gguf import GGUFWriter
 
-from models.common import ConfigError
+from models.common import ConfigError, MetadataReader
 from models.gemma3 import Gemma3Config
 from models.gemma4 import Gemma4Config, kv_sharing_plan
 from models.gguf import GGUFFile
@@ -91,6 +91,49 @@ def test_shared_group_without_source_is_refused():
 def test_per_layer_array_length_is_checked(tmp_path):
     with pytest.raises(ConfigError, match="feed_forward_length has 3 entries for 35 layers"):
         Gemma4Config.from_gguf(write_meta_gguf(tmp_path / "bad.gguf", 35, 1536, 5, 1, [1, 2, 3], 20))
+
+
+def test_metadata_reader_types():
+    """Integer keys take GGUF integer types only (not bool, not float); `float` takes either number;
+    arrays must hold the expected element kind; a mismatch names the key and the type found."""
+    meta = {"a.n": 8, "a.u64": np.uint64(2**64 - 1), "a.flag": True, "a.x": 1e-6, "a.name": "gemma4",
+            "a.ffn": np.array([1, 2], np.int32), "a.pattern": np.array([True, False]), "a.none": None,
+            "a.scores": np.array([0.5], np.float32), "a.toks": ["x", "y"], "a.nested": [np.array([1])]}
+    key = MetadataReader(meta, "a.", "m.gguf")
+    assert (key.int("n"), key.int("u64"), key.float("n"), key.float("x"), key.str("name")) == \
+        (8, 2**64 - 1, 8.0, 1e-6, "gemma4")
+    assert type(key.int("u64")) is int and type(key.float("n")) is float and key.bool("flag") is True
+    assert key.int_or_ints("n") == 8 and list(key.int_or_ints("ffn")) == [1, 2]
+    assert list(key.bools("pattern")) == [True, False] and key.strs("toks") == ["x", "y"]
+    assert list(key.floats("scores")) == [0.5] and list(key.floats("ffn")) == [1, 2]
+    assert key.int("missing", 7) == 7 and key.int("none", 7) == 7   # None counts as missing
+    for read, name, found in [(key.int, "flag", "bool"), (key.int, "x", "float"), (key.int, "name", "string"),
+                              (key.int, "ffn", "array of int32"), (key.float, "flag", "bool"),
+                              (key.str, "n", "int"), (key.ints, "n", "int"), (key.ints, "scores", "array of float32"),
+                              (key.ints, "toks", "array of string"), (key.bools, "ffn", "array of int32"),
+                              (key.strs, "nested", "array of array of int64"), (key.bool, "n", "int"),
+                              (key.int_or_ints, "pattern", "array of bool")]:
+        with pytest.raises(ConfigError) as e:
+            read(name)
+        assert str(e.value).startswith(f"m.gguf: metadata key a.{name} must be ") and \
+            str(e.value).endswith(f", found {found}"), str(e.value)
+    with pytest.raises(ConfigError, match="^m.gguf: missing metadata key a.missing$"):
+        key.int("missing")
+    with pytest.raises(ValueError, match="must be an integer or an array of integers, found float"):
+        MetadataReader(meta, "a.", error=ValueError).int_or_ints("x")
+
+
+@pytest.mark.parametrize("key, value, found", [
+    ("block_count", 35.0, "float"), ("attention.head_count", "8", "string"),
+    ("feed_forward_length", np.array([6144.0] * 35, np.float32), "array of float32"),
+    ("attention.sliding_window_pattern", np.array([1, 0] * 17 + [1], np.uint8), "array of uint8"),
+    ("rope.freq_base", "1e6", "string"), ("final_logit_softcapping", True, "bool"),
+    ("tokenizer.ggml.tokens", 262144, "int")])
+def test_wrong_typed_metadata_is_a_config_error(tmp_path, key, value, found):
+    f = write_meta_gguf(tmp_path / "e2b.gguf", 35, 1536, 5, 1, 6144, 20)
+    f.metadata[key if key.startswith("tokenizer.") else f"gemma4.{key}"] = value
+    with pytest.raises(ConfigError, match=f"^e2b.gguf: metadata key .*{key} must be .*, found {found}$"):
+        Gemma4Config.from_gguf(f)
 
 
 def test_gemma3_270m_pattern(gemma3_270m_path):
