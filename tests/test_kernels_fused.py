@@ -216,5 +216,5 @@ def test_models_common_dispatch_whole_model(tmp_path, monkeypatch):
 
     monkeypatch.setattr(common, "_fused_for", lambda *ts: Spy())
     got = model.forward(tokens)
-    assert set(calls) == {"rms_norm", "gelu_tanh_mul", "softcap"}, calls
+    assert set(calls) == {"rms_norm", "rms_norm_rope", "gelu_tanh_mul", "softcap"}, calls
     assert_close(got, want, 2e-4, 1e-4, "tiny Gemma-4 logits, fused dispatch vs torch")
