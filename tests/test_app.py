@@ -302,6 +302,25 @@ async def test_load_error_shows_a_readable_screen(tmp_path):
         assert "truncated" in text and "Traceback" not in text and "\n" not in text.strip()
 
 
+@pytest.mark.parametrize("case", ["not-a-gguf", "truncated", "budget-too-small"])
+async def test_real_load_failures_end_on_the_error_screen(tmp_path, tiny_path, case):
+    opts = EngineOptions()
+    if case == "not-a-gguf":
+        model = tmp_path / "notes.gguf"
+        model.write_text("hello, I am not a model")
+    elif case == "truncated":
+        model = tmp_path / "cut.gguf"
+        model.write_bytes(tiny_path.read_bytes()[:5000])
+    else:
+        model, opts = tiny_path, EngineOptions(gpu_memory_budget="1MiB")
+    app = make_app(tmp_path, EngineBackend(str(model), opts, device="cpu"))
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: isinstance(app.screen, LoadErrorScreen))
+        text = str(app.screen.query_one("#error-text").render())
+        assert text.strip() and "Traceback" not in text and "\n" not in text.strip()
+        assert {"not-a-gguf": "GGUF", "truncated": "truncated", "budget-too-small": "budget"}[case] in text
+
+
 def test_bare_edgegem_means_the_app():
     assert _with_default_command([]) == ["app"]
     assert _with_default_command(["--debug", "--model", "x.gguf"]) == ["--debug", "app", "--model", "x.gguf"]
