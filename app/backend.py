@@ -1,15 +1,18 @@
 """What the app needs from the engine, and nothing more: load a model (with progress), then a client.
 
-`EngineBackend` is the real one (engine.api); tests pass a fake with the same two members. The app
-never imports `models` or `kernels`: this file is its only door into the engine.
+`EngineBackend` is the real one (engine.api); tests pass a fake with the same members (`load`,
+`with_options`, `options`, `model`). The app's screens and widgets never import `engine`, `models`
+or `kernels`: this file is their one door into the engine (the CLI commands use engine.api).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, Callable, Optional
 
-from engine.api import EngineOptions, GenerationParams, SamplingParams, split_thinking  # noqa: F401 - re-exported
+from engine.api import EngineOptions, GenerationParams, SamplingParams, split_thinking
+
+__all__ = ["EngineBackend", "EngineOptions", "GenerationParams", "SamplingParams", "Session", "size",
+           "split_thinking", "plan_lines"]
 
 # progress(fraction 0..1, one-line description)
 Progress = Callable[[float, str], None]

@@ -238,7 +238,7 @@ async def test_copy_answer_and_code_block(tmp_path):
 async def test_export_writes_markdown_and_json(tmp_path):
     app = make_app(tmp_path)
     async with app.run_test(size=SIZE) as pilot:
-        chat = await open_chat(pilot)
+        await open_chat(pilot)
         await say(pilot, "export me")
         await pilot.press("f4")
         await pilot.pause()
