@@ -23,6 +23,9 @@ class FakeClient:
     gate_after: Optional[int] = None  # hold the stream after this many pieces until aborted/opened
     error: Optional[str] = None  # finish with this error instead of the last piece
     prompt_tokens: int = 17
+    speculative: Optional[dict] = field(default_factory=lambda: {
+        "rounds": 10, "drafted": 20, "accepted": 13, "acceptance_rate": 0.65, "mean_accepted_length": 1.3,
+        "tokens_per_target_forward": 2.3})
 
     def __post_init__(self):
         self._ids = itertools.count(1)
@@ -72,14 +75,15 @@ class FakeClient:
                           "window": {"format": "bf16", "capacity": 1024, "used": 64, "free": 960,
                                      "unit_bytes": 2048, "slabs": 8}, "share_kv": True},
                 "cache_type": "radix", "attention_backend": "torch", "cached_prefix_tokens": self.cached,
-                "running": 0, "waiting": 0, "context_limit": 4096, "speculative": None}
+                "running": 0, "waiting": 0, "context_limit": 4096, "speculative": self.speculative}
 
     def close(self) -> None:
         self.closed = True
 
 
 INFO = {"model": "Fake Gemma 4", "file": "fake-q4_k_m.gguf", "path": "/models/fake-q4_k_m.gguf", "arch": "gemma4",
-        "demo": False, "device": "cpu", "context_limit": 4096, "draft": None, "budget_bytes": 8 << 30,
+        "demo": False, "device": "cpu", "context_limit": 4096, "draft": "/models/fake-assistant.gguf",
+        "budget_bytes": 8 << 30,
         "plan": ["budget 8.00 GiB on cpu", "  KV full pool: 4096 tokens × 4 layers, int8_per_token_head, 4 MiB",
                  "max context: 4096 tokens"]}
 
@@ -88,8 +92,10 @@ class FakeBackend:
     """Loads instantly (or waits at `hold`), or fails with `error`; counts loads for reload tests."""
 
     def __init__(self, client: Optional[FakeClient] = None, error: Optional[Exception] = None,
-                 options: EngineOptions = EngineOptions(), hold: Optional[threading.Event] = None):
+                 options: EngineOptions = EngineOptions(), hold: Optional[threading.Event] = None,
+                 info: Optional[dict] = None):
         self.client, self.error, self.options, self.hold = client or FakeClient(), error, options, hold
+        self.info = {**INFO, **(info or {})}
         self.model = "fake-q4_k_m.gguf"
         self.loads = 0
 
@@ -105,4 +111,4 @@ class FakeBackend:
         if self.error is not None:
             raise self.error
         self.loads += 1
-        return Session(self.client, dict(INFO))
+        return Session(self.client, dict(self.info))

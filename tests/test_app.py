@@ -38,13 +38,18 @@ async def until(pilot, cond, timeout: float = 20.0) -> None:
         await pilot.pause(0.02)
 
 
+async def on_screen(pilot, cls) -> None:
+    """Wait until a screen of type `cls` is on top and mounted (its widgets composed)."""
+    await until(pilot, lambda: isinstance(pilot.app.screen, cls) and pilot.app.screen.is_mounted)
+    await pilot.pause()
+
+
 def make_app(tmp_path: Path, backend=None, **kw) -> EdgegemApp:
     return EdgegemApp(backend or FakeBackend(), Store(tmp_path / "data"), plan_seconds=0.0, **kw)
 
 
 async def open_chat(pilot) -> ChatScreen:
-    await until(pilot, lambda: isinstance(pilot.app.screen, ChatScreen))
-    await pilot.pause()
+    await on_screen(pilot, ChatScreen)
     return pilot.app.screen
 
 
@@ -139,18 +144,17 @@ async def test_rename_and_delete_with_confirmation(tmp_path):
         await say(pilot, "hello")
         cid = chat.conversation_id
         await pilot.press("f2")
-        await until(pilot, lambda: isinstance(app.screen, TextPrompt))
-        await pilot.pause()
+        await on_screen(pilot, TextPrompt)
         app.screen.query_one("Input").value = "Renamed chat"
         await pilot.press("enter")
         await until(pilot, lambda: app.store.get(cid).title == "Renamed chat")
         await pilot.press("f8")
-        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        await on_screen(pilot, ConfirmScreen)
         await pilot.press("escape")  # cancel keeps it
         await until(pilot, lambda: app.screen is chat)
         assert [c.id for c in app.store.conversations()] == [cid]
         await pilot.press("f8")
-        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        await on_screen(pilot, ConfirmScreen)
         await pilot.click("#yes")
         await until(pilot, lambda: chat.conversation_id != cid)
         assert cid not in [c.id for c in app.store.conversations()]
@@ -163,7 +167,7 @@ async def test_settings_are_saved_per_conversation_and_used_for_generation(tmp_p
         chat = await open_chat(pilot)
         cid = chat.conversation_id
         await pilot.press("ctrl+s")
-        await until(pilot, lambda: isinstance(app.screen, SettingsScreen))
+        await on_screen(pilot, SettingsScreen)
         s = app.screen
         s.query_one("#temperature").value = "0.2"
         s.query_one("#top_k").value = "5"
@@ -195,10 +199,10 @@ async def test_engine_flag_change_reloads_the_model_after_confirmation(tmp_path)
         chat = await open_chat(pilot)
         old_client = app.session.client
         await pilot.press("ctrl+s")
-        await until(pilot, lambda: isinstance(app.screen, SettingsScreen))
+        await on_screen(pilot, SettingsScreen)
         app.screen.query_one("#kv_cache_dtype").value = "int8_per_token_head"
         app.screen.action_save()
-        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        await on_screen(pilot, ConfirmScreen)
         await pilot.click("#yes")
         await until(pilot, lambda: isinstance(app.screen, ChatScreen) and app.screen is not chat)
         assert old_client.closed and app.backend.options.kv_cache_dtype == "int8_per_token_head"
@@ -260,8 +264,7 @@ async def test_import_from_the_palette_adds_the_conversation_and_refuses_bad_fil
         bad.write_text('{"format": "edgegem.conversation", "version": 1, "messages": [{"role": "root"}]}')
         for path in (bad, js):
             chat.action_import()
-            await until(pilot, lambda: isinstance(app.screen, TextPrompt))
-            await pilot.pause()
+            await on_screen(pilot, TextPrompt)
             app.screen.query_one("Input").value = str(path)
             await pilot.press("enter")
             await until(pilot, lambda: app.screen is chat)
@@ -276,7 +279,7 @@ async def test_help_and_command_palette(tmp_path):
     async with app.run_test(size=SIZE) as pilot:
         chat = await open_chat(pilot)
         await pilot.press("f1")
-        await until(pilot, lambda: isinstance(app.screen, HelpScreen))
+        await on_screen(pilot, HelpScreen)
         await pilot.press("escape")
         await until(pilot, lambda: app.screen is chat)
         titles = [c.title for c in app.get_system_commands(chat)]
@@ -297,7 +300,7 @@ async def test_load_error_shows_a_readable_screen(tmp_path):
     err = GGUFError(Path("/m/bad.gguf"), "truncated: tensor data ends at byte 10 of 5")
     app = make_app(tmp_path, FakeBackend(error=err))
     async with app.run_test(size=SIZE) as pilot:
-        await until(pilot, lambda: isinstance(app.screen, LoadErrorScreen))
+        await on_screen(pilot, LoadErrorScreen)
         text = str(app.screen.query_one("#error-text").render())
         assert "truncated" in text and "Traceback" not in text and "\n" not in text.strip()
 
@@ -315,10 +318,19 @@ async def test_real_load_failures_end_on_the_error_screen(tmp_path, tiny_path, c
         model, opts = tiny_path, EngineOptions(gpu_memory_budget="1MiB")
     app = make_app(tmp_path, EngineBackend(str(model), opts, device="cpu"))
     async with app.run_test(size=SIZE) as pilot:
-        await until(pilot, lambda: isinstance(app.screen, LoadErrorScreen))
+        await on_screen(pilot, LoadErrorScreen)
         text = str(app.screen.query_one("#error-text").render())
         assert text.strip() and "Traceback" not in text and "\n" not in text.strip()
         assert {"not-a-gguf": "GGUF", "truncated": "truncated", "budget-too-small": "budget"}[case] in text
+
+
+async def test_draft_off_is_said_out_loud_for_gemma4(tmp_path):
+    app = make_app(tmp_path, FakeBackend(FakeClient(speculative=None), info={"draft": None}))
+    async with app.run_test(size=SIZE) as pilot:
+        chat = await open_chat(pilot)
+        assert any("Speculative decoding is off" in str(n.message) for n in app._notifications)
+        chat.refresh_status()
+        assert "draft   off (no assistant model)" in chat.query_one(StatusPanel).lines
 
 
 def test_bare_edgegem_means_the_app():
@@ -347,8 +359,8 @@ async def test_real_engine_answer_equals_edgegem_run_and_status_comes_from_the_e
         full = status["pools"]["full"]
         i = next(i for i, ln in enumerate(lines) if f"{full['used']}/{full['capacity']}" in ln)
         assert lines[i + 1].strip() == "int8_per_token_head"
-        assert any(ln.startswith(f"context {answer.stats['prompt_tokens'] + answer.stats['output_tokens']}/")
-                   for ln in lines)
+        n = answer.stats["prompt_tokens"] + answer.stats["output_tokens"]
+        assert any(ln.startswith("context ") and ln.endswith(f" {n}/{status['context_limit']}") for ln in lines)
         assert answer.stats["output_tokens"] == 12 or answer.stats["finish_reason"] == "stop"
     # the same prompt through `edgegem run`'s path gives the same text
     lm = open_model(tiny_path, exact=False)

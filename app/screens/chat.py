@@ -110,6 +110,11 @@ class ChatScreen(Screen[None]):
         self.set_interval(0.5, self.refresh_status)
         self.set_interval(CHUNK_INTERVAL_S, self._pump)
         self.query_one(ChatInput).focus()
+        info = self.session.info
+        if info.get("arch") == "gemma4" and not info.get("draft"):
+            self.notify("Speculative decoding is off: no assistant draft model. `edgegem pull` fetches the "
+                        "matching one; pass it with --spec-draft-model PATH.", title="Draft off",
+                        severity="warning", timeout=8)
 
     # --- conversations -----------------------------------------------------------------------
     def _new(self):

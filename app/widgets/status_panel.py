@@ -38,12 +38,14 @@ class StatusPanel(Static):
             lines.append(f"  {name:<6} {_bar(p['used'], p['capacity'])} {p['used']}/{p['capacity']}")
             lines.append(f"         {p['format']}")
         limit = status.get("context_limit") or info.get("context_limit") or 0
-        lines.append(f"context {context_tokens}/{limit} tokens")
+        lines.append(f"context {_bar(context_tokens, limit)} {context_tokens}/{limit}")
         lines.append(f"cached  {status.get('cached_prefix_tokens', 0)} prefix tokens")
         if last:
             lines.append(f"prefill {last.get('prefill_tok_s', 0.0):.1f} tok/s ({last.get('prefilled_tokens', 0)} tokens)")
             lines.append(f"decode  {last.get('decode_tok_s', 0.0):.1f} tok/s ({last.get('output_tokens', 0)} tokens)")
         spec = status.get("speculative")
+        if spec is None and info.get("arch") == "gemma4":
+            lines.append("draft   off (no assistant model)")
         if spec:
             lines.append(f"draft   {100 * spec.get('acceptance_rate', 0.0):.0f}% accepted, "
                          f"{spec.get('tokens_per_target_forward', 0.0):.2f} tok/forward")
