@@ -28,6 +28,8 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--data-dir", metavar="DIR",
                    help="where conversations are kept (default: $EDGEGEM_DATA_DIR or the XDG data dir)")
     _engine_args(a)
+    # A chat should go on when it outgrows the context: the app drops the oldest turns by default.
+    a.set_defaults(context_overflow="truncate")
 
     s = sub.add_parser("score", help="write float32 logits [n_tokens, vocab] of every position")
     s.add_argument("--model", required=True)

@@ -333,6 +333,13 @@ async def test_draft_off_is_said_out_loud_for_gemma4(tmp_path):
         assert "draft   off (no assistant model)" in chat.query_one(StatusPanel).lines
 
 
+def test_the_app_truncates_old_turns_by_default_and_run_does_not():
+    from app.cli import _parser
+    assert _parser().parse_args(["app"]).context_overflow == "truncate"
+    assert _parser().parse_args(["app", "--context-overflow", "error"]).context_overflow == "error"
+    assert _parser().parse_args(["run", "--prompt", "x"]).context_overflow == "error"
+
+
 def test_bare_edgegem_means_the_app():
     assert _with_default_command([]) == ["app"]
     assert _with_default_command(["--debug", "--model", "x.gguf"]) == ["--debug", "app", "--model", "x.gguf"]
