@@ -80,6 +80,27 @@ async def test_send_streams_markdown_answer_and_commits_both_messages(tmp_path):
         assert params.sampling.temperature == 0.7 and params.sampling.max_tokens == 1024
 
 
+@pytest.mark.parametrize("render_cost, fewest, most", [(0.0, 5, 30), (0.5, 1, 2)])
+async def test_streaming_updates_are_paced_by_the_rendering_cost(tmp_path, monkeypatch, render_cost, fewest, most):
+    """Markdown rendering holds the GIL the engine needs: updates come at most 10 a second and
+    at most ~10% of the time goes to rendering them (a 0.5 s render: one update in a 1 s stream)."""
+    monkeypatch.setattr(MessageView, "render_cost_s", property(lambda self: render_cost))
+    shows = []
+    real_show = MessageView.show
+
+    async def counting_show(self, thought, answer):
+        shows.append(answer)
+        await real_show(self, thought, answer)
+    monkeypatch.setattr(MessageView, "show", counting_show)
+    app = make_app(tmp_path, FakeBackend(FakeClient(pieces=[f"w{i} " for i in range(20)], delay=0.05)))
+    async with app.run_test(size=SIZE) as pilot:
+        await open_chat(pilot)
+        await say(pilot, "pace")
+    streamed = len(shows) - 1  # the last call is finish()'s
+    assert fewest <= streamed <= most, streamed
+    assert shows[-1] == " ".join(f"w{i}" for i in range(20))
+
+
 async def test_escape_stops_mid_stream_and_the_partial_answer_is_stored(tmp_path):
     client = FakeClient(gate_after=2)
     app = make_app(tmp_path, FakeBackend(client))

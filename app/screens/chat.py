@@ -9,6 +9,7 @@ or stopped answer is committed the moment it ends.
 from __future__ import annotations
 
 import itertools
+import time
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Optional
@@ -31,7 +32,8 @@ from app.widgets.sidebar import Sidebar
 from app.widgets.status_panel import StatusPanel
 
 IMPORT_MAX_BYTES = 8 << 20
-CHUNK_INTERVAL_S = 0.05  # at most ~20 UI updates a second, however fast the decode
+CHUNK_INTERVAL_S = 0.1  # at most 10 UI updates a second, however fast the decode
+UI_SHARE = 0.1  # and at most ~10% of the time spent rendering them
 _gen_ids = itertools.count(1)
 
 
@@ -87,6 +89,7 @@ class ChatScreen(Screen[None]):
         self.conversation_id = conversation_id
         self.messages: list = []  # app.store.Message of the current conversation, in order
         self.gen: Optional[Generation] = None
+        self._next_pump = 0.0
         self.last_stats: Optional[dict] = None
 
     @property
@@ -328,14 +331,19 @@ class ChatScreen(Screen[None]):
             self.post_message(GenerationDone(g.id, g.text, "error", one_line(e), None))
 
     async def _pump(self) -> None:
-        """Timer: show what the worker has written since the last tick."""
+        """Timer: show what the worker has written since the last tick. Rendering Markdown holds
+        the GIL the engine thread needs, so updates are paced to keep the UI's share of the time
+        near UI_SHARE: a long answer on a slow CPU refreshes less often instead of decoding slower."""
         g = self.gen
-        if g is None or g.text == g.shown:
+        now = time.perf_counter()
+        if g is None or g.text == g.shown or now < self._next_pump:
             return
         g.shown = g.text
         thought, answer = split_thinking(g.shown)
         await g.view.show(thought, answer)
         self.query_one("#messages", VerticalScroll).scroll_end(animate=False)
+        cost = time.perf_counter() - now + g.view.render_cost_s
+        self._next_pump = now + max(CHUNK_INTERVAL_S, cost / UI_SHARE)
 
     async def on_generation_done(self, msg: GenerationDone) -> None:
         g = self.gen

@@ -6,6 +6,7 @@ when they come faster than it renders); the thought pane is replaced whole on ea
 from __future__ import annotations
 
 import re
+import time
 from typing import Optional
 
 from textual.app import ComposeResult
@@ -26,6 +27,19 @@ def code_blocks(markdown: str) -> list[str]:
     return blocks
 
 
+class TimedMarkdown(Markdown):
+    """Markdown that remembers how long its last streamed append took (the chat paces updates by it)."""
+
+    last_append_s = 0.0
+
+    async def append(self, markdown: str):
+        t0 = time.perf_counter()
+        try:
+            return await super().append(markdown)
+        finally:
+            self.last_append_s = time.perf_counter() - t0
+
+
 class MessageView(Vertical):
     def __init__(self, role: str, content: str = "", thinking: str = "", status: str = "done",
                  message_id: Optional[int] = None) -> None:
@@ -39,7 +53,7 @@ class MessageView(Vertical):
         with Collapsible(title="Thought", collapsed=True, classes="thought") as c:
             c.display = bool(self.thinking)
             yield Static(self.thinking, classes="thought-text", markup=False)
-        yield Markdown(self.content, classes="body")
+        yield TimedMarkdown(self.content, classes="body")
 
     def _header(self) -> str:
         extra = {"stopped": "  (stopped)", "error": "  (error)", "streaming": "  …"}.get(self.status, "")
@@ -65,6 +79,10 @@ class MessageView(Vertical):
         else:  # the answer changed shape (e.g. a held-back stop string): redraw
             await self.query_one(".body", Markdown).update(answer)
         self.content = answer
+
+    @property
+    def render_cost_s(self) -> float:
+        return self.query_one(".body", TimedMarkdown).last_append_s
 
     async def finish(self, thought: Optional[str], answer: str, status: str, message_id: Optional[int]) -> None:
         if self._stream is not None:
