@@ -1,6 +1,6 @@
 """Messages the worker threads post to the UI (Textual's `post_message` is thread-safe).
 
-Streaming text is not posted token by token: the chat screen's timer pulls it (at most 20 times a
+Streaming text is not posted token by token: the chat screen's timer pulls it (at most 10 times a
 second) and the status panel pulls `client.status()`, so a fast decode never floods the UI.
 """
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Generation runs in a worker thread that talks to the engine client (submit, stream, abort): it
 only appends to `Generation.text` and posts one `GenerationDone`. A UI timer renders the text at
-most 20 times a second (coalesced, so a fast decode never floods the UI, and a stalled stream
-still shows everything it has). The UI thread alone renders and writes the store; every finished
+most 10 times a second, paced by the Markdown render cost (coalesced, so a fast decode never
+floods the UI, and a stalled stream still shows everything it has). The UI thread alone renders and writes the store; every finished
 or stopped answer is committed the moment it ends.
 """
 from __future__ import annotations
