@@ -24,7 +24,7 @@ from engine.api import (EngineOptions, GenerationParams, SamplingParams, open_mo
                         start_client)
 from models.gguf import GGUFError
 from tests.app_fakes import FakeBackend, FakeClient
-from tests.tiny_models import TinySpec, write_tiny_gemma4
+from tests.tiny_models import TinySpec, write_tiny_assistant, write_tiny_gemma4
 
 SIZE = (120, 36)
 
@@ -421,3 +421,17 @@ async def test_real_engine_reuses_the_cached_prefix_on_the_next_turn_and_after_s
         # the previous turn's whole prompt was still resident (the random tiny model's answer tokens
         # need not re-tokenize to the same ids, so the match may stop where the answer starts)
         assert back["cached_tokens"] >= second["prompt_tokens"]
+
+
+async def test_real_engine_with_the_assistant_draft_shows_acceptance(tmp_path, tiny_path):
+    draft = write_tiny_assistant(tmp_path / "assistant.gguf", TinySpec(), seed=32)
+    backend = EngineBackend(str(tiny_path), EngineOptions(spec_draft_model=str(draft), spec_tokens=2), device="cpu")
+    app = make_app(tmp_path, backend, default_settings={"temperature": 0.0, "max_tokens": 8})
+    async with app.run_test(size=SIZE) as pilot:
+        chat = await open_chat(pilot)
+        assert not any("Speculative decoding is off" in str(n.message) for n in app._notifications)
+        await say(pilot, "the cat")
+        spec = app.session.client.status()["speculative"]
+        chat.refresh_status()
+        assert spec["rounds"] > 0
+        assert f"draft   {100 * spec['acceptance_rate']:.0f}% accepted" in "\n".join(chat.query_one(StatusPanel).lines)
