@@ -139,8 +139,16 @@ def _engine_options(a):
                          max_running_requests=a.max_running_requests, prefill_chunk=a.prefill_chunk,
                          fast_prefill=a.fast_prefill == "on", cache_type=a.cache_type,
                          context_overflow=a.context_overflow, attention_backend=a.attention_backend,
-                         spec_draft_model=None if a.spec_algo == "none" else a.spec_draft_model,
+                         spec_draft_model=None if a.spec_algo == "none" else _draft_path(a.spec_draft_model),
                          spec_tokens=a.spec_tokens, spec_p_min=a.spec_p_min)
+
+
+def _draft_path(name):
+    """--spec-draft-model: a path, or the name of a pulled assistant in the models folder."""
+    if not name:
+        return None
+    from engine.api import resolve_model
+    return str(resolve_model(name))
 
 
 def _device(a) -> str:
@@ -230,8 +238,9 @@ def cmd_info(a) -> int:
     opt = PlanOptions(budget=parse_size(a.gpu_memory_budget) if a.gpu_memory_budget else None, device=a.device,
                       kv_format=a.kv_cache_dtype, swa_format=a.swa_kv_cache_dtype, embed_weights=a.embed_weights,
                       prefill_chunk=a.prefill_chunk, max_running=a.max_running_requests,
-                      draft=a.spec_draft_model)
-    d = api.describe(api.open_layout(a.model, a.synthetic), plan=opt)
+                      draft=_draft_path(a.spec_draft_model))
+    model = str(api.resolve_model(a.model)) if a.model else None  # a path or a models-folder name
+    d = api.describe(api.open_layout(model, a.synthetic), plan=opt)
     if a.json:
         print(json.dumps(d, indent=1))
         return 0

@@ -133,3 +133,11 @@ def test_run_takes_a_model_name(models_dir):
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2 and r.stderr.startswith("edgegem: error: 'e2b' matches 2 models")
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_info_and_draft_take_model_names(models_dir, capsys):
+    from app.cli import _draft_path
+    assert main(["info", "finetune", "--device", "cpu", "--gpu-memory-budget", "1GiB", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["file"] == str(models_dir / "my-finetune.gguf")
+    assert _draft_path("assistant") == str(models_dir / REPO / "gemma-4-E2B-it-assistant-Q4_K_M.gguf")
+    assert _draft_path(None) is None
