@@ -70,6 +70,9 @@ def _gguf_type(v: Any) -> str:
     return {bool: "bool", str: "string"}.get(type(v), type(v).__name__)
 
 
+MAX_LAYERS = 1024  # Gemma-4 31B has 60; anything near this is a malformed file
+
+
 class MetadataReader:
     """Typed reads of GGUF metadata: `key.int("block_count")`, `key.float("rope.freq_base", 1e4)`,
     `key.ints(...)`, `key.read(name, ("int", "ints"))` for a value that may be either.
@@ -101,6 +104,14 @@ class MetadataReader:
 
     def int(self, name: str, default: Any = _MISSING) -> Any:
         return self.read(name, ("int",), default)
+
+    def layer_count(self, name: str = "block_count") -> int:
+        """A layer count: 1..MAX_LAYERS (a hostile huge value would make per-layer loops run for ever)."""
+        n = self.int(name)
+        if not 0 < n <= MAX_LAYERS:
+            raise self.error(f"{self._where}metadata key {self.prefix}{name} = {n}: a model has 1 to "
+                             f"{MAX_LAYERS} layers")
+        return n
 
     def float(self, name: str, default: Any = _MISSING) -> Any:
         return self.read(name, ("float",), default)

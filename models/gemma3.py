@@ -74,7 +74,7 @@ class Gemma3Config:
     def from_gguf(cls, gguf, arch: str = "gemma3") -> "Gemma3Config":
         key = metadata_reader(gguf, arch)
 
-        L = key.int("block_count")
+        L = key.layer_count()
         pattern = key.read("attention.sliding_window_pattern", ("bools", "int"), None)
         if pattern is not None and not isinstance(pattern, int):
             is_sliding = tuple(bool(b) for b in pattern)

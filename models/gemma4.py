@@ -126,7 +126,7 @@ class Gemma4Config:
         """From a `models.gguf.GGUFFile` (metadata plus the small `rope_freqs` tensor), per §2.8."""
         key = metadata_reader(gguf, arch)
 
-        L = key.int("block_count")
+        L = key.layer_count()
         is_sliding = tuple(bool(b) for b in key.bools("attention.sliding_window_pattern"))
         if len(is_sliding) != L:
             raise ConfigError(f"sliding_window_pattern has {len(is_sliding)} entries for {L} layers")

@@ -97,7 +97,7 @@ class Gemma4AssistantConfig:
     def from_gguf(cls, gguf, arch: str = ARCH) -> "Gemma4AssistantConfig":
         """From a `GGUFFile` of arch `gemma4-assistant` (§2.3, §2.8)."""
         key = metadata_reader(gguf, arch)
-        block_count = key.int("block_count")
+        block_count = key.layer_count()
         L = key.int("nextn_predict_layers", block_count) or block_count
         if not 0 < L <= block_count:
             raise ConfigError(f"{L} draft layers of {block_count} blocks")

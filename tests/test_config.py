@@ -142,3 +142,11 @@ def test_gemma3_270m_pattern(gemma3_270m_path):
     assert (cfg.n_layer, cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.head_dim) == (18, 640, 4, 1, 256)
     assert cfg.query_scale == pytest.approx(1 / 16)
     assert cfg.vocab_size == 262144 and cfg.sliding_window == 512
+
+
+@pytest.mark.parametrize("n", [0, -3, 1 << 40])
+def test_absurd_layer_counts_are_refused_before_any_per_layer_loop(n):
+    from models.common import ConfigError, MetadataReader
+    key = MetadataReader({"gemma3.block_count": n}, "gemma3.")
+    with pytest.raises(ConfigError, match="1 to 1024 layers"):
+        key.layer_count()
