@@ -39,6 +39,9 @@ class EngineBackend:
         from engine import api
 
         path = api.resolve_model(self.model)
+        options = self.options
+        if options.spec_draft_model:  # a path, or a name in the models folder (settings screen)
+            options = replace(options, spec_draft_model=str(api.resolve_model(options.spec_draft_model)))
         device = api.default_device() if self.device == "auto" else self.device
         progress(0.0, f"opening {path.name}")
 
@@ -46,17 +49,17 @@ class EngineBackend:
             frac = nbytes / total_bytes if total_bytes else done / max(total, 1)
             progress(0.9 * frac, f"tensors {done}/{total} · {_size(nbytes)} of {_size(total_bytes)} → {device}")
 
-        lm = api.open_model(path, exact=self.exact, device=device, embed_weights=self.options.embed_weights,
+        lm = api.open_model(path, exact=self.exact, device=device, embed_weights=options.embed_weights,
                             progress=on_tensor)
         progress(0.92, "allocating the KV pools")
-        plan = api.engine_plan(lm, self.options)[0]
-        client = api.start_client(lm, self.options)
+        plan = api.engine_plan(lm, options)[0]
+        client = api.start_client(lm, options)
         progress(1.0, "ready")
         status = client.status()
         info = {"model": lm.source.get("general.name") if hasattr(lm.source, "get") else path.name,
                 "file": path.name, "path": str(path), "arch": lm.arch, "demo": self.model is None,
                 "device": device, "context_limit": status.get("context_limit"),
-                "draft": self.options.spec_draft_model,
+                "draft": options.spec_draft_model,
                 "budget_bytes": plan.budget if plan is not None else None,
                 "plan": plan_lines(plan, status)}
         info["model"] = info["model"] or path.stem

@@ -58,20 +58,20 @@ class SettingsScreen(ModalScreen["SettingsResult | None"]):
             with Grid(classes="numbers"):
                 for key, (label, *_rest) in NUMBERS.items():
                     yield Label(label)
-                    yield Input(str(s[key]), id=key)
+                    yield Input(str(s[key]), id=key, compact=True)
                 yield Label("Thinking (Gemma-4)")
                 yield Switch(bool(s["thinking"]), id="thinking")
             yield Label("Engine (applied by reloading the model)", classes="heading")
             with Grid(classes="numbers"):
                 yield Label("KV cache format")
                 yield Select([(f, f) for f in KV_FORMATS], value=self.engine.get("kv_cache_dtype") or "auto",
-                             allow_blank=False, id="kv_cache_dtype")
+                             allow_blank=False, id="kv_cache_dtype", compact=True)
                 yield Label("Memory budget")
                 yield Input(self.engine.get("gpu_memory_budget") or "", placeholder="default, or e.g. 8GiB",
-                            id="gpu_memory_budget")
+                            id="gpu_memory_budget", compact=True)
                 yield Label("Draft model")
-                yield Input(self.engine.get("spec_draft_model") or "", placeholder="assistant GGUF path",
-                            id="spec_draft_model")
+                yield Input(self.engine.get("spec_draft_model") or "", placeholder="assistant GGUF path or name",
+                            id="spec_draft_model", compact=True)
             yield Static("", id="settings-error", markup=False)
             with Horizontal(classes="buttons"):
                 yield Button("Save", variant="primary", id="save")
