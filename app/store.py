@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import sqlite3
 import threading
@@ -31,18 +30,16 @@ ROLES = ("system", "user", "assistant")
 STATUSES = ("done", "stopped", "error")
 MAX_TITLE = 200
 MAX_IMPORT_MESSAGES = 10_000
+MAX_IMPORT_BYTES = 8 << 20
 AUTO_TITLE_CHARS = 48
 DEFAULT_TITLE = "New chat"
 
 
 def default_data_dir() -> Path:
-    """$EDGEGEM_DATA_DIR, else the platform's user data dir (~/.local/share/edgegem on Linux)."""
-    env = os.environ.get("EDGEGEM_DATA_DIR")
-    if env:
-        return Path(env).expanduser()
-    import platformdirs  # a Textual dependency; imported here so the module loads without it
-
-    return Path(platformdirs.user_data_dir("edgegem"))
+    """$EDGEGEM_DATA_DIR, else the platform's user data dir (~/.local/share/edgegem on Linux): the
+    same folder `edgegem pull` and `doctor` use (engine/model_store.py decides it for all)."""
+    from engine.model_store import data_dir
+    return data_dir()
 
 
 @dataclass
@@ -336,7 +333,15 @@ class Store:
                       encoding="utf-8")
         return md, js
 
-    def import_json(self, data: bytes | str | dict, max_bytes: int = 8 << 20) -> Conversation:
+    def import_file(self, path: Path | str, max_bytes: int = MAX_IMPORT_BYTES) -> Conversation:
+        """`import_json` of a file; one too big is refused before it is read."""
+        path = Path(path).expanduser()
+        size = path.stat().st_size
+        if size > max_bytes:
+            raise _refuse(f"{path.name}: {size} bytes is over the {max_bytes}-byte limit")
+        return self.import_json(path.read_bytes(), max_bytes)
+
+    def import_json(self, data: bytes | str | dict, max_bytes: int = MAX_IMPORT_BYTES) -> Conversation:
         """Add a conversation from `export_json` output. Anything malformed is refused with a
         one-line ValueError and nothing is written (one transaction)."""
         doc = _parse_import(data, max_bytes)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -31,7 +30,6 @@ from app.widgets.message_view import MessageView, code_blocks
 from app.widgets.sidebar import Sidebar
 from app.widgets.status_panel import StatusPanel
 
-IMPORT_MAX_BYTES = 8 << 20
 CHUNK_INTERVAL_S = 0.1  # at most 10 UI updates a second, however fast the decode
 UI_SHARE = 0.1  # and at most ~10% of the time spent rendering them
 _gen_ids = itertools.count(1)
@@ -195,10 +193,7 @@ class ChatScreen(Screen[None]):
             if not path or self._busy():
                 return
             try:
-                p = Path(path).expanduser()
-                if p.stat().st_size > IMPORT_MAX_BYTES:
-                    raise ValueError("import refused: larger than 8 MiB")
-                conv = self.store.import_json(p.read_bytes(), max_bytes=IMPORT_MAX_BYTES)
+                conv = self.store.import_file(path)
             except (OSError, ValueError) as e:
                 self.notify(one_line(e), title="Import failed", severity="error", timeout=10)
                 return
