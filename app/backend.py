@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 from engine.api import EngineOptions, GenerationParams, SamplingParams, split_thinking
 
 __all__ = ["EngineBackend", "EngineOptions", "GenerationParams", "SamplingParams", "Session", "size",
-           "split_thinking", "plan_lines"]
+           "split_thinking", "plan_lines", "kv_pools"]
 
 # progress(fraction 0..1, one-line description)
 Progress = Callable[[float, str], None]
@@ -39,27 +39,24 @@ class EngineBackend:
         from engine import api
 
         path = api.resolve_model(self.model)
-        options = self.options
-        if options.spec_draft_model:  # a path, or a name in the models folder (settings screen)
-            options = replace(options, spec_draft_model=str(api.resolve_model(options.spec_draft_model)))
         device = api.default_device() if self.device == "auto" else self.device
         progress(0.0, f"opening {path.name}")
 
         def on_tensor(done: int, total: int, nbytes: int, total_bytes: int) -> None:
             frac = nbytes / total_bytes if total_bytes else done / max(total, 1)
-            progress(0.9 * frac, f"tensors {done}/{total} · {_size(nbytes)} of {_size(total_bytes)} → {device}")
+            progress(0.9 * frac, f"tensors {done}/{total} · {size(nbytes)} of {size(total_bytes)} → {device}")
 
-        lm = api.open_model(path, exact=self.exact, device=device, embed_weights=options.embed_weights,
+        lm = api.open_model(path, exact=self.exact, device=device, embed_weights=self.options.embed_weights,
                             progress=on_tensor)
         progress(0.92, "allocating the KV pools")
-        plan = api.engine_plan(lm, options)[0]
-        client = api.start_client(lm, options)
+        plan = api.engine_plan(lm, self.options)[0]
+        client = api.start_client(lm, self.options)
         progress(1.0, "ready")
         status = client.status()
         info = {"model": lm.source.get("general.name") if hasattr(lm.source, "get") else path.name,
                 "file": path.name, "path": str(path), "arch": lm.arch, "demo": self.model is None,
                 "device": device, "context_limit": status.get("context_limit"),
-                "draft": options.spec_draft_model,
+                "draft": self.options.spec_draft_model,
                 "budget_bytes": plan.budget if plan is not None else None,
                 "plan": plan_lines(plan, status)}
         info["model"] = info["model"] or path.stem
@@ -72,14 +69,16 @@ def size(n: Optional[int]) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
-_size = size
+def kv_pools(status: dict) -> dict:
+    """The KV pools of `client.status()` that hold layers: name -> capacity, used, unit_bytes, format."""
+    return {k: p for k, p in status.get("pools", {}).items() if isinstance(p, dict) and p.get("slabs")}
 
 
 def plan_lines(plan, status: dict) -> list[str]:
     """The memory plan as the loading screen prints it: weights and workspace from the plan, the KV
     pools as the engine actually built them (on the CPU without a budget they stop well short of
     what the plan would allow)."""
-    pools = {k: p for k, p in status.get("pools", {}).items() if isinstance(p, dict) and p.get("slabs")}
+    pools = kv_pools(status)
     kv_bytes = sum(p["capacity"] * p["unit_bytes"] for p in pools.values())
     lines = []
     if plan is not None:

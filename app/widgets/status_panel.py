@@ -9,7 +9,7 @@ from typing import Optional
 
 from textual.widgets import Static
 
-from app.backend import size
+from app.backend import kv_pools, size
 
 
 def _bar(used: int, cap: int, width: int = 8) -> str:
@@ -26,7 +26,7 @@ class StatusPanel(Static):
     def refresh_from(self, info: dict, status: dict, context_tokens: int, last: Optional[dict]) -> None:
         lines = [f"model   {info.get('model', '?')}", f"file    {info.get('file', '?')}",
                  f"device  {info.get('device', '?')}"]
-        pools = {k: p for k, p in status.get("pools", {}).items() if isinstance(p, dict) and p.get("slabs")}
+        pools = kv_pools(status)
         kv_bytes = sum(p["capacity"] * p["unit_bytes"] for p in pools.values())
         kv_used = sum(p["used"] * p["unit_bytes"] for p in pools.values())
         mem = status.get("device_memory")
