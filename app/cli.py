@@ -139,12 +139,13 @@ def _engine_options(a):
                          max_running_requests=a.max_running_requests, prefill_chunk=a.prefill_chunk,
                          fast_prefill=a.fast_prefill == "on", cache_type=a.cache_type,
                          context_overflow=a.context_overflow, attention_backend=a.attention_backend,
-                         spec_draft_model=None if a.spec_algo == "none" else _draft_path(a.spec_draft_model),
+                         spec_draft_model=None if a.spec_algo == "none" else a.spec_draft_model,
                          spec_tokens=a.spec_tokens, spec_p_min=a.spec_p_min)
 
 
 def _draft_path(name):
-    """--spec-draft-model: a path, or the name of a pulled assistant in the models folder."""
+    """--spec-draft-model for the memory plan of `info`: a path, or the name of a pulled assistant
+    in the models folder (the engine's load_draft resolves names itself)."""
     if not name:
         return None
     from engine.api import resolve_model

@@ -163,7 +163,7 @@ def load_draft(path: str, lm: LoadedModel, spec_tokens: int = 2, p_min: float = 
 
     from .speculative import SpecConfig, check_draft
 
-    f = GGUFFile(Path(path).expanduser())
+    f = GGUFFile(resolve_model(path))  # a path, or the name of a pulled assistant in the models folder
     f.check_architecture(("gemma4-assistant",))
     draft = load_gemma4_assistant(f, dtype=lm.model.dtype, device=lm.model.device)
     check_draft(draft, lm.config)
