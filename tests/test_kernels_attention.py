@@ -9,14 +9,10 @@ interpreter's fp32 -> bf16 cast truncates instead of rounding to nearest even).
 Slabs have capacity 200 with a sequence's keys on random scattered slots; shapes are small and odd
 (hd 40 and 64, S 37 and 130, n_h 4 over n_kv 1 and 2); hd 256 and 512 appear in one case each.
 """
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
+from triton_env import DEVICE, INTERPRET  # first: sets TRITON_INTERPRET before triton is imported
 
 import pytest
 import torch
-
-pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
 
 from engine.kv_format import resolve_format
 from kernels.attention import (
@@ -27,11 +23,6 @@ from kernels.attention import (
 )
 from kernels.kv_store import kv_store, kv_store_ref
 from models.common import attention
-
-INTERPRET = os.environ["TRITON_INTERPRET"].lower() in ("1", "true", "on")
-DEVICE = "cpu" if INTERPRET else "cuda"
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip("TRITON_INTERPRET is off and there is no CUDA device", allow_module_level=True)
 
 CAPACITY = 200
 SCALED = (torch.int8, torch.float8_e4m3fn)

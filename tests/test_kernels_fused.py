@@ -5,14 +5,10 @@ Runs under the Triton interpreter on the CPU (TRITON_INTERPRET=1 is set before t
 bf16 inputs (the interpreter's fp32 -> bf16 cast truncates rather than rounds).
 Shapes are small and odd: row lengths 40, 97, 640, 1000; head dims 40 and 64 with n_rot < hd.
 """
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
+from triton_env import DEVICE, INTERPRET  # first: sets TRITON_INTERPRET before triton is imported
 
 import pytest
 import torch
-
-pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
 
 from tiny_models import TinySpec, write_tiny_gemma4
 
@@ -29,11 +25,6 @@ from kernels.fused import (
 )
 from models import common
 from models.loader import load_model
-
-INTERPRET = os.environ["TRITON_INTERPRET"].lower() in ("1", "true", "on")
-DEVICE = "cpu" if INTERPRET else "cuda"
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip("TRITON_INTERPRET is off and there is no CUDA device", allow_module_level=True)
 
 DTYPES = [torch.float32, torch.float16] + ([] if INTERPRET else [torch.bfloat16])
 # Kernel vs ref (both fp32 math, one final rounding): fp32 differs by summation order / tanh form;

@@ -6,15 +6,11 @@ runs the same tests on the GPU, with bf16 on every path (the interpreter's bf16 
 so there bf16 runs only through the GEMV and the prefill path).
 Shapes are tiny and odd (5 or 37 output rows, a partial 256-value step for the 32-value types).
 """
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
+from triton_env import DEVICE, INTERPRET  # first: sets TRITON_INTERPRET before triton is imported
 
 import numpy as np
 import pytest
 import torch
-
-pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
 
 from kernels.qmatmul import (
     DECODE_MAX_M,
@@ -24,11 +20,6 @@ from kernels.qmatmul import (
     qmatmul_ref,
 )
 from models.quant import GGMLType, block_size, dequantize, row_bytes
-
-INTERPRET = os.environ["TRITON_INTERPRET"].lower() in ("1", "true", "on")
-DEVICE = "cpu" if INTERPRET else "cuda"
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip("TRITON_INTERPRET is off and there is no CUDA device", allow_module_level=True)
 
 TYPES = [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.Q5_0, GGMLType.Q4_0]
 # Byte offsets of the float16 scale fields inside one block (as in tests/test_quant.py).

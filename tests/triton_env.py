@@ -1,0 +1,18 @@
+"""Set-up shared by the Triton kernel tests; import it before anything that imports triton.
+
+TRITON_INTERPRET=1 unless the caller set it (the kernels then run on the CPU); the test module is
+skipped when triton is not installed, or when the interpreter is off and there is no CUDA device.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
+
+INTERPRET = os.environ["TRITON_INTERPRET"].lower() in ("1", "true", "on")
+DEVICE = "cpu" if INTERPRET else "cuda"
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("TRITON_INTERPRET is off and there is no CUDA device", allow_module_level=True)
