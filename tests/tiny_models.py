@@ -65,6 +65,21 @@ def _tame_random(rng):
     return mat, norm
 
 
+def _add_attention_keys(w: GGUFWriter, arch: str, spec: "TinySpec", sliding: list[bool], n_shared: int) -> None:
+    """Head dims, RoPE, norm epsilon and sliding-window keys: the same for a target and its
+    assistant (which shares the target's head dims and window)."""
+    for suffix, hd in (("", spec.hd_full), ("_swa", spec.hd_sliding)):
+        w.add_uint32(f"{arch}.attention.key_length{suffix}", hd)
+        w.add_uint32(f"{arch}.attention.value_length{suffix}", hd)
+        w.add_uint32(f"{arch}.rope.dimension_count{suffix}", hd)
+    w.add_float32(f"{arch}.rope.freq_base", 1_000_000.0)
+    w.add_float32(f"{arch}.rope.freq_base_swa", 10_000.0)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
+    w.add_uint32(f"{arch}.attention.sliding_window", spec.sliding_window)
+    w.add_array(f"{arch}.attention.sliding_window_pattern", [bool(s) for s in sliding])
+    w.add_uint32(f"{arch}.attention.shared_kv_layers", n_shared)
+
+
 @dataclass
 class TinySpec:
     """Shape of a tiny Gemma-4. Defaults: an E-series-like 8-layer model with every feature on."""
@@ -127,16 +142,7 @@ def write_tiny_gemma4(path: Path, spec: TinySpec, seed: int = 0) -> Path:
         w.add_uint32(f"{arch}.attention.head_count_kv", n_kv[0])
     else:
         w.add_array(f"{arch}.attention.head_count_kv", [int(n) for n in n_kv])
-    for suffix, hd in (("", spec.hd_full), ("_swa", spec.hd_sliding)):
-        w.add_uint32(f"{arch}.attention.key_length{suffix}", hd)
-        w.add_uint32(f"{arch}.attention.value_length{suffix}", hd)
-        w.add_uint32(f"{arch}.rope.dimension_count{suffix}", hd)
-    w.add_float32(f"{arch}.rope.freq_base", 1_000_000.0)
-    w.add_float32(f"{arch}.rope.freq_base_swa", 10_000.0)
-    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
-    w.add_uint32(f"{arch}.attention.sliding_window", spec.sliding_window)
-    w.add_array(f"{arch}.attention.sliding_window_pattern", [bool(s) for s in sliding])
-    w.add_uint32(f"{arch}.attention.shared_kv_layers", spec.n_kv_shared)
+    _add_attention_keys(w, arch, spec, sliding, spec.n_kv_shared)
     w.add_uint32(f"{arch}.embedding_length_per_layer_input", P)
     if spec.softcap:
         w.add_float32(f"{arch}.final_logit_softcapping", spec.softcap)
@@ -239,16 +245,7 @@ def write_tiny_assistant(path: Path, target_spec: TinySpec, seed: int = 0, *, n_
     w.add_uint32(f"{arch}.feed_forward_length", ffn)
     w.add_uint32(f"{arch}.attention.head_count", n_head)
     w.add_uint32(f"{arch}.attention.head_count_kv", nk)
-    for suffix, hd in (("", target_spec.hd_full), ("_swa", target_spec.hd_sliding)):
-        w.add_uint32(f"{arch}.attention.key_length{suffix}", hd)
-        w.add_uint32(f"{arch}.attention.value_length{suffix}", hd)
-        w.add_uint32(f"{arch}.rope.dimension_count{suffix}", hd)
-    w.add_float32(f"{arch}.rope.freq_base", 1_000_000.0)
-    w.add_float32(f"{arch}.rope.freq_base_swa", 10_000.0)
-    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
-    w.add_uint32(f"{arch}.attention.sliding_window", target_spec.sliding_window)
-    w.add_array(f"{arch}.attention.sliding_window_pattern", sliding)
-    w.add_uint32(f"{arch}.attention.shared_kv_layers", L)
+    _add_attention_keys(w, arch, target_spec, sliding, L)
     w.add_uint32(f"{arch}.embedding_length_per_layer_input", 0)
     add_tiny_tokenizer(w, V)
 
