@@ -252,7 +252,7 @@ def synthetic_specs(variant: str) -> list[dict]:
 
 
 def synthetic_weights(variant: str, device="cpu", seed: int = 0, dtype=None,
-                      host_embeddings: bool = True, quantized: bool = True) -> dict:
+                      host_embeddings: bool = True, quantized: bool = True, fill: str = "random") -> dict:
     """Random but numerically tame weights for every tensor of the synthetic layout the model reads,
     in the runtime form `load_weights(..., quantized=True)` gives a GGUF: K-quant (and fallback)
     matrices as `QuantWeight` of random blocks made on `device` (std ~ 1/sqrt(n_in), mean ~0),
@@ -261,21 +261,33 @@ def synthetic_weights(variant: str, device="cpu", seed: int = 0, dtype=None,
     the layout's rope_freqs. `host_embeddings` on a non-CPU device: the lookup tables live on the
     CPU (the tied head's copy stays on the device; "token_embd.host" is the lookup copy).
     `quantized=False`: the same random matrices dequantized to dense `dtype` tensors (the plain
-    torch path, e.g. a CPU without the Triton interpreter)."""
+    torch path, e.g. a CPU without the Triton interpreter). `fill="empty"`: uninitialised tensors
+    of the same shapes and types (dry runs on the meta device, `engine/dry_run.py`: nothing is
+    computed, and the multi-gigabyte host tables cost no RAM until read)."""
     import torch
 
     from models.weights import QuantWeight
 
+    if fill not in ("random", "empty"):
+        raise ValueError(f"fill must be 'random' or 'empty', got {fill!r}")
+
     device = torch.device(device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     v = VARIANTS[variant.lower()]
-    gen = torch.Generator(device=device).manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed) if fill == "random" else None
     host = host_embeddings and device.type != "cpu"
     out: dict = {}
     for s in synthetic_specs(variant.lower()):
         name, shape, kind = s["name"], s["shape"], s["kind"]
         where = torch.device("cpu") if host and name == "per_layer_token_embd.weight" else device
-        if kind == "quant":
+        if fill == "empty":
+            if kind == "quant":
+                from models.quant import row_bytes
+                raw = torch.empty((shape[0], row_bytes(int(T[s["type"]]), shape[1])), dtype=torch.uint8, device=where)
+                w = QuantWeight(raw, int(T[s["type"]]), shape)
+            else:
+                w = torch.empty(shape, dtype=dtype if kind == "dense" else torch.float32, device=where)
+        elif kind == "quant":
             g = gen if where == device else torch.Generator().manual_seed(seed + 1)
             raw = _random_quant_bytes(s["type"], shape[0], shape[1], _matrix_std(name, shape, v["ple"]), g, where)
             w = QuantWeight(raw, int(T[s["type"]]), shape)
@@ -295,12 +307,15 @@ def synthetic_weights(variant: str, device="cpu", seed: int = 0, dtype=None,
         out[name] = w
     if host and "output.weight" not in out:
         e = out["token_embd.weight"]
-        out["token_embd.host"] = QuantWeight(e.raw.cpu(), e.ggml_type, e.shape) if quantized else e.cpu()
+        if fill == "empty":  # no data to copy (the device copy may be on meta)
+            out["token_embd.host"] = QuantWeight(torch.empty(e.raw.shape, dtype=torch.uint8), e.ggml_type, e.shape)
+        else:
+            out["token_embd.host"] = QuantWeight(e.raw.cpu(), e.ggml_type, e.shape) if quantized else e.cpu()
     return out
 
 
 def synthetic_model(variant: str, device="cpu", seed: int = 0, dtype=None, host_embeddings: bool = True,
-                    quantized: bool = True):
+                    quantized: bool = True, fill: str = "random"):
     """A `Gemma4Model` of the synthetic layout with `synthetic_weights` (bf16 activations on CUDA,
     float32 elsewhere unless `dtype` says otherwise)."""
     import torch
@@ -310,7 +325,7 @@ def synthetic_model(variant: str, device="cpu", seed: int = 0, dtype=None, host_
     device = torch.device(device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     cfg = Gemma4Config.from_gguf(synthetic_layout(variant))
-    w = synthetic_weights(variant, device, seed, dtype, host_embeddings, quantized)
+    w = synthetic_weights(variant, device, seed, dtype, host_embeddings, quantized, fill)
     return Gemma4Model(cfg, w, dtype=dtype, device=device)
 
 

@@ -33,13 +33,15 @@ import os
 
 import torch
 
+from .launch import check_device
+
 try:  # CPU-only installs have no triton: the refs below still work.
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-__all__ = ["DECODE_MAX_M", "SUPPORTED_TYPES", "qdequantize", "qdequantize_ref", "qmatmul", "qmatmul_ref"]
+__all__ = ["DECODE_MAX_M", "SUPPORTED_TYPES", "gemv_launch_info", "qdequantize", "qdequantize_ref", "qmatmul", "qmatmul_ref"]
 
 # GGML type id -> (name, values per block, bytes per block); ids as in ggml.h / gguf-py.
 _Q4_0, _Q5_0, _Q8_0, _Q4_K, _Q5_K, _Q6_K = 2, 6, 8, 12, 13, 14
@@ -292,11 +294,7 @@ def _check_x(fn: str, x: torch.Tensor, w_raw: torch.Tensor, n_in: int, out_dtype
 
 
 def _check_triton(fn: str, device: torch.device) -> None:
-    if triton is None:
-        _fail(f"{fn}: triton is not installed; use {fn}_ref")
-    interpreted = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
-    if device.type != "cuda" and not interpreted:
-        _fail(f"{fn}: tensors on {device} need TRITON_INTERPRET=1 (or use {fn}_ref); the kernel runs on CUDA")
+    check_device(fn, device, triton)
 
 
 def _dequant_into(out: torch.Tensor, w_raw: torch.Tensor, t: int, n_in: int) -> torch.Tensor:
@@ -349,6 +347,19 @@ def qmatmul(x: torch.Tensor, w_raw: torch.Tensor, ggml_type, n_out: int, n_in: i
         w = _dequant_into(scratch[:r1 - r0], w_raw[r0:r1], t, n_in)
         y[:, r0:r1] = x2 @ w.T        # x's dtype, cast on copy when out_dtype is float32
     return y.reshape(*lead, n_out)
+
+
+def gemv_launch_info(launch) -> dict | None:
+    """For a recorded launch (kernels.launch.Launch) of the decode GEMV (M == 1): the weight format,
+    the weight bytes one program reads per iteration of its K loop and its warps, which the static
+    report turns into SASS instructions per weight byte. None for any other launch."""
+    if launch.name != "_qmatmul_kernel" or launch.kwargs.get("BLOCK_M") != 1:
+        return None
+    t = launch.kwargs["GGML"]
+    name, bv, bb = _LAYOUT[t]
+    values = 2 * launch.kwargs["G"] * launch.kwargs["L"]          # one K step: 256 values
+    return {"format": name, "loop_bytes": launch.kwargs["BLOCK_N"] * values // bv * bb,
+            "num_warps": launch.kwargs.get("num_warps", 4)}
 
 
 # -------------------------------------------------------------------------------- torch refs

@@ -162,11 +162,14 @@ _fused_module: list = []  # [kernels.fused or None], filled on first use
 
 
 def _fused_for(*ts: torch.Tensor | None):
-    """kernels.fused when every tensor given is a CUDA fp16/bf16/fp32 tensor with a unit last
-    stride and triton imports (checked once), else None. On CUDA the fused Triton kernels make one
-    pass over memory where the torch path below runs several ops with fp32 temporaries; the CPU
-    path (and float64) always stays the torch reference."""
-    if not all(t is None or (t.is_cuda and t.dtype in _FUSED_DTYPES and t.stride(-1) == 1) for t in ts):
+    """kernels.fused when every tensor given is an fp16/bf16/fp32 tensor with a unit last stride
+    where the kernels run (CUDA; see kernels.launch.use_kernels for the interpreter and dry runs)
+    and triton imports (checked once), else None. On CUDA the fused Triton kernels make one pass
+    over memory where the torch path below runs several ops with fp32 temporaries; the CPU path
+    (and float64) stays the torch reference."""
+    from kernels.launch import use_kernels
+
+    if not all(t is None or (t.dtype in _FUSED_DTYPES and t.stride(-1) == 1) for t in ts) or not use_kernels(*ts):
         return None
     if not _fused_module:
         try:

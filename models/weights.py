@@ -60,6 +60,15 @@ class QuantWeight:
         y = qmatmul(x.reshape(-1, n_in).contiguous(), self.raw, self.ggml_type, n_out, n_in)
         return y.reshape(*x.shape[:-1], n_out)
 
+    @classmethod
+    def cat(cls, ws: list["QuantWeight"]) -> "QuantWeight":
+        """The rows of several matrices of one type and input width stacked into one (q/k/v or
+        gate/up fused at load: one GEMV launch instead of several)."""
+        t, n_in = ws[0].ggml_type, ws[0].shape[1]
+        if any(w.ggml_type != t or w.shape[1] != n_in for w in ws):
+            raise ValueError("QuantWeight.cat: matrices of different types or input widths")
+        return cls(torch.cat([w.raw for w in ws]), t, (sum(w.shape[0] for w in ws), n_in))
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         from .quant import dequantize_rows
 
