@@ -125,7 +125,7 @@ def device_weight_bytes(model) -> int:
     """Bytes of the weights a decode step reads on the model's device: every matrix and vector
     there (QuantWeight bytes, dense/float16 tensors), except the embedding lookup tables, of which a
     step reads only the current token's row (token_embd counts when it doubles as the tied head)."""
-    from models.weights import HalfWeight, QuantWeight
+    from models.weights import weight_tensors
 
     seen, total = set(), 0
     head = getattr(model, "head_w", None)
@@ -133,11 +133,11 @@ def device_weight_bytes(model) -> int:
         if name in ("per_layer_token_embd.weight", "token_embd.host") or \
                 (name == "token_embd.weight" and w is not head):
             continue
-        t = w.raw if isinstance(w, QuantWeight) else w.w if isinstance(w, HalfWeight) else w
-        if not isinstance(t, torch.Tensor) or t.device.type != model.device.type or id(t) in seen:
-            continue
-        seen.add(id(t))
-        total += t.numel() * t.element_size()
+        for t in weight_tensors(w):
+            if t.device.type != model.device.type or id(t) in seen:
+                continue
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
     return total
 
 

@@ -277,6 +277,7 @@ def synthetic_weights(variant: str, device="cpu", seed: int = 0, dtype=None,
     gen = torch.Generator(device=device).manual_seed(seed) if fill == "random" else None
     host = host_embeddings and device.type != "cpu"
     out: dict = {}
+    token_raw = None
     for s in synthetic_specs(variant.lower()):
         name, shape, kind = s["name"], s["shape"], s["kind"]
         where = torch.device("cpu") if host and name == "per_layer_token_embd.weight" else device
@@ -284,13 +285,15 @@ def synthetic_weights(variant: str, device="cpu", seed: int = 0, dtype=None,
             if kind == "quant":
                 from models.quant import row_bytes
                 raw = torch.empty((shape[0], row_bytes(int(T[s["type"]]), shape[1])), dtype=torch.uint8, device=where)
-                w = QuantWeight(raw, int(T[s["type"]]), shape)
+                w = QuantWeight(raw, int(T[s["type"]]), shape, lookup=name == "per_layer_token_embd.weight")
             else:
                 w = torch.empty(shape, dtype=dtype if kind == "dense" else torch.float32, device=where)
         elif kind == "quant":
             g = gen if where == device else torch.Generator().manual_seed(seed + 1)
             raw = _random_quant_bytes(s["type"], shape[0], shape[1], _matrix_std(name, shape, v["ple"]), g, where)
-            w = QuantWeight(raw, int(T[s["type"]]), shape)
+            w = QuantWeight(raw, int(T[s["type"]]), shape, lookup=name == "per_layer_token_embd.weight")
+            if name == "token_embd.weight":
+                token_raw = raw  # GGUF rows for the host lookup copy
             if not quantized:
                 from models.quant import dequantize
                 w = dequantize(raw, w.ggml_type, shape).to(dtype)
@@ -308,9 +311,13 @@ def synthetic_weights(variant: str, device="cpu", seed: int = 0, dtype=None,
     if host and "output.weight" not in out:
         e = out["token_embd.weight"]
         if fill == "empty":  # no data to copy (the device copy may be on meta)
-            out["token_embd.host"] = QuantWeight(torch.empty(e.raw.shape, dtype=torch.uint8), e.ggml_type, e.shape)
+            from models.quant import row_bytes
+            raw = torch.empty((e.shape[0], row_bytes(e.ggml_type, e.shape[1])), dtype=torch.uint8)
+            out["token_embd.host"] = QuantWeight(raw, e.ggml_type, e.shape, lookup=True)
+        elif quantized:
+            out["token_embd.host"] = QuantWeight(token_raw.cpu(), e.ggml_type, e.shape, lookup=True)
         else:
-            out["token_embd.host"] = QuantWeight(e.raw.cpu(), e.ggml_type, e.shape) if quantized else e.cpu()
+            out["token_embd.host"] = e.cpu()
     return out
 
 
@@ -333,13 +340,13 @@ def weight_bytes(weights: dict, device=None) -> dict[str, int]:
     """Bytes of a weight dict by kind ("quant", "dense", "vector"), only tensors on `device` if given."""
     import torch
 
-    from models.weights import HalfWeight, QuantWeight
+    from models.weights import QuantWeight, weight_tensors
 
     out = {"quant": 0, "dense": 0, "vector": 0}
     for w in weights.values():
-        t = w.raw if isinstance(w, QuantWeight) else w.w if isinstance(w, HalfWeight) else w
-        if device is not None and t.device.type != torch.device(device).type:
+        ts = weight_tensors(w)
+        if device is not None and ts[0].device.type != torch.device(device).type:
             continue
-        kind = "quant" if isinstance(w, QuantWeight) else "vector" if t.dim() == 1 else "dense"
-        out[kind] += t.numel() * t.element_size()
+        kind = "quant" if isinstance(w, QuantWeight) else "vector" if ts[0].dim() == 1 else "dense"
+        out[kind] += sum(t.numel() * t.element_size() for t in ts)
     return out

@@ -1,39 +1,39 @@
-"""y = x @ W^T with W kept in its GGUF quantized bytes (Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, Q4_0).
+"""y = x @ W^T with W in the repacked quantized layout of kernels/qpack.py (Q4_K, Q5_K, Q6_K, Q8_0,
+Q5_0, Q4_0): the decode GEMV (and the small-M verify path) reads each weight byte once, the prefill
+path dequantizes tiles to a scratch buffer for a dense GEMM.
 
-``w_raw`` is the GGUF tensor as stored: uint8 ``[n_out, row_bytes]``, each row the quant blocks of
-one output feature (256 values per block for the K-quants, 32 for Q8_0/Q5_0/Q4_0).
+Decode, M <= DECODE_MAX_M rows of x (bs-1 decode, batched decode, draft verification):
+``_gemv_kernel``. A program owns BLOCK_N output rows and walks K in steps of 256 values (one
+K-quant super-block, or 8 blocks of 32). Thread layout per step: the tile [BLOCK_N rows, 8
+sub-blocks, 4 words]; each thread holds one row's 32-value sub-block as four int32 words (one
+16-byte load), and the M x-rows of those 32 values (eight 4-wide vector loads; the rows of x are
+read once per program, and a program of BLOCK_N >= 16 rows makes x's share of the traffic small).
+No int->float conversion per value: a nibble q is placed in the top mantissa bits of 1.0
+(``(w >> shift) & 0x780000 | 0x3F800000`` is the float 1 + q/16, exactly), multiplied into
+per-lane accumulators t' = sum (1 + q/16) x, and the 1 is taken out once per sub-block with the
+sum of x: sum q x = 16 (t' - sum x). So a value costs a shift, a LOP3 and an FFMA; 5- and 6-bit
+quants OR their high bits into the next mantissa bits (1 + q/32, 1 + q/64). Scales are loaded
+as words once per (row, sub-block) and applied once per sub-block: acc += A t' - B sum x (A, B
+per format below). Accumulators stay per lane ([M, BLOCK_N, 8] after the in-thread sum over the
+4 words) and are reduced across the 8 sub-block lanes once, after the K loop.
+Numerics: fp32 throughout; t' - sum x cancels the 1s exactly up to fp32 rounding of the two sums
+(the error is a few ulp of sum |x| per sub-block, amplified at most 16-64x relative to the
+reference's per-term rounding: ~1e-6 relative, far below bf16 activations).
 
-Design
-- Decode, ``M <= DECODE_MAX_M`` rows of x (bs=1 decode, draft verification): ``_qmatmul_kernel``.
-  Each program owns ``BLOCK_N`` output rows and walks K 256 values at a time, dequantizing the
-  weights in registers (fp32, the same float ops as ``models/quant.py``: bit-equal under the
-  interpreter; a GPU may fuse ``(d*sc)*q - m`` into one FMA) and accumulating in fp32.
-  It reads ``n_out * row_bytes`` bytes of weights once per call (0.56 B/value for Q4_K) plus x
-  (``M * n_in`` elements, re-read per program from L2).  Every quant byte is loaded by one lane
-  (Q6_K's high-bit bytes by two, the repeat served by L1): a byte's two nibbles become two
-  "parts" (``wa``, ``wb``) that stay in storage order, and
-  x is gathered in the matching order instead of reshuffling the weights (a dot product does not
-  care about the order of its terms).  Scales are loaded once per sub-block, ``d`` once per block.
-  M == 1 is a GEMV (multiply + row sum, all fp32); 2 <= M <= 16 pads M to 16 and uses ``tl.dot``
-  with the weights cast to x's dtype (fp16/bf16 tensor cores; fp32 x uses ``ieee`` precision).
-- Prefill, larger M: ``_qdequant_kernel`` writes W in x's dtype to a scratch buffer (at most
-  ``PREFILL_SCRATCH_VALUES`` values, so a 262k-row vocab matrix goes in row chunks) and
-  ``torch.matmul`` (cuBLAS on a GPU) does the product.  Extra traffic: the scratch is written and
-  read once per chunk, ~2 x 2 B/value, amortised over M tokens.  The alternative, dequantized tiles
-  fed to ``tl.dot`` inside one kernel, saves that traffic; which one wins (and the M where decode
-  should hand over to prefill) must be measured on a GPU: none was available when this was written,
-  so the block sizes below are untuned guesses; the kernels have run only under TRITON_INTERPRET=1
-  and been compiled (not run) for sm_90 with Triton 3.9.
+Prefill, M > DECODE_MAX_M: ``_dequant_packed_kernel`` writes W in x's dtype to a scratch buffer (at
+most PREFILL_SCRATCH_VALUES values, so a 262k-row vocab matrix goes in row chunks) and
+``torch.matmul`` (cuBLAS on a GPU) does the product.
 
-``qmatmul_ref`` / ``qdequantize_ref`` are the plain-torch versions (the engine's CPU path); they
-dequantize with the exact float32 op order of gguf-py / ``models/quant.py``.
-Triton is optional: without it this module imports and the refs work; the launchers raise.
+``qmatmul_ref`` is the plain-torch version (float32 W from ``qpack.dequantize_packed_ref``, float32
+product). Triton is optional: without it this module imports and the ref works; launchers raise.
 """
 import os
 
 import torch
 
 from .launch import check_device
+from .qpack import LAYOUT, PackedQuant, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, dequantize_packed_ref
+from .qdequant import qdequantize, qdequantize_ref  # noqa: F401 - raw GGUF rows (embedding gathers)
 
 try:  # CPU-only installs have no triton: the refs below still work.
     import triton
@@ -41,38 +41,16 @@ try:  # CPU-only installs have no triton: the refs below still work.
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-__all__ = ["DECODE_MAX_M", "SUPPORTED_TYPES", "gemv_launch_info", "qdequantize", "qdequantize_ref", "qmatmul", "qmatmul_ref"]
+__all__ = ["DECODE_MAX_M", "SUPPORTED_TYPES", "gemv_launch_info", "gemv_config", "qdequantize",
+           "qdequantize_packed", "qdequantize_ref", "qmatmul", "qmatmul_ref"]
 
-# GGML type id -> (name, values per block, bytes per block); ids as in ggml.h / gguf-py.
-_Q4_0, _Q5_0, _Q8_0, _Q4_K, _Q5_K, _Q6_K = 2, 6, 8, 12, 13, 14
-_LAYOUT = {
-    _Q4_0: ("Q4_0", 32, 18),
-    _Q5_0: ("Q5_0", 32, 22),
-    _Q8_0: ("Q8_0", 32, 34),
-    _Q4_K: ("Q4_K", 256, 144),
-    _Q5_K: ("Q5_K", 256, 176),
-    _Q6_K: ("Q6_K", 256, 210),
-}
-SUPPORTED_TYPES = frozenset(_LAYOUT)
-
-DECODE_MAX_M = 16          # tl.dot's smallest M tile; beyond it the prefill path takes over
-# Untuned (no GPU yet): rows per program.  The GEMV keeps 2 x 8 x 128 fp32 weights in registers
-# per K step; the dot path needs N >= 16 and, by ptxas -v for sm_90 (Triton 3.9), spills with 4
-# warps (255 registers for Q4_K) but not with 8 (189).
-_BLOCK_N_GEMV = 8
-_BLOCK_N_DOT = 16
-_WARPS_DOT = 8
-_BLOCK_N_DEQUANT = 16
-if os.environ.get("TRITON_INTERPRET") == "1":
-    # The CPU interpreter pays per program, not per element: wide row blocks make the tests fast
-    # (same math, masked tails); on a GPU the narrow blocks above keep registers and occupancy.
-    _BLOCK_N_GEMV, _BLOCK_N_DOT, _BLOCK_N_DEQUANT = 128, 64, 64
+SUPPORTED_TYPES = frozenset(LAYOUT)
+DECODE_MAX_M = 16          # beyond it the prefill path (dequantize + dense GEMM) takes over
+GEMV_MAX_M = 8             # x rows one GEMV launch takes (registers); 9..16 rows: two launches
 PREFILL_SCRATCH_VALUES = 1 << 24   # 32 MiB of fp16 scratch per chunk
-# Each K step covers 256 values as two parts of [G, L] = 128 values: one K-quant block, or 8
-# blocks of 32.  (G, L) per type: L is the run of bytes whose nibbles form one scale group.
-_VALUES_PER_STEP = 256
-_PARTS_SHAPE = {_Q4_K: (4, 32), _Q5_K: (4, 32), _Q6_K: (8, 16), _Q8_0: (8, 16), _Q5_0: (8, 16), _Q4_0: (8, 16)}
 _X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_ONE = 0x3F800000  # fp32 1.0's bits, a run-time argument of _gemv_kernel (see _one_plus)
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
 
 
 # ------------------------------------------------------------------------------------ kernels
@@ -80,175 +58,240 @@ _X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 if triton is not None:
 
     @triton.jit
-    def _load_u8(ptr, mask):
-        return tl.load(ptr, mask=mask, other=0).to(tl.int32)
-
-    @triton.jit
-    def _load_f16(ptr, mask):
-        """The little-endian float16 at byte ``ptr`` (any alignment), widened to float32."""
-        lo = tl.load(ptr, mask=mask, other=0).to(tl.int32)
-        hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.int32)
-        return (lo | (hi << 8)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-
-    @triton.jit
-    def _scale_min_k4(bp, s, mask):
-        """6-bit (scale, min) of sub-block ``s`` (0..7) of Q4_K/Q5_K, from the 12 bytes at bp+4:
-        bytes 0-3 scales 0-3, 4-7 mins 0-3, 8-11 low nibble scale 4-7 / high nibble min 4-7; the
-        top 2 bits of bytes 0-3 / 4-7 are the high bits of scales / mins 4-7."""
-        j = s % 4
-        a = _load_u8(bp + 4 + j, mask)
-        b = _load_u8(bp + 8 + j, mask)
-        c = _load_u8(bp + 12 + j, mask)
-        sc = tl.where(s < 4, a & 63, (c & 15) | ((a >> 2) & 48))
-        mn = tl.where(s < 4, b & 63, (c >> 4) | ((b >> 2) & 48))
-        return sc.to(tl.float32), mn.to(tl.float32)
-
-    @triton.jit
-    def _dequant_parts(w_ptr, rows, row_mask, k0, K, row_bytes,
-                       GGML: tl.constexpr, G: tl.constexpr, L: tl.constexpr):
-        """Values k0 .. k0+255 of rows ``rows`` [BN] as two parts in storage order:
-        ``wa``, ``wb``: fp32 [BN, G, L]; ``ka``, ``kb``: int32 [1, G, L], their columns in W
-        (>= K where a 32-block type runs past the row end; those weights are 0)."""
-        g = tl.arange(0, G)[None, :, None]
-        i = tl.arange(0, L)[None, None, :]
-        row_ptr = w_ptr + rows.to(tl.int64)[:, None, None] * row_bytes   # [BN, 1, 1]
-        mask = row_mask[:, None, None]
-        if GGML == 12:
-            # Q4_K: 144 B = d f16, dmin f16, 12 B scales/mins, 128 B quants: run g of 32 bytes
-            # holds sub-block 2g (low nibbles) and 2g+1 (high).  x = (d*sc)*q - dmin*mn
-            bp = row_ptr + (k0 // 256) * 144
-            d = _load_f16(bp, mask)
-            dmin = _load_f16(bp + 2, mask)
-            q = _load_u8(bp + 16 + 32 * g + i, mask)
-            sc_a, mn_a = _scale_min_k4(bp, 2 * g, mask)
-            sc_b, mn_b = _scale_min_k4(bp, 2 * g + 1, mask)
-            wa = (d * sc_a) * (q & 15).to(tl.float32) - dmin * mn_a
-            wb = (d * sc_b) * (q >> 4).to(tl.float32) - dmin * mn_b
-            ka = k0 + 64 * g + i
-            kb = ka + 32
-        elif GGML == 13:
-            # Q5_K: 176 B = d, dmin, 12 B scales/mins (as Q4_K), 32 B of 5th bits (bit s of
-            # byte i = value 32s+i), 128 B low nibbles (as Q4_K).
-            bp = row_ptr + (k0 // 256) * 176
-            d = _load_f16(bp, mask)
-            dmin = _load_f16(bp + 2, mask)
-            qh = _load_u8(bp + 16 + i, mask)                  # [BN, 1, 32]: loaded once
-            q = _load_u8(bp + 48 + 32 * g + i, mask)
-            sc_a, mn_a = _scale_min_k4(bp, 2 * g, mask)
-            sc_b, mn_b = _scale_min_k4(bp, 2 * g + 1, mask)
-            qa = (q & 15) | (((qh >> (2 * g)) & 1) << 4)
-            qb = (q >> 4) | (((qh >> (2 * g + 1)) & 1) << 4)
-            wa = (d * sc_a) * qa.to(tl.float32) - dmin * mn_a
-            wb = (d * sc_b) * qb.to(tl.float32) - dmin * mn_b
-            ka = k0 + 64 * g + i
-            kb = ka + 32
-        elif GGML == 14:
-            # Q6_K: 210 B = 128 B low nibbles, 64 B high 2-bit pairs, 16 int8 scales (one per 16
-            # values), d f16.  Half h (128 values): ql bytes 64h+t (t < 64) hold values 128h+t
-            # (low nibble) and 128h+64+t (high); qh byte 32h+(t%32), bit pair 2*(t//32) (+4 for
-            # the high-nibble value).  Here g = 4h + t//16, i = t%16.  x = (d*sc)*(q-32)
-            bp = row_ptr + (k0 // 256) * 210
-            h = g // 4
-            u = g % 4
-            ql = _load_u8(bp + 16 * g + i, mask)
-            qh = _load_u8(bp + 128 + 32 * h + 16 * (u % 2) + i, mask)   # each byte by 2 lanes
-            shift = 2 * (u // 2)
-            qa = ((ql & 15) | (((qh >> shift) & 3) << 4)) - 32
-            qb = ((ql >> 4) | (((qh >> (shift + 4)) & 3) << 4)) - 32
-            d = _load_f16(bp + 208, mask)
-            sc_a = tl.load(bp + 192 + 8 * h + u, mask=mask, other=0).to(tl.int8, bitcast=True)
-            sc_b = tl.load(bp + 196 + 8 * h + u, mask=mask, other=0).to(tl.int8, bitcast=True)
-            wa = (d * sc_a.to(tl.float32)) * qa.to(tl.float32)
-            wb = (d * sc_b.to(tl.float32)) * qb.to(tl.float32)
-            ka = k0 + 128 * h + 16 * u + i
-            kb = ka + 64
+    def _shift(w, S: tl.constexpr):
+        """w << S for S >= 0, logical w >> -S otherwise (S is a compile-time constant)."""
+        if S >= 0:
+            return w << S
         else:
-            # 32-value blocks, G of them per step: block (k0/32 + g).  Part a = values 0-15,
-            # part b = 16-31 (the low / high nibbles of the 16 quant bytes).
-            blk = k0 // 32 + g                                  # [1, G, 1]
-            mask = mask & (blk < K // 32)
-            ka = 32 * blk + i
-            kb = ka + 16
-            if GGML == 8:
-                # Q8_0: 34 B = d f16, 32 int8 quants.  x = q * d
-                bp = row_ptr + blk * 34
-                d = _load_f16(bp, mask)
-                qa = tl.load(bp + 2 + i, mask=mask, other=0).to(tl.int8, bitcast=True)
-                qb = tl.load(bp + 18 + i, mask=mask, other=0).to(tl.int8, bitcast=True)
-                wa = qa.to(tl.float32) * d
-                wb = qb.to(tl.float32) * d
-            elif GGML == 6:
-                # Q5_0: 22 B = d f16, 4 B of 5th bits (bit j of the LE uint32 = value j),
-                # 16 B of nibbles.  x = d * (q - 16)
-                bp = row_ptr + blk * 22
-                d = _load_f16(bp, mask)
-                qh = (_load_u8(bp + 2, mask) | (_load_u8(bp + 3, mask) << 8)
-                      | (_load_u8(bp + 4, mask) << 16) | (_load_u8(bp + 5, mask) << 24))
-                q = _load_u8(bp + 6 + i, mask)
-                qa = ((q & 15) | (((qh >> i) & 1) << 4)) - 16
-                qb = ((q >> 4) | (((qh >> (i + 16)) & 1) << 4)) - 16
-                wa = d * qa.to(tl.float32)
-                wb = d * qb.to(tl.float32)
-            else:
-                # Q4_0: 18 B = d f16, 16 B of nibbles.  x = d * (q - 8)
-                bp = row_ptr + blk * 18
-                d = _load_f16(bp, mask)
-                q = _load_u8(bp + 2 + i, mask)
-                wa = d * ((q & 15) - 8).to(tl.float32)
-                wb = d * ((q >> 4) - 8).to(tl.float32)
-        return wa, ka, wb, kb
+            return (w.to(tl.uint32, bitcast=True) >> (-S)).to(tl.int32, bitcast=True)
 
     @triton.jit
-    def _qmatmul_kernel(x_ptr, w_ptr, y_ptr, M, N, K, row_bytes,
-                        GGML: tl.constexpr, G: tl.constexpr, L: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """y[M, N] = x[M, K] @ W^T for M <= BLOCK_M; one program per BLOCK_N rows of W."""
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_mask = rows < N
-        ms = tl.arange(0, BLOCK_M)
+    def _one_plus(bits, one):
+        """Mantissa bits (exponent field clear) -> the fp32 1.0 + bits * 2**-23. `one` is the
+        int32 0x3F800000 passed at run time: as a register operand ptxas folds the mask and the
+        OR into one LOP3 (with two immediates it needs two)."""
+        return (bits | one).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _load(ptr, mask, MASKED: tl.constexpr):
+        """A load, masked (zeros outside) only when MASKED: the full steps carry no predicates."""
+        if MASKED:
+            return tl.load(ptr, mask=mask, other=0)
+        else:
+            return tl.load(ptr)
+
+    @triton.jit
+    def _f16_lo(w):
+        """The fp16 in the low 16 bits of int32 w, as fp32."""
+        return (w & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _step_q8(x_ptr, q_ptr, d_ptr, r3, r4, m4, M, kb, n_blk, stride_xm, q_stride, d_stride,
+                 BLOCK_M: tl.constexpr, MASKED: tl.constexpr):
+        """`_step` for Q8_0: int8 quants in natural order, 32 per block, w = d * q (an I2F per
+        value: 1.06 bytes a value leave room for it)."""
+        sb3 = tl.arange(0, 8)[None, None, :]
+        sb4 = sb3[:, :, :, None]
+        i32 = tl.arange(0, 32)[None, None, None, :]
+        kmask4 = (kb * 8 + sb4) < n_blk
+        kmask3 = (kb * 8 + sb3) < n_blk
         if BLOCK_M == 1:
-            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            xmask = kmask4
         else:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, 2 * G * L):
-            wa, ka, wb, kb = _dequant_parts(w_ptr, rows, row_mask, k0, K, row_bytes, GGML, G, L)
-            if BLOCK_M == 1:
-                # GEMV: fp32 multiply, reduce over the part's [G, L] columns.
-                xa = tl.load(x_ptr + ka, mask=ka < K, other=0.0).to(tl.float32)   # [1, G, L]
-                xb = tl.load(x_ptr + kb, mask=kb < K, other=0.0).to(tl.float32)
-                acc += tl.sum(tl.sum(wa * xa + wb * xb, axis=2), axis=1)
+            xmask = (m4 < M) & kmask4
+        q = _load(q_ptr + r4 * q_stride + kb * 256 + sb4 * 32 + i32, kmask4, MASKED)
+        xv = _load(x_ptr + m4 * stride_xm + r4 * 0 + kb * 256 + sb4 * 32 + i32, xmask, MASKED or BLOCK_M > 1)
+        t = tl.sum(q.to(tl.float32) * xv.to(tl.float32), axis=3)        # [BM, BN, 8]
+        d = _load(d_ptr + r3 * d_stride + kb * 8 + sb3, kmask3, MASKED).to(tl.float32)
+        return d * t
+
+    @triton.jit
+    def _step(x_ptr, q_ptr, h_ptr, s_ptr, d_ptr, r3, r4, m4, M, kb, n_blk, one, stride_xm,
+              q_stride, h_stride, s_stride, d_stride,
+              FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+        """The contribution [BLOCK_M, BLOCK_N, 8] of K step kb (values 256 kb .. 256 kb + 255) to y:
+        one value per (x row, W row, sub-block lane). r3 [1, BN, 1] / r4 [1, BN, 1, 1]: W rows;
+        m4 [BM, 1, 1, 1]: x rows. MASKED: the last, partial step of a 32-value-block type (blocks
+        >= n_blk read as zeros)."""
+        sb3 = tl.arange(0, 8)[None, None, :]
+        sb4 = sb3[:, :, :, None]
+        u4 = tl.arange(0, 4)[None, None, None, :]
+        lane = kb * 32 + sb4 * 4 + u4                          # word / lane index in the step
+        if MASKED:
+            kmask4 = (kb * 8 + sb4) < n_blk                    # [1, 1, 8, 1]
+            kmask3 = (kb * 8 + sb3) < n_blk
+        else:
+            kmask4 = None
+            kmask3 = None
+        if BLOCK_M == 1:
+            xmask = kmask4
+            X_MASKED: tl.constexpr = MASKED
+        elif MASKED:
+            xmask = (m4 < M) & kmask4
+            X_MASKED: tl.constexpr = True
+        else:
+            xmask = m4 < M
+            X_MASKED: tl.constexpr = True
+        # x of value 4j + u (+ 4j below), addressed for every W row (stride 0): the load then
+        # takes the weights' thread layout and needs no broadcast (a [BM, 1, 8, 4] tile gets a
+        # layout of its own and a shared-memory conversion); repeated addresses are one transaction.
+        x_row = x_ptr + m4 * stride_xm + r4 * 0 + kb * 256 + sb4 * 32 + u4
+        w = _load(q_ptr + r4 * q_stride + lane, kmask4, MASKED)              # int32 [1, BN, 8, 4]
+        if FMT == 13 or FMT == 6 or FMT == 14:
+            hb = _load(h_ptr + r4 * h_stride + lane, kmask4, MASKED).to(tl.int32)  # byte / int16 u
+        else:
+            hb = w
+        tp = tl.zeros([BLOCK_M, BLOCK_N, 8, 4], dtype=tl.float32)        # sum (1 + q/2^b) x
+        xs = tl.zeros([BLOCK_M, BLOCK_N, 8, 4], dtype=tl.float32)        # sum x (in tp's layout)
+        if FMT == 14:
+            tp2 = tl.zeros([BLOCK_M, BLOCK_N, 8, 4], dtype=tl.float32)   # Q6_K: j >= 4 (values 16-31)
+            xs2 = tl.zeros([BLOCK_M, BLOCK_N, 8, 4], dtype=tl.float32)
+        for j in tl.static_range(8):
+            xj = _load(x_row + 4 * j, xmask, X_MASKED).to(tl.float32)
+            if FMT == 12 or FMT == 2:      # 4 bits at mantissa bits 19..22: 1 + q/16
+                f = _one_plus(_shift(w, 19 - 4 * j) & 0x780000, one)
+            elif FMT == 13 or FMT == 6:    # + 1 high bit at 22: 1 + q/32
+                f = _one_plus((_shift(w, 18 - 4 * j) & 0x3C0000) | (_shift(hb, 22 - j) & 0x400000), one)
+            else:                          # Q6_K: + 2 high bits at 21..22: 1 + q/64
+                f = _one_plus((_shift(w, 17 - 4 * j) & 0x1E0000) | (_shift(hb, 21 - 2 * j) & 0x600000), one)
+            if FMT == 14 and j >= 4:
+                tp2 += f * xj
+                xs2 += xj
             else:
-                ka2 = tl.reshape(ka, [G * L])
-                kb2 = tl.reshape(kb, [G * L])
-                m_mask = ms[:, None] < M
-                xa = tl.load(x_ptr + ms[:, None] * K + ka2[None, :], mask=m_mask & (ka2[None, :] < K), other=0.0)
-                xb = tl.load(x_ptr + ms[:, None] * K + kb2[None, :], mask=m_mask & (kb2[None, :] < K), other=0.0)
-                wa2 = tl.trans(tl.reshape(wa, [BLOCK_N, G * L]).to(xa.dtype))    # [G*L, BN]
-                wb2 = tl.trans(tl.reshape(wb, [BLOCK_N, G * L]).to(xb.dtype))
-                if xa.dtype == tl.float32:
-                    acc = tl.dot(xa, wa2, acc, input_precision="ieee")
-                    acc = tl.dot(xb, wb2, acc, input_precision="ieee")
+                tp += f * xj
+                xs += xj
+        t = tl.sum(tp, axis=3)                                  # [BM, BN, 8]
+        xsum = tl.sum(xs, axis=3)                               # [BM, BN, 8]
+        if FMT == 12 or FMT == 13:
+            # 12 scale bytes as 3 words; byte s%4 of each: a (scales 0-3, high bits of 4-7),
+            # b (mins 0-3, high bits of 4-7), c (low nibbles scale 4-7 | min 4-7 << 4).
+            sp = s_ptr + r3 * s_stride + kb * 3
+            sh = 8 * (sb3 % 4)
+            a = (tl.load(sp) >> sh) & 255
+            b = (tl.load(sp + 1) >> sh) & 255
+            c = (tl.load(sp + 2) >> sh) & 255
+            sc = tl.where(sb3 < 4, a & 63, (c & 15) | ((a >> 2) & 48)).to(tl.float32)
+            mn = tl.where(sb3 < 4, b & 63, (c >> 4) | ((b >> 2) & 48)).to(tl.float32)
+            dm = tl.load(d_ptr + r3 * d_stride + kb)            # (d, dmin) fp16 pair
+            unit = 16.0 if FMT == 12 else 32.0                  # 2^bits
+            A = (unit * _f16_lo(dm)) * sc                       # sum q x = unit (t' - xs)
+            B = A + _f16_lo(dm >> 16) * mn                      # - dmin m sum x
+            return A * t - B * xsum
+        elif FMT == 14:
+            # int8 scales of values 0-15 and 16-31 of each sub-block: one int16 per sub-block.
+            s2 = tl.load(s_ptr + r3 * s_stride + kb * 8 + sb3).to(tl.int32)
+            sc_a = ((s2 << 24) >> 24).to(tl.float32)
+            sc_b = (s2 >> 8).to(tl.float32)
+            d64 = 64.0 * tl.load(d_ptr + r3 * d_stride + kb).to(tl.float32)
+            t2 = tl.sum(tp2, axis=3)
+            xsum2 = tl.sum(xs2, axis=3)
+            # sum (q - 32) x = 64 t' - 96 sum x
+            return (d64 * sc_a) * (t - 1.5 * xsum) + (d64 * sc_b) * (t2 - 1.5 * xsum2)
+        else:
+            # Q4_0 / Q5_0: one fp16 d per 32-value block; q - 8 (4-bit) or q - 16 (5-bit).
+            d = _load(d_ptr + r3 * d_stride + kb * 8 + sb3, kmask3, MASKED).to(tl.float32)
+            if FMT == 2:
+                return (16.0 * d) * (t - 1.5 * xsum)
+            else:
+                return (32.0 * d) * (t - 1.5 * xsum)
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, q_ptr, h_ptr, s_ptr, d_ptr, y_ptr, M, N, K, one, stride_xm, stride_ym,
+                     q_stride, h_stride, s_stride, d_stride,
+                     FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr):
+        """y[M, N] = x[M, K] @ W^T, M <= BLOCK_M; program i owns W rows i*BLOCK_N .. (module doc).
+        Plane pointers are typed for their loads: q int32 (Q8_0: int8), h uint8 (Q6_K: int16),
+        s int32 (Q6_K: int16), d int32 (Q4_K/Q5_K: d|dmin) or fp16; strides in those elements."""
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows_c = tl.minimum(rows, N - 1)       # tail rows re-read the last row: no load masks
+        r3 = rows_c[None, :, None]
+        r4 = r3[:, :, :, None]
+        m4 = tl.arange(0, BLOCK_M)[:, None, None, None]
+        n_blk = K // 32
+        one = (one | N) & -8388608   # = one (N < 2**23): a register value, so ptxas fuses the LOP3s
+        acc = tl.zeros([BLOCK_M, BLOCK_N, 8], dtype=tl.float32)
+        for kb in range(0, K // 256):
+            if FMT == 8:
+                acc += _step_q8(x_ptr, q_ptr, d_ptr, r3, r4, m4, M, kb, n_blk, stride_xm, q_stride, d_stride,
+                                BLOCK_M, False)
+            else:
+                acc += _step(x_ptr, q_ptr, h_ptr, s_ptr, d_ptr, r3, r4, m4, M, kb, n_blk, one, stride_xm,
+                             q_stride, h_stride, s_stride, d_stride, FMT, BLOCK_M, BLOCK_N, False)
+        if not EVEN_K:
+            if FMT == 8:
+                acc += _step_q8(x_ptr, q_ptr, d_ptr, r3, r4, m4, M, K // 256, n_blk, stride_xm, q_stride,
+                                d_stride, BLOCK_M, True)
+            else:
+                acc += _step(x_ptr, q_ptr, h_ptr, s_ptr, d_ptr, r3, r4, m4, M, K // 256, n_blk, one, stride_xm,
+                             q_stride, h_stride, s_stride, d_stride, FMT, BLOCK_M, BLOCK_N, True)
+        y = tl.sum(acc, axis=2)                                 # [BM, BN]: the one cross-lane reduction
+        ms = tl.arange(0, BLOCK_M)[:, None]
+        out = y_ptr + ms * stride_ym + rows[None, :]
+        tl.store(out, y.to(y_ptr.dtype.element_ty), mask=(ms < M) & (rows[None, :] < N))
+
+
+    @triton.jit
+    def _dequant_packed_kernel(q_ptr, h_ptr, s_ptr, d_ptr, out_ptr, N, K, stride_o,
+                               q_stride, h_stride, s_stride, d_stride,
+                               FMT: tl.constexpr, BLOCK_N: tl.constexpr):
+        """out[N, K] (out's dtype) = W; program (i, kb) writes rows i*BLOCK_N.. at values 256 kb..
+        with the float ops (and order) of qpack.dequantize_packed_ref. Planes typed as in
+        `_gemv_kernel`."""
+        kb = tl.program_id(1)
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        r3 = tl.minimum(rows, N - 1)[:, None, None]            # [BN, 1, 1]
+        sb = tl.arange(0, 8)[None, :, None]                    # [1, 8, 1]
+        kmask = ((kb * 8 + sb) < K // 32) & (rows[:, None, None] < N)   # [BN, 8, 1]
+        dst = out_ptr + rows.to(tl.int64)[:, None, None] * stride_o + kb * 256 + sb * 32
+        if FMT == 8:
+            i = tl.arange(0, 32)[None, None, :]
+            q = tl.load(q_ptr + r3 * q_stride + kb * 256 + sb * 32 + i, mask=kmask, other=0)
+            d = tl.load(d_ptr + r3 * d_stride + kb * 8 + sb, mask=kmask, other=0.0).to(tl.float32)
+            tl.store(dst + i, (q.to(tl.float32) * d).to(out_ptr.dtype.element_ty), mask=kmask)
+        else:
+            u = tl.arange(0, 4)[None, None, :]
+            lane = kb * 32 + sb * 4 + u                        # [BN, 8, 4] words
+            w = tl.load(q_ptr + r3 * q_stride + lane, mask=kmask, other=0)
+            if FMT == 13 or FMT == 6 or FMT == 14:
+                hb = tl.load(h_ptr + r3 * h_stride + lane, mask=kmask, other=0).to(tl.int32)
+            else:
+                hb = w
+            if FMT == 12 or FMT == 13:
+                sp = s_ptr + r3 * s_stride + kb * 3
+                sh = 8 * (sb % 4)
+                a = (tl.load(sp, mask=rows[:, None, None] < N, other=0) >> sh) & 255
+                b = (tl.load(sp + 1, mask=rows[:, None, None] < N, other=0) >> sh) & 255
+                c = (tl.load(sp + 2, mask=rows[:, None, None] < N, other=0) >> sh) & 255
+                sc = tl.where(sb < 4, a & 63, (c & 15) | ((a >> 2) & 48)).to(tl.float32)
+                mn = tl.where(sb < 4, b & 63, (c >> 4) | ((b >> 2) & 48)).to(tl.float32)
+                dm = tl.load(d_ptr + r3 * d_stride + kb)
+                dl = _f16_lo(dm) * sc                              # [BN, 8, 1]
+                ml = _f16_lo(dm >> 16) * mn
+            elif FMT == 14:
+                s2 = tl.load(s_ptr + r3 * s_stride + kb * 8 + sb).to(tl.int32)
+                d6 = tl.load(d_ptr + r3 * d_stride + kb).to(tl.float32)
+                dl_a = d6 * ((s2 << 24) >> 24).to(tl.float32)
+                dl_b = d6 * (s2 >> 8).to(tl.float32)
+            else:
+                d = tl.load(d_ptr + r3 * d_stride + kb * 8 + sb, mask=kmask, other=0.0).to(tl.float32)
+            for j in tl.static_range(8):
+                q = _shift(w, -4 * j) & 15
+                if FMT == 13 or FMT == 6:
+                    q = q | ((_shift(hb, -j) & 1) << 4)
+                elif FMT == 14:
+                    q = q | ((_shift(hb, -2 * j) & 3) << 4)
+                if FMT == 12 or FMT == 13:
+                    v = dl * q.to(tl.float32) - ml
+                elif FMT == 14:
+                    if j < 4:
+                        v = dl_a * (q - 32).to(tl.float32)
+                    else:
+                        v = dl_b * (q - 32).to(tl.float32)
+                elif FMT == 2:
+                    v = d * (q - 8).to(tl.float32)
                 else:
-                    acc = tl.dot(xa, wa2, acc)
-                    acc = tl.dot(xb, wb2, acc)
-        if BLOCK_M == 1:
-            tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=row_mask)
-        else:
-            y_mask = (ms[:, None] < M) & row_mask[None, :]
-            tl.store(y_ptr + ms[:, None] * N + rows[None, :], acc.to(y_ptr.dtype.element_ty), mask=y_mask)
-
-    @triton.jit
-    def _qdequant_kernel(w_ptr, out_ptr, N, K, row_bytes,
-                         GGML: tl.constexpr, G: tl.constexpr, L: tl.constexpr, BLOCK_N: tl.constexpr):
-        """out[N, K] (out's dtype) = W; program (i, j) writes rows i*BLOCK_N.. x values j*256.."""
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_mask = rows < N
-        k0 = tl.program_id(1) * (2 * G * L)
-        wa, ka, wb, kb = _dequant_parts(w_ptr, rows, row_mask, k0, K, row_bytes, GGML, G, L)
-        out_rows = out_ptr + rows.to(tl.int64)[:, None, None] * K
-        mask = row_mask[:, None, None]
-        tl.store(out_rows + ka, wa.to(out_ptr.dtype.element_ty), mask=mask & (ka < K))
-        tl.store(out_rows + kb, wb.to(out_ptr.dtype.element_ty), mask=mask & (kb < K))
+                    v = d * (q - 16).to(tl.float32)
+                tl.store(dst + 4 * j + u, v.to(out_ptr.dtype.element_ty), mask=kmask)
 
 
 # ---------------------------------------------------------------------------------- launchers
@@ -257,183 +300,143 @@ def _fail(msg: str):
     raise ValueError(msg)
 
 
-def _check_weight(fn: str, w_raw: torch.Tensor, ggml_type, n_out: int, n_in: int) -> int:
-    """Validate the quantized weight; returns the GGML type id."""
-    t = int(ggml_type)
-    if t not in _LAYOUT:
-        _fail(f"{fn}: unsupported GGML type {ggml_type!r}; supported: "
-              + ", ".join(name for name, _, _ in _LAYOUT.values()))
-    name, bv, bb = _LAYOUT[t]
-    if n_out <= 0 or n_in <= 0 or n_in % bv:
-        _fail(f"{fn}: n_out={n_out}, n_in={n_in}: need n_out > 0 and n_in a positive multiple "
-              f"of the {name} block ({bv})")
-    if not isinstance(w_raw, torch.Tensor) or w_raw.dtype != torch.uint8:
-        _fail(f"{fn}: w_raw must be a uint8 tensor, got {getattr(w_raw, 'dtype', type(w_raw).__name__)}")
-    row_bytes = n_in // bv * bb
-    if tuple(w_raw.shape) != (n_out, row_bytes):
-        _fail(f"{fn}: {name} [{n_out}, {n_in}] needs w_raw of shape ({n_out}, {row_bytes}), got {tuple(w_raw.shape)}")
-    if not w_raw.is_contiguous():
-        _fail(f"{fn}: w_raw must be contiguous (rows as in the GGUF file), got strides {w_raw.stride()}")
-    return t
+def _check_packed(fn: str, w: PackedQuant) -> None:
+    if not isinstance(w, PackedQuant):
+        _fail(f"{fn}: w must be a kernels.qpack.PackedQuant, got {type(w).__name__}")
+    if w.ggml_type not in LAYOUT:
+        _fail(f"{fn}: unsupported GGML type {w.ggml_type}")
+    if any(not p.is_contiguous() or p.dtype != torch.uint8 for p in w.planes):
+        _fail(f"{fn}: planes must be contiguous uint8")
+    if not 0 < w.shape[0] < 1 << 23:
+        _fail(f"{fn}: {w.shape[0]} output rows (the GEMV takes 1 .. 2**23 - 1)")
 
 
-def _check_x(fn: str, x: torch.Tensor, w_raw: torch.Tensor, n_in: int, out_dtype) -> torch.dtype:
-    """Validate the activations; returns the output dtype."""
+def _check_x(fn: str, x: torch.Tensor, w: PackedQuant, out_dtype) -> torch.dtype:
+    n_in = w.shape[1]
     if not isinstance(x, torch.Tensor) or x.dtype not in _X_DTYPES:
         _fail(f"{fn}: x must be float16, bfloat16 or float32, got {getattr(x, 'dtype', type(x).__name__)}")
     if x.dim() == 0 or x.shape[-1] != n_in:
         _fail(f"{fn}: x must be [..., n_in={n_in}], got {tuple(x.shape)}")
-    if not x.is_contiguous():
-        _fail(f"{fn}: x must be contiguous, got strides {x.stride()}")
-    if x.device != w_raw.device:
-        _fail(f"{fn}: x on {x.device} but w_raw on {w_raw.device}")
+    if x.device != w.device:
+        _fail(f"{fn}: x on {x.device} but the weight on {w.device}")
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if out_dtype not in (x.dtype, torch.float32):
         _fail(f"{fn}: out_dtype must be x's dtype ({x.dtype}) or float32, got {out_dtype}")
     return out_dtype
 
 
-def _check_triton(fn: str, device: torch.device) -> None:
-    check_device(fn, device, triton)
+def _typed_planes(w: PackedQuant):
+    """(q, h, s, d) viewed as the element types `_gemv_kernel` loads, with their row strides."""
+    t = w.ggml_type
+    q = w.q.view(torch.int8) if t == Q8_0 else w.q.view(torch.int32)
+    h = w.h if w.h is None or t != Q6_K else w.h.view(torch.int16)
+    s = w.s if w.s is None else (w.s.view(torch.int16) if t == Q6_K else w.s.view(torch.int32))
+    d = w.d.view(torch.int32) if t in (Q4_K, Q5_K) else w.d.view(torch.float16)
+    stride = (lambda p: p.stride(0) if p is not None else 0)
+    return (q, h if h is not None else q, s if s is not None else q, d), (stride(q), stride(h), stride(s), stride(d))
 
 
-def _dequant_into(out: torch.Tensor, w_raw: torch.Tensor, t: int, n_in: int) -> torch.Tensor:
-    n_rows = out.shape[0]
-    g, l = _PARTS_SHAPE[t]
-    grid = (triton.cdiv(n_rows, _BLOCK_N_DEQUANT), triton.cdiv(n_in, _VALUES_PER_STEP))
-    _qdequant_kernel[grid](w_raw, out, n_rows, n_in, w_raw.shape[1],
-                           GGML=t, G=g, L=l, BLOCK_N=_BLOCK_N_DEQUANT)
-    return out
+def gemv_config(m: int, n_out: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of the decode GEMV for m <= GEMV_MAX_M rows of x and n_out
+    rows of W. A warp holds [4 rows, 8 sub-blocks, 4 words] per layer of its tile, so BLOCK_N =
+    4 x warps x R with R rows a thread. R = 2 for one or two rows of x (x's conversion and sum
+    are shared by the thread's rows: 0.33 SASS instructions a Q4_K byte against 0.41 with R = 1),
+    R = 4 for the vocabulary-sized head (0.28), R = 1 beyond two rows of x (registers). Warps
+    shrink with n_out so narrow matrices still get >= 32 programs (N = 1536: 96 programs of 2
+    warps; N = 256: 32 of 1). Under the interpreter (which pays per program and per op, not per
+    element) the blocks are wide."""
+    block_m = 1 if m == 1 else min(GEMV_MAX_M, triton.next_power_of_2(m))
+    if _INTERPRET and device.type == "cpu":
+        return block_m, 512, 4
+    if block_m > 2:
+        return block_m, 16, 4
+    warps = 4 if n_out >= 2048 else 2 if n_out >= 1024 else 1
+    rows = 4 if m == 1 and n_out >= 65536 else 2
+    return block_m, 4 * warps * rows, warps
 
 
-def qdequantize(w_raw: torch.Tensor, ggml_type, n_out: int, n_in: int,
-                dtype: torch.dtype = torch.float16) -> torch.Tensor:
-    """W [n_out, n_in] in ``dtype`` from its quantized rows (the prefill path's scratch)."""
-    t = _check_weight("qdequantize", w_raw, ggml_type, n_out, n_in)
-    if dtype not in _X_DTYPES:
-        _fail(f"qdequantize: dtype must be float16, bfloat16 or float32, got {dtype}")
-    _check_triton("qdequantize", w_raw.device)
-    return _dequant_into(torch.empty((n_out, n_in), dtype=dtype, device=w_raw.device), w_raw, t, n_in)
-
-
-def qmatmul(x: torch.Tensor, w_raw: torch.Tensor, ggml_type, n_out: int, n_in: int,
-            out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """y [..., n_out] = x [..., n_in] @ W^T, W given as GGUF quantized rows ``w_raw``
-    (uint8 [n_out, row_bytes], contiguous).  x: float16/bfloat16/float32, contiguous.
-    Output in ``out_dtype``: x's dtype (default) or float32.  Raises ValueError on bad inputs."""
-    t = _check_weight("qmatmul", w_raw, ggml_type, n_out, n_in)
-    out_dtype = _check_x("qmatmul", x, w_raw, n_in, out_dtype)
-    _check_triton("qmatmul", x.device)
+def qmatmul(x: torch.Tensor, w: PackedQuant, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y [..., n_out] = x [..., n_in] @ W^T for a repacked W (kernels.qpack.PackedQuant). x:
+    float16/bfloat16/float32 (any leading shape; rows made contiguous). Output in `out_dtype`: x's
+    dtype (default) or float32. Raises ValueError on bad inputs."""
+    _check_packed("qmatmul", w)
+    out_dtype = _check_x("qmatmul", x, w, out_dtype)
+    check_device("qmatmul", x.device, triton)
+    n_out, n_in = w.shape
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, n_in)                                   # [M, n_in], a view
+    x2 = x.reshape(-1, n_in)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
     m = x2.shape[0]
     y = torch.empty((m, n_out), dtype=out_dtype, device=x.device)
     if m == 0:
         return y.reshape(*lead, n_out)
-    g, l = _PARTS_SHAPE[t]
     if m <= DECODE_MAX_M:
-        block_m = 1 if m == 1 else DECODE_MAX_M
-        block_n = _BLOCK_N_GEMV if m == 1 else _BLOCK_N_DOT
-        grid = (triton.cdiv(n_out, block_n),)
-        _qmatmul_kernel[grid](x2, w_raw, y, m, n_out, n_in, w_raw.shape[1],
-                              GGML=t, G=g, L=l, BLOCK_M=block_m, BLOCK_N=block_n,
-                              num_warps=4 if m == 1 else _WARPS_DOT)
+        (q, h, s, d), strides = _typed_planes(w)
+        for m0 in range(0, m, GEMV_MAX_M):
+            mc = min(GEMV_MAX_M, m - m0)
+            block_m, block_n, warps = gemv_config(mc, n_out, x.device)
+            _gemv_kernel[(triton.cdiv(n_out, block_n),)](
+                x2[m0:], q, h, s, d, y[m0:], mc, n_out, n_in, _ONE, x2.stride(0), y.stride(0), *strides,
+                FMT=w.ggml_type, BLOCK_M=block_m, BLOCK_N=block_n, EVEN_K=n_in % 256 == 0, num_warps=warps)
         return y.reshape(*lead, n_out)
-    # Prefill: dequantize row chunks to scratch in x's dtype, cuBLAS does the product.
-    chunk = max(_BLOCK_N_DEQUANT, PREFILL_SCRATCH_VALUES // n_in)
+    # Prefill: dequantize row chunks to scratch in x's dtype, the dense GEMM does the product.
+    chunk = max(16, PREFILL_SCRATCH_VALUES // n_in)
     scratch = torch.empty((min(chunk, n_out), n_in), dtype=x.dtype, device=x.device)
     for r0 in range(0, n_out, chunk):
         r1 = min(n_out, r0 + chunk)
-        w = _dequant_into(scratch[:r1 - r0], w_raw[r0:r1], t, n_in)
-        y[:, r0:r1] = x2 @ w.T        # x's dtype, cast on copy when out_dtype is float32
+        wd = qdequantize_packed(w.row_slice(r0, r1), out=scratch[:r1 - r0])
+        y[:, r0:r1] = x2 @ wd.T        # x's dtype, cast on copy when out_dtype is float32
     return y.reshape(*lead, n_out)
 
 
+def qdequantize_packed(w: PackedQuant, dtype: torch.dtype | None = None, out: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+    """W [n_out, n_in] in `dtype` (or into `out`, a [n_out, n_in] tensor with unit last stride):
+    the prefill path's scratch."""
+    _check_packed("qdequantize_packed", w)
+    check_device("qdequantize_packed", w.device, triton)
+    n_out, n_in = w.shape
+    if out is None:
+        if dtype not in _X_DTYPES:
+            _fail(f"qdequantize_packed: dtype must be float16, bfloat16 or float32, got {dtype}")
+        out = torch.empty((n_out, n_in), dtype=dtype, device=w.device)
+    elif tuple(out.shape) != (n_out, n_in) or out.stride(-1) != 1 or out.dtype not in _X_DTYPES:
+        _fail(f"qdequantize_packed: out must be [{n_out}, {n_in}] fp16/bf16/fp32 with unit last stride")
+    if n_out == 0:
+        return out
+    (q, h, s, d), strides = _typed_planes(w)
+    block_n = 512 if _INTERPRET and w.device.type == "cpu" else 16
+    _dequant_packed_kernel[(triton.cdiv(n_out, block_n), triton.cdiv(n_in, 256))](
+        q, h, s, d, out, n_out, n_in, out.stride(0), *strides, FMT=w.ggml_type, BLOCK_N=block_n,
+        num_warps=4)
+    return out
+
+
 def gemv_launch_info(launch) -> dict | None:
-    """For a recorded launch (kernels.launch.Launch) of the decode GEMV (M == 1): the weight format,
-    the weight bytes one program reads per iteration of its K loop and its warps, which the static
-    report turns into SASS instructions per weight byte. None for any other launch."""
-    if launch.name != "_qmatmul_kernel" or launch.kwargs.get("BLOCK_M") != 1:
+    """For a recorded launch (kernels.launch.Launch) of the decode GEMV with one row of x: the
+    weight format, the weight bytes one program reads per iteration of its K loop (BLOCK_N rows x
+    256 values) and its warps, which the static report turns into SASS instructions per weight
+    byte. None for any other launch."""
+    if launch.name != "_gemv_kernel" or launch.kwargs.get("BLOCK_M") != 1:
         return None
-    t = launch.kwargs["GGML"]
-    name, bv, bb = _LAYOUT[t]
-    values = 2 * launch.kwargs["G"] * launch.kwargs["L"]          # one K step: 256 values
-    return {"format": name, "loop_bytes": launch.kwargs["BLOCK_N"] * values // bv * bb,
+    name, bv, bb = LAYOUT[launch.kwargs["FMT"]]
+    return {"format": name, "loop_bytes": launch.kwargs["BLOCK_N"] * 256 // bv * bb,
             "num_warps": launch.kwargs.get("num_warps", 4)}
 
 
 # -------------------------------------------------------------------------------- torch refs
 
-def _f16_field(blocks: torch.Tensor, off: int) -> torch.Tensor:
-    """float16 field at byte ``off`` of each block [n, bytes] -> float32 [n, 1]."""
-    return blocks[:, off:off + 2].contiguous().view(torch.float16).to(torch.float32)
-
-
-def _nibbles_lo_hi(qs: torch.Tensor) -> torch.Tensor:
-    """Bytes [..., k] -> [..., 2k]: all low nibbles, then all high ones."""
-    return torch.cat([qs & 15, qs >> 4], dim=-1)
-
-
-def _scale_min_k4_ref(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """12 bytes [n, 12] of Q4_K/Q5_K 6-bit scales/mins -> float32 [n, 8] each."""
-    d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
-    sc = torch.cat([d & 63, (md & 15) | ((d >> 2) & 48)], dim=1)
-    mn = torch.cat([m & 63, (md >> 4) | ((m >> 2) & 48)], dim=1)
-    return sc.to(torch.float32), mn.to(torch.float32)
-
-
-def _dequant_blocks_ref(b: torch.Tensor, t: int) -> torch.Tensor:
-    """Blocks uint8 [n, bytes per block] -> float32 [n, values per block] (layouts as in the kernel)."""
-    n = b.shape[0]
-    if t == _Q4_0:
-        q = _nibbles_lo_hi(b[:, 2:18]).to(torch.int16) - 8
-        return _f16_field(b, 0) * q.to(torch.float32)
-    if t == _Q5_0:
-        bits = torch.arange(8, dtype=torch.uint8, device=b.device)
-        hi = ((b[:, 2:6, None] >> bits) & 1).reshape(n, 32)
-        q = (_nibbles_lo_hi(b[:, 6:22]) | (hi << 4)).to(torch.int16) - 16
-        return _f16_field(b, 0) * q.to(torch.float32)
-    if t == _Q8_0:
-        return b[:, 2:34].view(torch.int8).to(torch.float32) * _f16_field(b, 0)
-    if t in (_Q4_K, _Q5_K):
-        sc, mn = _scale_min_k4_ref(b[:, 4:16])
-        dl = (_f16_field(b, 0) * sc)[:, :, None]
-        ml = (_f16_field(b, 2) * mn)[:, :, None]
-        qs_off = 16 if t == _Q4_K else 48
-        q = _nibbles_lo_hi(b[:, qs_off:qs_off + 128].reshape(n, 4, 32)).reshape(n, 8, 32)
-        if t == _Q5_K:
-            planes = torch.arange(8, dtype=torch.uint8, device=b.device)[None, :, None]
-            q = q | (((b[:, None, 16:48] >> planes) & 1) << 4)
-        return (dl * q.to(torch.float32) - ml).reshape(n, 256)
-    if t == _Q6_K:
-        ql = _nibbles_lo_hi(b[:, :128].reshape(n, 2, 64))                        # [n, 2, 128]
-        pairs = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device)[None, None, :, None]
-        qh = ((b[:, 128:192].reshape(n, 2, 1, 32) >> pairs) & 3).reshape(n, 2, 128)
-        q = (ql | (qh << 4)).to(torch.int16) - 32
-        dl = (_f16_field(b, 208) * b[:, 192:208].view(torch.int8).to(torch.float32))[:, :, None]
-        return (dl * q.reshape(n, 16, 16).to(torch.float32)).reshape(n, 256)
-    raise AssertionError(t)
-
-
-def qdequantize_ref(w_raw: torch.Tensor, ggml_type, n_out: int, n_in: int,
-                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """W [n_out, n_in] in ``dtype``, plain torch (float32 math, then cast)."""
-    t = _check_weight("qdequantize_ref", w_raw, ggml_type, n_out, n_in)
-    bb = _LAYOUT[t][2]
-    w = _dequant_blocks_ref(w_raw.reshape(-1, bb), t).reshape(n_out, n_in)
-    return w if dtype == torch.float32 else w.to(dtype)
-
-
-def qmatmul_ref(x: torch.Tensor, w_raw: torch.Tensor, ggml_type, n_out: int, n_in: int,
-                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def qmatmul_ref(x: torch.Tensor, w: PackedQuant, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``qmatmul`` in plain torch: float32 W and float32 product, cast to ``out_dtype``.
     Dequantizes at most PREFILL_SCRATCH_VALUES weights at a time (the vocab matrix is ~400M)."""
-    t = _check_weight("qmatmul_ref", w_raw, ggml_type, n_out, n_in)
-    out_dtype = _check_x("qmatmul_ref", x, w_raw, n_in, out_dtype)
+    _check_packed("qmatmul_ref", w)
+    out_dtype = _check_x("qmatmul_ref", x, w, out_dtype)
+    n_out, n_in = w.shape
     x2 = x.reshape(-1, n_in).to(torch.float32)
     y = torch.empty((x2.shape[0], n_out), dtype=out_dtype, device=x.device)
     chunk = max(1, PREFILL_SCRATCH_VALUES // n_in)
     for r0 in range(0, n_out, chunk):
         r1 = min(n_out, r0 + chunk)
-        y[:, r0:r1] = x2 @ qdequantize_ref(w_raw[r0:r1], t, r1 - r0, n_in).T
+        y[:, r0:r1] = x2 @ dequantize_packed_ref(w.row_slice(r0, r1)).T
     return y.reshape(*x.shape[:-1], n_out)

@@ -11,6 +11,8 @@ The exact reference path (float32/float64 dense tensors) stays what the tests co
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -44,39 +46,89 @@ class HalfWeight:
 
 
 class QuantWeight:
-    """A matrix kept in its GGUF quantized bytes (on the device); `.linear(x)` runs the Triton
-    `kernels.qmatmul` kernel, which reads each weight byte once per call. `.rows(ids)` dequantizes
-    only the requested rows (embedding lookups)."""
+    """A matrix kept quantized on its device.
+
+    Matrices that are multiplied hold the repacked planes (`packed`, kernels/qpack.py: GGUF bytes
+    regrouped for wide GEMV loads, the same byte count); `.linear(x)` runs `kernels.qmatmul`, which
+    reads each weight byte once per call. Embedding tables that are only looked up (`lookup=True`:
+    the host tables of `--embed-weights host`) keep the GGUF bytes (`raw`), so a gather moves
+    whole GGUF rows. `.rows(ids)` dequantizes only the requested rows from either form."""
 
     TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q4_0"})  # what qmatmul handles
 
-    def __init__(self, raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]):
-        self.raw, self.ggml_type, self.shape = raw.contiguous(), int(ggml_type), tuple(shape)
+    def __init__(self, raw: Optional[torch.Tensor], ggml_type: int, shape: tuple[int, int], lookup: bool = False,
+                 packed=None):
+        from kernels.qpack import pack
+
+        self.ggml_type, self.shape = int(ggml_type), tuple(shape)
+        if packed is not None:
+            self.raw, self.packed = None, packed
+        elif lookup:
+            self.raw, self.packed = raw.contiguous(), None
+        else:
+            self.raw, self.packed = None, pack(raw.contiguous(), self.ggml_type, self.shape)
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors holding the bytes (the planes, or the GGUF rows of a lookup table)."""
+        return (self.raw,) if self.packed is None else self.packed.planes
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensors[0].device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         from kernels.qmatmul import qmatmul
 
-        n_out, n_in = self.shape
-        y = qmatmul(x.reshape(-1, n_in).contiguous(), self.raw, self.ggml_type, n_out, n_in)
-        return y.reshape(*x.shape[:-1], n_out)
+        if self.packed is None:
+            raise ValueError(f"QuantWeight {self.shape}: a lookup table cannot be multiplied")
+        return qmatmul(x, self.packed)
 
     @classmethod
     def cat(cls, ws: list["QuantWeight"]) -> "QuantWeight":
         """The rows of several matrices of one type and input width stacked into one (q/k/v or
         gate/up fused at load: one GEMV launch instead of several)."""
+        from kernels.qpack import PackedQuant
+
         t, n_in = ws[0].ggml_type, ws[0].shape[1]
-        if any(w.ggml_type != t or w.shape[1] != n_in for w in ws):
-            raise ValueError("QuantWeight.cat: matrices of different types or input widths")
-        return cls(torch.cat([w.raw for w in ws]), t, (sum(w.shape[0] for w in ws), n_in))
+        if any(w.ggml_type != t or w.shape[1] != n_in or w.packed is None for w in ws):
+            raise ValueError("QuantWeight.cat: matrices of different types or input widths, or lookup tables")
+        p = PackedQuant.cat([w.packed for w in ws])
+        return cls(None, t, p.shape, packed=p)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        from .quant import dequantize_rows
+        """float32 rows `ids` [n, n_in] (on the table's device)."""
+        if self.packed is None:
+            from .quant import dequantize_rows
 
-        return dequantize_rows(self.raw, self.ggml_type, ids.to(self.raw.device), self.shape[1])
+            return dequantize_rows(self.raw, self.ggml_type, ids.to(self.raw.device), self.shape[1])
+        from kernels.launch import use_kernels
+        from kernels.qpack import dequantize_packed_ref
+
+        picked = self.packed.rows(ids)
+        if use_kernels(picked.q):
+            from kernels.qmatmul import qdequantize_packed
+
+            return qdequantize_packed(picked, torch.float32)
+        return dequantize_packed_ref(picked)
 
 
-def _quant_weight(source, name: str, shape, device) -> QuantWeight | None:
-    """The raw bytes of a 2-D GGUF matrix of a type the kernels read, else None (dense it is)."""
+def weight_tensors(w) -> tuple[torch.Tensor, ...]:
+    """The tensors that hold a weight's bytes, whatever its runtime form."""
+    if isinstance(w, QuantWeight):
+        return w.tensors
+    if isinstance(w, HalfWeight):
+        return (w.w,)
+    return (w,) if isinstance(w, torch.Tensor) else ()
+
+
+def _quant_weight(source, name: str, shape, device, lookup: bool = False) -> QuantWeight | None:
+    """A 2-D GGUF matrix of a type the kernels read, repacked (or, `lookup`, its GGUF bytes for
+    row gathers), else None (dense it is)."""
     from .quant import row_bytes, type_name
 
     if shape is None or len(shape) != 2 or not hasattr(source, "raw"):
@@ -85,7 +137,7 @@ def _quant_weight(source, name: str, shape, device) -> QuantWeight | None:
     if type_name(info.ggml_type) not in QuantWeight.TYPES:
         return None
     raw = torch.from_numpy(info.data.copy()).reshape(shape[0], row_bytes(info.ggml_type, shape[1]))
-    return QuantWeight(raw.to(device), info.ggml_type, shape)
+    return QuantWeight(raw.to(device), info.ggml_type, shape, lookup=lookup)
 
 
 HOST_TABLES = ("token_embd.weight", "per_layer_token_embd.weight")
@@ -113,9 +165,9 @@ def load_weights(source, plan: dict, dtype: torch.dtype = torch.float32, device=
     sizes = [_file_bytes(source, name) for name in plan]
     total, done = sum(sizes), 0
 
-    def one(name, shape, where):
+    def one(name, shape, where, lookup=False):
         if quantized:
-            q = _quant_weight(source, name, shape, where)
+            q = _quant_weight(source, name, shape, where, lookup)
             if q is not None:
                 return q
         matrix = shape is not None and len(shape) >= 2
@@ -125,12 +177,16 @@ def load_weights(source, plan: dict, dtype: torch.dtype = torch.float32, device=
     host = host_embeddings and torch.device(device).type != "cpu"
     for i, (name, shape) in enumerate(plan.items()):
         if host and name == "per_layer_token_embd.weight":
-            out[name] = one(name, shape, "cpu")
+            out[name] = one(name, shape, "cpu", lookup=True)
         elif host and name == "token_embd.weight" and "output.weight" not in plan:
             out[name] = one(name, shape, device)  # the tied LM head
-            out["token_embd.host"] = one(name, shape, "cpu")
+            out["token_embd.host"] = one(name, shape, "cpu", lookup=True)
         else:
-            out[name] = one(name, shape, "cpu" if host and name in HOST_TABLES else device)
+            on_host = host and name in HOST_TABLES
+            # tables that are only gathered (the PLE table, an untied token table) keep GGUF rows
+            lookup = on_host or name == "per_layer_token_embd.weight" or (
+                name == "token_embd.weight" and "output.weight" in plan)
+            out[name] = one(name, shape, "cpu" if on_host else device, lookup=lookup)
         if progress is not None:
             done += sizes[i]
             progress(i + 1, len(plan), done, total)

@@ -1,10 +1,12 @@
-"""kernels.qmatmul: Triton kernels vs ``qmatmul_ref`` vs ``x @ models.quant.dequantize(...)^T``.
+"""kernels.qpack + kernels.qmatmul: the load-time repack is bit-exact, and the Triton GEMV / prefill
+kernels on the repacked planes match ``qmatmul_ref`` and ``x @ models.quant.dequantize(...)^T``.
+kernels.qdequant (GGUF rows, for embedding gathers) against the same oracle.
 
 Runs the kernels on the CPU under the Triton interpreter: TRITON_INTERPRET=1 is set here, before
 anything imports triton.  On a CUDA machine, ``TRITON_INTERPRET=0 pytest tests/test_kernels_qmatmul.py``
-runs the same tests on the GPU, with bf16 on every path (the interpreter's bf16 ``tl.dot`` is wrong,
-so there bf16 runs only through the GEMV and the prefill path).
-Shapes are tiny and odd (5 or 37 output rows, a partial 256-value step for the 32-value types).
+runs the same tests on the GPU.  Shapes are tiny and odd (5 or 37 output rows, a partial 256-value
+step for the 32-value types); M covers the GEMV (1, 2), the multi-row GEMV (3), two GEMV launches
+(9 > GEMV_MAX_M) and the prefill path (19).
 """
 from triton_env import DEVICE, INTERPRET  # first: sets TRITON_INTERPRET before triton is imported
 
@@ -14,11 +16,15 @@ import torch
 
 from kernels.qmatmul import (
     DECODE_MAX_M,
+    GEMV_MAX_M,
+    gemv_config,
     qdequantize,
+    qdequantize_packed,
     qdequantize_ref,
     qmatmul,
     qmatmul_ref,
 )
+from kernels.qpack import PLANE_BYTES, PackedQuant, dequantize_packed_ref, pack
 from models.quant import GGMLType, block_size, dequantize, row_bytes
 
 TYPES = [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.Q5_0, GGMLType.Q4_0]
@@ -27,16 +33,15 @@ F16_FIELDS = {
     GGMLType.Q4_0: (0,), GGMLType.Q5_0: (0,), GGMLType.Q8_0: (0,),
     GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2), GGMLType.Q6_K: (208,),
 }
-# x dtypes; bf16 only on a GPU.  Tolerance: |got - want| <= rtol * (|x| @ |W|^T) + 1e-30, i.e.
-# relative to the largest the error can get from rounding each term: fp32 summation order;
-# fp16/bf16 one rounding of each weight (the dot path casts W to x's dtype) plus the output's.
+# Tolerance: |got - want| <= rtol * (|x| @ |W|^T) + 1e-30, i.e. relative to the largest the error
+# can get from rounding each term: fp32 summation order (the GEMV's 1 + q/16 trick cancels the
+# ones exactly up to a few ulp of sum |x|); fp16/bf16 the output's rounding, and on the prefill
+# path one rounding of each weight to x's dtype.
 RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-MS = [1, 3, 19]        # GEMV, dot decode path (M padded to 16), prefill (dequantize + matmul)
-assert MS[1] <= DECODE_MAX_M < MS[2]
-# The interpreter's bf16 tl.dot is wrong: bf16 there only on the paths without tl.dot.
-DTYPE_MS = [(d, m) for d in DTYPES for m in MS
-            if not (INTERPRET and d == torch.bfloat16 and 1 < m <= DECODE_MAX_M)]
+MS = [1, 2, 3, 9, 19]
+assert MS[3] > GEMV_MAX_M and MS[3] <= DECODE_MAX_M < MS[4]
+DTYPE_MS = [(d, m) for d in DTYPES for m in MS]
 
 
 def _shapes(t):
@@ -71,6 +76,11 @@ def random_weight(t: GGMLType, n_out: int, n_in: int, seed: int) -> torch.Tensor
     return torch.from_numpy(blocks.reshape(n_out, row_bytes(t, n_in)))
 
 
+def packed_weight(t: GGMLType, n_out: int, n_in: int, seed: int) -> tuple[torch.Tensor, PackedQuant]:
+    raw = random_weight(t, n_out, n_in, seed)
+    return raw, pack(raw, t, (n_out, n_in))
+
+
 def random_x(shape, dtype, seed: int) -> torch.Tensor:
     # Scaled so |y| stays far below the float16 maximum (weights reach ~4000).
     gen = torch.Generator().manual_seed(seed)
@@ -96,22 +106,68 @@ def assert_close_bound(got, want, bound, rtol: float, what: str) -> None:
     pytest.fail(f"{what}: {bad}/{g.numel()} elements beyond rtol={rtol} x (|x|@|W|^T); worst:\n" + "\n".join(lines))
 
 
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_repack_dequantizes_bit_exactly(case):
+    """The repacked planes hold the GGUF values exactly: same bytes, same floats (bit for bit)."""
+    t, n_out, n_in = case
+    raw, p = packed_weight(t, n_out, n_in, seed=int(t) * 31 + n_out)
+    assert p.nbytes == raw.numel()
+    nb = n_in // block_size(t)[0]
+    for plane, per_block in zip((p.q, p.h, p.s, p.d), PLANE_BYTES[int(t)]):
+        assert (plane is None) == (per_block == 0)
+        if plane is not None:
+            assert tuple(plane.shape) == (n_out, nb * per_block) and plane.dtype == torch.uint8
+    assert p.q.shape[1] % 16 == 0 or block_size(t)[0] == 32   # 16-byte quant rows for the K-quants
+    W = dequantize(raw, t, (n_out, n_in))
+    got = dequantize_packed_ref(p)
+    assert torch.equal(got.view(torch.int32), W.view(torch.int32))
+
+
+def test_packed_rows_and_cat():
+    t = GGMLType.Q6_K
+    raw_a, a = packed_weight(t, 5, 512, seed=1)
+    raw_b, b = packed_weight(t, 3, 512, seed=2)
+    both = PackedQuant.cat([a, b])
+    want = torch.cat([dequantize(raw_a, t, (5, 512)), dequantize(raw_b, t, (3, 512))])
+    assert torch.equal(dequantize_packed_ref(both), want)
+    ids = torch.tensor([7, 0, 7, 4])
+    assert torch.equal(dequantize_packed_ref(both.rows(ids)), want[ids])
+    with pytest.raises(ValueError, match="different types"):
+        PackedQuant.cat([a, pack(random_weight(GGMLType.Q4_K, 2, 512, 0), GGMLType.Q4_K, (2, 512))])
+
+
 @pytest.mark.parametrize("dtype_m", DTYPE_MS, ids=lambda dm: f"{str(dm[0]).removeprefix('torch.')}-M{dm[1]}")
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_qmatmul_matches_ref_and_oracle(case, dtype_m):
     dtype, m = dtype_m
     t, n_out, n_in = case
-    w = random_weight(t, n_out, n_in, seed=int(t) * 1000 + n_out)
+    w, p = packed_weight(t, n_out, n_in, seed=int(t) * 1000 + n_out)
     x = random_x((m, n_in), dtype, seed=m * 7 + n_out)
     W = dequantize(w, t, (n_out, n_in))                       # the oracle's float32 W
     oracle = (x.float() @ W.T).to(dtype)
     bound = x.float().abs() @ W.abs().T
-    ref = qmatmul_ref(x, w, t, n_out, n_in)
-    got = qmatmul(x.to(DEVICE), w.to(DEVICE), t, n_out, n_in)
+    ref = qmatmul_ref(x, p)
+    got = qmatmul(x.to(DEVICE), p.to(DEVICE))
     assert got.dtype == dtype and ref.dtype == dtype
     assert tuple(got.shape) == (m, n_out)
     assert_close_bound(ref, oracle, bound, RTOL[dtype], f"{t.name} ref vs oracle")
     assert_close_bound(got.cpu(), ref, bound, RTOL[dtype], f"{t.name} kernel vs ref")
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_qdequantize_packed_matches_oracle(t):
+    n_out, n_in = _shapes(t)[1]
+    w, p = packed_weight(t, n_out, n_in, seed=int(t) + 5)
+    W = dequantize(w, t, (n_out, n_in))
+    got = qdequantize_packed(p.to(DEVICE), torch.float32).cpu()
+    if INTERPRET:
+        assert torch.equal(got, W), f"{t.name}: {(got != W).sum()} values differ"
+    else:  # the GPU may fuse (d*sc)*q - dmin*mn into one FMA: 1 rounding fewer
+        assert_close_bound(got, W, W.abs().amax().expand_as(W), 1e-6, f"{t.name} dequant")
+    out = torch.full((n_out, 2 * n_in), 7.0, dtype=torch.float16, device=DEVICE)
+    qdequantize_packed(p.to(DEVICE), out=out[:, :n_in])           # into a strided scratch view
+    assert_close_bound(out[:, :n_in].cpu(), W, W.abs(), 2 ** -11, f"{t.name} fp16 dequant")
+    assert bool((out[:, n_in:] == 7.0).all())
 
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
@@ -133,41 +189,34 @@ def test_qdequantize_matches_oracle(t):
 @pytest.mark.parametrize("m", MS, ids=lambda m: f"M{m}")
 def test_fp32_output_and_leading_dims(m):
     t, n_out, n_in = GGMLType.Q4_K, 37, 256
-    w = random_weight(t, n_out, n_in, seed=3)
+    w, p = packed_weight(t, n_out, n_in, seed=3)
     x = random_x((m, 1, n_in), torch.float16, seed=m)
     W = dequantize(w, t, (n_out, n_in))
-    got = qmatmul(x.to(DEVICE), w.to(DEVICE), t, n_out, n_in, out_dtype=torch.float32).cpu()
+    got = qmatmul(x.to(DEVICE), p.to(DEVICE), out_dtype=torch.float32).cpu()
     assert got.dtype == torch.float32 and tuple(got.shape) == (m, 1, n_out)
     want = x.float() @ W.T
     assert_close_bound(got, want, x.float().abs() @ W.abs().T, RTOL[torch.float16], "fp32 out")
-    ref = qmatmul_ref(x, w, t, n_out, n_in, out_dtype=torch.float32)
+    ref = qmatmul_ref(x, p, out_dtype=torch.float32)
     assert_close_bound(ref, want, x.float().abs() @ W.abs().T, RTOL[torch.float32], "fp32 out ref")
 
 
 def test_empty_x():
     t, n_out, n_in = GGMLType.Q8_0, 5, 96
-    w = random_weight(t, n_out, n_in, seed=1).to(DEVICE)
-    assert qmatmul(torch.zeros(0, n_in, device=DEVICE), w, t, n_out, n_in).shape == (0, n_out)
+    _, p = packed_weight(t, n_out, n_in, seed=1)
+    assert qmatmul(torch.zeros(0, n_in, device=DEVICE), p.to(DEVICE)).shape == (0, n_out)
 
 
 def _bad_calls():
     """(name, call, message pattern) for each launcher validation error."""
     t, n_out, n_in = GGMLType.Q4_K, 5, 256
-    w = random_weight(t, n_out, n_in, seed=0).to(DEVICE)
+    raw, p = packed_weight(t, n_out, n_in, seed=0)
+    p = p.to(DEVICE)
     x = random_x((2, n_in), torch.float32, seed=0).to(DEVICE)
-    wide = torch.zeros(n_out, w.shape[1] + 2, dtype=torch.uint8, device=DEVICE)
     return [
-        ("type", lambda f: f(x, w, GGMLType.Q4_1, n_out, n_in), "unsupported GGML type"),
-        ("n_in", lambda f: f(x[:, :128].contiguous(), w[:, :72].contiguous(), t, n_out, 128),
-         "multiple of the Q4_K block"),
-        ("w dtype", lambda f: f(x, w.to(torch.int8), t, n_out, n_in), "uint8"),
-        ("row bytes", lambda f: f(x, w[:, :-1].contiguous(), t, n_out, n_in), r"shape \(5, 144\)"),
-        ("n_out", lambda f: f(x, w, t, n_out + 1, n_in), r"shape \(6, 144\)"),
-        ("w strides", lambda f: f(x, wide[:, :w.shape[1]], t, n_out, n_in), "contiguous"),
-        ("x dtype", lambda f: f(x.to(torch.int32), w, t, n_out, n_in), "float16, bfloat16 or float32"),
-        ("x shape", lambda f: f(x[:, :255].contiguous(), w, t, n_out, n_in), r"x must be \[\.\.\., n_in=256\]"),
-        ("x strides", lambda f: f(torch.cat([x, x], 1)[:, ::2], w, t, n_out, n_in), "x must be contiguous"),
-        ("out dtype", lambda f: f(x, w, t, n_out, n_in, out_dtype=torch.bfloat16), "out_dtype"),
+        ("not packed", lambda f: f(x, raw.to(DEVICE)), "kernels.qpack.PackedQuant"),
+        ("x dtype", lambda f: f(x.to(torch.int32), p), "float16, bfloat16 or float32"),
+        ("x shape", lambda f: f(x[:, :255].contiguous(), p), r"x must be \[\.\.\., n_in=256\]"),
+        ("out dtype", lambda f: f(x, p, out_dtype=torch.bfloat16), "out_dtype"),
     ]
 
 
@@ -178,6 +227,24 @@ def test_launcher_validation(fn):
             call(fn)
         assert "\n" not in str(info.value), f"{name}: message is not one line"
         assert str(info.value).startswith(fn.__name__ + ":"), name
+
+
+def test_pack_validation():
+    with pytest.raises(ValueError, match="unsupported GGML type"):
+        pack(torch.zeros(5, 40, dtype=torch.uint8), GGMLType.Q4_1, (5, 64))
+    with pytest.raises(ValueError, match=r"needs uint8 rows of 144 bytes"):
+        pack(torch.zeros(5, 143, dtype=torch.uint8), GGMLType.Q4_K, (5, 256))
+
+
+def test_gemv_config_gives_narrow_matrices_programs():
+    """Decode GEMV blocks follow the matrix: >= 32 programs for E2B's narrowest (256 rows),
+    two rows a thread for one x row, four for the vocabulary head, one for 3..8 x rows."""
+    cuda = torch.device("cuda")
+    for n_out in (256, 1536, 2048, 6144, 262144):
+        block_m, block_n, warps = gemv_config(1, n_out, cuda)
+        assert block_m == 1 and -(-n_out // block_n) >= 32
+        assert block_n == 4 * warps * (4 if n_out >= 65536 else 2)
+    assert gemv_config(3, 1536, cuda) == (4, 16, 4) and gemv_config(8, 1536, cuda)[0] == GEMV_MAX_M
 
 
 def test_qdequantize_validation():
@@ -191,7 +258,7 @@ def test_qdequantize_validation():
 @pytest.mark.skipif(not INTERPRET, reason="CPU tensors only matter under the interpreter")
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
     t, n_out, n_in = GGMLType.Q4_0, 5, 96
-    w, x = random_weight(t, n_out, n_in, seed=0), random_x((1, n_in), torch.float32, seed=0)
+    (_, p), x = packed_weight(t, n_out, n_in, seed=0), random_x((1, n_in), torch.float32, seed=0)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
-        qmatmul(x, w, t, n_out, n_in)
+        qmatmul(x, p)

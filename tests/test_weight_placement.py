@@ -6,7 +6,7 @@ import torch
 
 from models.gemma4 import Gemma4Config, tensor_plan
 from models.gguf import GGUFFile
-from models.weights import QuantWeight, load_weights
+from models.weights import QuantWeight, load_weights, weight_tensors
 from tiny_models import TinySpec, quantize_gguf, write_tiny_gemma4
 
 
@@ -16,7 +16,7 @@ def test_host_embeddings_placement(tmp_path):
     plan = tensor_plan(Gemma4Config.from_gguf(f), set(f.tensors))
 
     def where(w):
-        return (w.raw if isinstance(w, QuantWeight) else w).device.type
+        return weight_tensors(w)[0].device.type
 
     for quantized in (False, True):
         w = load_weights(f, plan, device="meta", quantized=quantized, host_embeddings=True)
