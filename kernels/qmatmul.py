@@ -12,7 +12,8 @@ No int->float conversion per value: a nibble q is placed in the top mantissa bit
 (``(w >> shift) & 0x780000 | 0x3F800000`` is the float 1 + q/16, exactly), multiplied into
 per-lane accumulators t' = sum (1 + q/16) x, and the 1 is taken out once per sub-block with the
 sum of x: sum q x = 16 (t' - sum x). So a value costs a shift, a LOP3 and an FFMA; 5- and 6-bit
-quants OR their high bits into the next mantissa bits (1 + q/32, 1 + q/64). Scales are loaded
+quants first merge their high bits into the nibble word with one LOP3 per 4 values (the byte-
+select order of kernels/qpack.py), then take a shift and a LOP3 a value as well (1 + q/32, 1 + q/64). Scales are loaded
 as words once per (row, sub-block) and applied once per sub-block: acc += A t' - B sum x (A, B
 per format below). Accumulators stay per lane ([M, BLOCK_N, 8] after the in-thread sum over the
 4 words) and are reduced across the 8 sub-block lanes once, after the K loop.
@@ -81,6 +82,26 @@ if triton is not None:
             return tl.load(ptr)
 
     @triton.jit
+    def _high_words(h_ptr, row_off, kb, sb, u, mask, FMT: tl.constexpr, MASKED: tl.constexpr):
+        """The two byte-select words (kernels/qpack.py) of every lane u: E_p for parity p = 0, 1
+        is (w >> 4p) & 0x0F0F0F0F merged with H_p, the lane's h word shifted so the high field of
+        value (u, 2b + p) sits on bit 4 of byte b. Returns (H_0, H_1) masked to 0xF0F0F0F0.
+        Q5 (FMT 13, 6): one word per sub-block, field bit (4 + 2u + p) % 8; Q6_K: word u // 2,
+        field bits 4 * (1 - u % 2) + 2p."""
+        if FMT == 14:
+            hw = _load(h_ptr + row_off + kb * 16 + sb * 2 + u // 2, mask, MASKED)
+            s0 = 4 * (u % 2)                       # shift left for p = 0; p = 1: two less
+            s1 = s0 - 2
+        else:
+            hw = _load(h_ptr + row_off + kb * 8 + sb + u * 0, mask, MASKED)
+            s0 = 4 - (4 + 2 * u) % 8
+            s1 = s0 - 1
+        hu = hw.to(tl.uint32, bitcast=True)
+        h0 = ((hu << tl.maximum(s0, 0)) >> tl.maximum(-s0, 0)).to(tl.int32, bitcast=True)
+        h1 = ((hu << tl.maximum(s1, 0)) >> tl.maximum(-s1, 0)).to(tl.int32, bitcast=True)
+        return h0 & -252645136, h1 & -252645136    # 0xF0F0F0F0
+
+    @triton.jit
     def _f16_lo(w):
         """The fp16 in the low 16 bits of int32 w, as fp32."""
         return (w & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
@@ -138,9 +159,9 @@ if triton is not None:
         x_row = x_ptr + m4 * stride_xm + r4 * 0 + kb * 256 + sb4 * 32 + u4
         w = _load(q_ptr + r4 * q_stride + lane, kmask4, MASKED)              # int32 [1, BN, 8, 4]
         if FMT == 13 or FMT == 6 or FMT == 14:
-            hb = _load(h_ptr + r4 * h_stride + lane, kmask4, MASKED).to(tl.int32)  # byte / int16 u
-        else:
-            hb = w
+            h0, h1 = _high_words(h_ptr, r4 * h_stride, kb, sb4, u4, kmask4, FMT, MASKED)
+            e0 = (w & 0x0F0F0F0F) | h0                 # byte b: the whole quant of j = 2b
+            e1 = (_shift(w, -4) & 0x0F0F0F0F) | h1     # j = 2b + 1
         tp = tl.zeros([BLOCK_M, BLOCK_N, 8, 4], dtype=tl.float32)        # sum (1 + q/2^b) x
         xs = tl.zeros([BLOCK_M, BLOCK_N, 8, 4], dtype=tl.float32)        # sum x (in tp's layout)
         if FMT == 14:
@@ -150,10 +171,15 @@ if triton is not None:
             xj = _load(x_row + 4 * j, xmask, X_MASKED).to(tl.float32)
             if FMT == 12 or FMT == 2:      # 4 bits at mantissa bits 19..22: 1 + q/16
                 f = _one_plus(_shift(w, 19 - 4 * j) & 0x780000, one)
-            elif FMT == 13 or FMT == 6:    # + 1 high bit at 22: 1 + q/32
-                f = _one_plus((_shift(w, 18 - 4 * j) & 0x3C0000) | (_shift(hb, 22 - j) & 0x400000), one)
-            else:                          # Q6_K: + 2 high bits at 21..22: 1 + q/64
-                f = _one_plus((_shift(w, 17 - 4 * j) & 0x1E0000) | (_shift(hb, 21 - 2 * j) & 0x600000), one)
+            else:
+                if j % 2 == 0:
+                    e = e0
+                else:
+                    e = e1
+                if FMT == 14:              # 6 bits at mantissa bits 17..22: 1 + q/64
+                    f = _one_plus(_shift(e, 17 - 8 * (j // 2)) & 0x7E0000, one)
+                else:                      # 5 bits at 18..22: 1 + q/32
+                    f = _one_plus(_shift(e, 18 - 8 * (j // 2)) & 0x7C0000, one)
             if FMT == 14 and j >= 4:
                 tp2 += f * xj
                 xs2 += xj
@@ -200,8 +226,8 @@ if triton is not None:
                      q_stride, h_stride, s_stride, d_stride,
                      FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr):
         """y[M, N] = x[M, K] @ W^T, M <= BLOCK_M; program i owns W rows i*BLOCK_N .. (module doc).
-        Plane pointers are typed for their loads: q int32 (Q8_0: int8), h uint8 (Q6_K: int16),
-        s int32 (Q6_K: int16), d int32 (Q4_K/Q5_K: d|dmin) or fp16; strides in those elements."""
+        Plane pointers are typed for their loads: q int32 (Q8_0: int8), h int32, s int32 (Q6_K:
+        int16), d int32 (Q4_K/Q5_K: d|dmin) or fp16; strides in those elements."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rows_c = tl.minimum(rows, N - 1)       # tail rows re-read the last row: no load masks
         r3 = rows_c[None, :, None]
@@ -253,9 +279,9 @@ if triton is not None:
             lane = kb * 32 + sb * 4 + u                        # [BN, 8, 4] words
             w = tl.load(q_ptr + r3 * q_stride + lane, mask=kmask, other=0)
             if FMT == 13 or FMT == 6 or FMT == 14:
-                hb = tl.load(h_ptr + r3 * h_stride + lane, mask=kmask, other=0).to(tl.int32)
-            else:
-                hb = w
+                h0, h1 = _high_words(h_ptr, r3 * h_stride, kb, sb, u, kmask, FMT, True)
+                e0 = (w & 0x0F0F0F0F) | h0
+                e1 = (_shift(w, -4) & 0x0F0F0F0F) | h1
             if FMT == 12 or FMT == 13:
                 sp = s_ptr + r3 * s_stride + kb * 3
                 sh = 8 * (sb % 4)
@@ -275,11 +301,17 @@ if triton is not None:
             else:
                 d = tl.load(d_ptr + r3 * d_stride + kb * 8 + sb, mask=kmask, other=0.0).to(tl.float32)
             for j in tl.static_range(8):
-                q = _shift(w, -4 * j) & 15
-                if FMT == 13 or FMT == 6:
-                    q = q | ((_shift(hb, -j) & 1) << 4)
-                elif FMT == 14:
-                    q = q | ((_shift(hb, -2 * j) & 3) << 4)
+                if FMT == 13 or FMT == 6 or FMT == 14:
+                    if j % 2 == 0:
+                        e = e0
+                    else:
+                        e = e1
+                    if FMT == 14:
+                        q = _shift(e, -8 * (j // 2)) & 63
+                    else:
+                        q = _shift(e, -8 * (j // 2)) & 31
+                else:
+                    q = _shift(w, -4 * j) & 15
                 if FMT == 12 or FMT == 13:
                     v = dl * q.to(tl.float32) - ml
                 elif FMT == 14:
@@ -329,7 +361,7 @@ def _typed_planes(w: PackedQuant):
     """(q, h, s, d) viewed as the element types `_gemv_kernel` loads, with their row strides."""
     t = w.ggml_type
     q = w.q.view(torch.int8) if t == Q8_0 else w.q.view(torch.int32)
-    h = w.h if w.h is None or t != Q6_K else w.h.view(torch.int16)
+    h = w.h if w.h is None else w.h.view(torch.int32)
     s = w.s if w.s is None else (w.s.view(torch.int16) if t == Q6_K else w.s.view(torch.int32))
     d = w.d.view(torch.int32) if t in (Q4_K, Q5_K) else w.d.view(torch.float16)
     stride = (lambda p: p.stride(0) if p is not None else 0)

@@ -15,8 +15,13 @@ planes, each row of each plane contiguous and a multiple of 4 bytes (16 for the 
 Nibble order (the point of the repack): in a 32-value sub-block, word u (u = 0..3, little-endian
 int32) holds in nibble j (bits 4j..4j+3, j = 0..7) the quant of value 4j + u. A thread that
 loads the 4 words of a sub-block (one 16-byte load) extracts nibble j of all four and multiplies
-them with x[4j .. 4j+3] (one vector load); the high bits follow the same order (Q5: byte u, bit
-j; Q6_K: 16-bit half u, bits 2j..2j+1). Byte counts are exactly the GGUF ones.
+them with x[4j .. 4j+3] (one vector load).
+High bits ("byte-select" order): value (u, j = 2b + p) keeps its high field in byte b of an h
+word, at bit HIGH_BIT[width][u][p] of that byte (Q5: one word per sub-block, all four lanes;
+Q6_K: word u // 2, two lanes each). The GEMV shifts the h word so that field lands on bit 4 of
+every byte and merges it with the nibbles in one LOP3 select, (w >> 4p) & 0x0F0F0F0F | H &
+0xF0F0F0F0: byte b then holds the whole 5- or 6-bit quant of j = 2b + p, one shift away from
+its place in a float mantissa. Byte counts are exactly the GGUF ones.
 
 `pack` builds the planes (plain torch, on the tensor's device, meta included); `dequantize_packed_ref`
 turns them back into float32 with the exact op order of `kernels.qdequant.qdequantize_ref`, so the
@@ -29,7 +34,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["LAYOUT", "PackedQuant", "dequantize_packed_ref", "pack"]
+__all__ = ["HIGH_BIT", "HIGH_WORD", "LAYOUT", "PackedQuant", "dequantize_packed_ref", "pack"]
 
 # GGML type id -> (name, values per block, bytes per block); ids as in ggml.h / gguf-py.
 Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K = 2, 6, 8, 12, 13, 14
@@ -121,19 +126,23 @@ def _nibble_plane(q: torch.Tensor) -> torch.Tensor:
     return (lanes[..., 0::2] | (lanes[..., 1::2] << 4)).reshape(q.shape[0], -1)
 
 
-def _bit_plane(bits: torch.Tensor) -> torch.Tensor:
-    """1-bit values [n, S, 32] (natural order, 0/1 uint8) -> uint8 [n, S * 4]: byte u, bit j."""
-    lanes = _lane_order(bits)                                # [n, S, 4, 8]
-    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
-    return (lanes << shifts).sum(-1, dtype=torch.uint8).reshape(bits.shape[0], -1)
+# Byte-select order of the high bits (module doc): bit of value (u, j = 2b + p) inside byte b of
+# h word HIGH_WORD[width][u]; HIGH_BIT + the field width never passes bit 8.
+HIGH_BIT = {1: ((4, 5), (6, 7), (0, 1), (2, 3)), 2: ((4, 6), (0, 2), (4, 6), (0, 2))}
+HIGH_WORD = {1: (0, 0, 0, 0), 2: (0, 0, 1, 1)}
 
 
-def _pair_plane(pairs: torch.Tensor) -> torch.Tensor:
-    """2-bit values [n, S, 32] (natural order) -> uint8 [n, S * 8]: 16-bit half u, bits 2j..2j+1
-    (byte 2u holds j = 0..3, byte 2u + 1 holds j = 4..7)."""
-    lanes = _lane_order(pairs).reshape(*pairs.shape[:-1], 4, 2, 4)   # [n, S, u, byte, j % 4]
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=pairs.device)
-    return (lanes << shifts).sum(-1, dtype=torch.uint8).reshape(pairs.shape[0], -1)
+def _high_plane(hi: torch.Tensor, width: int) -> torch.Tensor:
+    """High fields [n, S, 32] (natural order, < 2**width) -> uint8 [n, S * 4 * width] in byte-select
+    order: 1 (Q5) or 2 (Q6_K) little-endian words per sub-block."""
+    lanes = _lane_order(hi).to(torch.int64)                          # [n, S, u, j]
+    words = torch.zeros(*hi.shape[:-1], width, dtype=torch.int64, device=hi.device)
+    for u in range(4):
+        for j in range(8):
+            bit = 8 * (j // 2) + HIGH_BIT[width][u][j % 2]
+            words[..., HIGH_WORD[width][u]] |= lanes[..., u, j] << bit
+    shifts = torch.arange(0, 32, 8, device=hi.device)
+    return ((words[..., None] >> shifts) & 255).to(torch.uint8).reshape(hi.shape[0], -1)
 
 
 def _q4k_nibbles(qs: torch.Tensor) -> torch.Tensor:
@@ -164,7 +173,7 @@ def pack(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> PackedQua
         q = _q4k_nibbles(b[:, qoff:qoff + 128])              # [n*nb, 8, 32]
         if t == Q5_K:                                        # bit s of byte i: value 32s + i
             planes = torch.arange(8, dtype=torch.uint8, device=b.device)[None, :, None]
-            h = rows(_bit_plane((b[:, None, 16:48] >> planes) & 1))
+            h = rows(_high_plane((b[:, None, 16:48] >> planes) & 1, 1))
         qp = _nibble_plane(q)
     elif t == Q6_K:
         n = b.shape[0]
@@ -173,7 +182,7 @@ def pack(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> PackedQua
         pairs = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device)[None, None, :, None]
         high = ((b[:, 128:192].reshape(n, 2, 1, 32) >> pairs) & 3).reshape(n, 256)
         qp = _nibble_plane(low.reshape(n, 8, 32))
-        h = rows(_pair_plane(high.reshape(n, 8, 32)))
+        h = rows(_high_plane(high.reshape(n, 8, 32), 2))
         s = b[:, 192:208]
         d = b[:, 208:210]
     elif t == Q8_0:
@@ -186,7 +195,7 @@ def pack(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> PackedQua
         if t == Q5_0:                                        # bit i of the LE uint32: value i
             bits = torch.arange(8, dtype=torch.uint8, device=b.device)
             hi = ((b[:, 2:6, None] >> bits) & 1).reshape(-1, 1, 32)
-            h = rows(_bit_plane(hi))
+            h = rows(_high_plane(hi, 1))
     return PackedQuant(t, (n_out, n_in), rows(qp), h, None if s is None else rows(s), rows(d))
 
 
@@ -205,13 +214,16 @@ def _unpack_nibbles(qp: torch.Tensor) -> torch.Tensor:
     return _natural_order(lanes)
 
 
-def _unpack_bits(hp: torch.Tensor, width: int) -> torch.Tensor:
-    """Bit (width 1) or pair (width 2) plane [n, S*4*width] -> values [n, S, 32] natural order."""
-    per_byte = 8 // width
-    b = hp.reshape(hp.shape[0], -1, 4, width)                # [n, S, u, bytes of lane u]
-    shifts = torch.arange(0, 8, width, dtype=torch.uint8, device=hp.device)
-    lanes = ((b[..., None] >> shifts) & ((1 << width) - 1)).reshape(*b.shape[:3], width * per_byte)
-    return _natural_order(lanes)
+def _unpack_high(hp: torch.Tensor, width: int) -> torch.Tensor:
+    """Inverse of `_high_plane`: uint8 [n, S * 4 * width] -> high fields [n, S, 32] natural order."""
+    b = hp.reshape(hp.shape[0], -1, width, 4).to(torch.int64)        # [n, S, word, byte]
+    words = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+    lanes = torch.empty(*words.shape[:-1], 4, 8, dtype=torch.int64, device=hp.device)
+    for u in range(4):
+        for j in range(8):
+            bit = 8 * (j // 2) + HIGH_BIT[width][u][j % 2]
+            lanes[..., u, j] = (words[..., HIGH_WORD[width][u]] >> bit) & ((1 << width) - 1)
+    return _natural_order(lanes).to(torch.uint8)
 
 
 def dequantize_packed_ref(p: PackedQuant) -> torch.Tensor:
@@ -225,7 +237,7 @@ def dequantize_packed_ref(p: PackedQuant) -> torch.Tensor:
         nb = n_in // 256
         q = _unpack_nibbles(p.q).reshape(n * nb, 8, 32)
         if t == Q5_K:
-            q = q | (_unpack_bits(p.h, 1).reshape(n * nb, 8, 32) << 4)
+            q = q | (_unpack_high(p.h, 1).reshape(n * nb, 8, 32) << 4)
         sc, mn = _scale_min_k4_ref(p.s.reshape(n * nb, 12))
         dm = _f16(p.d, 0, 4).reshape(n * nb, 1), _f16(p.d, 2, 4).reshape(n * nb, 1)
         dl = (dm[0] * sc)[:, :, None]
@@ -233,7 +245,7 @@ def dequantize_packed_ref(p: PackedQuant) -> torch.Tensor:
         return (dl * q.to(torch.float32) - ml).reshape(n, n_in)
     if t == Q6_K:
         nb = n_in // 256
-        q = (_unpack_nibbles(p.q) | (_unpack_bits(p.h, 2) << 4)).to(torch.int16) - 32   # [n, 8nb, 32]
+        q = (_unpack_nibbles(p.q) | (_unpack_high(p.h, 2) << 4)).to(torch.int16) - 32   # [n, 8nb, 32]
         sc = p.s.reshape(n * nb, 16).view(torch.int8).to(torch.float32)
         dl = (_f16(p.d, 0, 2).reshape(n * nb, 1) * sc)[:, :, None]
         return (dl * q.reshape(n * nb, 16, 16).to(torch.float32)).reshape(n, n_in)
@@ -242,7 +254,7 @@ def dequantize_packed_ref(p: PackedQuant) -> torch.Tensor:
         return (p.q.reshape(-1, 32).view(torch.int8).to(torch.float32) * d).reshape(n, n_in)
     q = _unpack_nibbles(p.q).reshape(-1, 32)
     if t == Q5_0:
-        q = (q | (_unpack_bits(p.h, 1).reshape(-1, 32) << 4)).to(torch.int16) - 16
+        q = (q | (_unpack_high(p.h, 1).reshape(-1, 32) << 4)).to(torch.int16) - 16
     else:
         q = q.to(torch.int16) - 8
     return (d * q.to(torch.float32)).reshape(n, n_in)
