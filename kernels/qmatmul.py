@@ -102,6 +102,20 @@ if triton is not None:
         return h0 & -252645136, h1 & -252645136    # 0xF0F0F0F0
 
     @triton.jit
+    def _gelu_tanh(z):
+        """fp32 GELU (tanh form), tanh from exp (the interpreter has no libdevice): for |u| < 0.2
+        an odd Taylor series (relative error < 1e-9), else (1 - e) / (1 + e), e = exp(-2|u|)."""
+        u = 0.7978845608028654 * (z + 0.044715 * z * z * z)
+        a = tl.abs(u)
+        us = tl.where(a < 0.2, u, 0.0)             # the series only where it is used (no overflow)
+        u2 = us * us
+        small = us * (1.0 + u2 * (-1.0 / 3.0 + u2 * (2.0 / 15.0 + u2 * (-17.0 / 315.0 + u2 * (62.0 / 2835.0)))))
+        ex = tl.exp(-2.0 * a)
+        big = (1.0 - ex) / (1.0 + ex)
+        t = tl.where(a < 0.2, small, tl.where(u < 0, -big, big))
+        return 0.5 * z * (1.0 + t)
+
+    @triton.jit
     def _f16_lo(w):
         """The fp16 in the low 16 bits of int32 w, as fp32."""
         return (w & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
@@ -222,9 +236,10 @@ if triton is not None:
                 return (32.0 * d) * (t - 1.5 * xsum)
 
     @triton.jit
-    def _gemv_kernel(x_ptr, q_ptr, h_ptr, s_ptr, d_ptr, y_ptr, M, N, K, one, stride_xm, stride_ym,
-                     q_stride, h_stride, s_stride, d_stride,
-                     FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr):
+    def _gemv_kernel(x_ptr, q_ptr, h_ptr, s_ptr, d_ptr, y_ptr, e_ptr, M, N, K, one, stride_xm, stride_ym,
+                     stride_em, q_stride, h_stride, s_stride, d_stride,
+                     FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr,
+                     GELU_MUL: tl.constexpr):
         """y[M, N] = x[M, K] @ W^T, M <= BLOCK_M; program i owns W rows i*BLOCK_N .. (module doc).
         Plane pointers are typed for their loads: q int32 (Q8_0: int8), h int32, s int32 (Q6_K:
         int16), d int32 (Q4_K/Q5_K: d|dmin) or fp16; strides in those elements."""
@@ -252,8 +267,12 @@ if triton is not None:
                              q_stride, h_stride, s_stride, d_stride, FMT, BLOCK_M, BLOCK_N, True)
         y = tl.sum(acc, axis=2)                                 # [BM, BN]: the one cross-lane reduction
         ms = tl.arange(0, BLOCK_M)[:, None]
-        out = y_ptr + ms * stride_ym + rows[None, :]
-        tl.store(out, y.to(y_ptr.dtype.element_ty), mask=(ms < M) & (rows[None, :] < N))
+        ymask = (ms < M) & (rows[None, :] < N)
+        if GELU_MUL:
+            # epilogue: gelu_tanh(y) * e (Gemma-4's per-layer-input gate), fp32 math.
+            e = tl.load(e_ptr + ms * stride_em + rows[None, :], mask=ymask, other=0.0).to(tl.float32)
+            y = _gelu_tanh(y) * e
+        tl.store(y_ptr + ms * stride_ym + rows[None, :], y.to(y_ptr.dtype.element_ty), mask=ymask)
 
 
     @triton.jit
@@ -387,12 +406,30 @@ def gemv_config(m: int, n_out: int, device: torch.device) -> tuple[int, int, int
     return block_m, 4 * warps * rows, warps
 
 
-def qmatmul(x: torch.Tensor, w: PackedQuant, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def _check_gelu_mul(fn: str, e, x: torch.Tensor, n_out: int) -> None:
+    if e is None:
+        return
+    if not isinstance(e, torch.Tensor) or e.shape[:-1] != x.shape[:-1] or e.shape[-1] != n_out:
+        _fail(f"{fn}: gelu_mul must be [..., n_out={n_out}] with x's leading shape {tuple(x.shape[:-1])}, "
+              f"got {tuple(getattr(e, 'shape', ()))}")
+    if e.dtype not in _X_DTYPES or e.device != x.device or e.stride(-1) != 1:
+        _fail(f"{fn}: gelu_mul must be float16/bfloat16/float32 with a unit last stride on {x.device}")
+
+
+def _gelu_mul_torch(y: torch.Tensor, e: torch.Tensor, out_dtype) -> torch.Tensor:
+    return (torch.nn.functional.gelu(y.float(), approximate="tanh") * e.float()).to(out_dtype)
+
+
+def qmatmul(x: torch.Tensor, w: PackedQuant, out_dtype: torch.dtype | None = None,
+            gelu_mul: torch.Tensor | None = None) -> torch.Tensor:
     """y [..., n_out] = x [..., n_in] @ W^T for a repacked W (kernels.qpack.PackedQuant). x:
     float16/bfloat16/float32 (any leading shape; rows made contiguous). Output in `out_dtype`: x's
-    dtype (default) or float32. Raises ValueError on bad inputs."""
+    dtype (default) or float32. `gelu_mul` [..., n_out] (row strides free): y = gelu_tanh(x W^T) *
+    gelu_mul instead, in the GEMV's epilogue (fp32 math; Gemma-4's per-layer-input gate).
+    Raises ValueError on bad inputs."""
     _check_packed("qmatmul", w)
     out_dtype = _check_x("qmatmul", x, w, out_dtype)
+    _check_gelu_mul("qmatmul", gelu_mul, x, w.shape[0])
     check_device("qmatmul", x.device, triton)
     n_out, n_in = w.shape
     lead = x.shape[:-1]
@@ -405,12 +442,15 @@ def qmatmul(x: torch.Tensor, w: PackedQuant, out_dtype: torch.dtype | None = Non
         return y.reshape(*lead, n_out)
     if m <= DECODE_MAX_M:
         (q, h, s, d), strides = _typed_planes(w)
+        e2 = None if gelu_mul is None else gelu_mul.reshape(-1, n_out)   # a view when rows collapse
         for m0 in range(0, m, GEMV_MAX_M):
             mc = min(GEMV_MAX_M, m - m0)
             block_m, block_n, warps = gemv_config(mc, n_out, x.device)
             _gemv_kernel[(triton.cdiv(n_out, block_n),)](
-                x2[m0:], q, h, s, d, y[m0:], mc, n_out, n_in, _ONE, x2.stride(0), y.stride(0), *strides,
-                FMT=w.ggml_type, BLOCK_M=block_m, BLOCK_N=block_n, EVEN_K=n_in % 256 == 0, num_warps=warps)
+                x2[m0:], q, h, s, d, y[m0:], y if e2 is None else e2[m0:], mc, n_out, n_in, _ONE,
+                x2.stride(0), y.stride(0), 0 if e2 is None else e2.stride(0), *strides,
+                FMT=w.ggml_type, BLOCK_M=block_m, BLOCK_N=block_n, EVEN_K=n_in % 256 == 0,
+                GELU_MUL=e2 is not None, num_warps=warps)
         return y.reshape(*lead, n_out)
     # Prefill: dequantize row chunks to scratch in x's dtype, the dense GEMM does the product.
     chunk = max(16, PREFILL_SCRATCH_VALUES // n_in)
@@ -419,6 +459,8 @@ def qmatmul(x: torch.Tensor, w: PackedQuant, out_dtype: torch.dtype | None = Non
         r1 = min(n_out, r0 + chunk)
         wd = qdequantize_packed(w.row_slice(r0, r1), out=scratch[:r1 - r0])
         y[:, r0:r1] = x2 @ wd.T        # x's dtype, cast on copy when out_dtype is float32
+    if gelu_mul is not None:           # prefill: torch ops after the GEMM (one chunk, not per token)
+        y = _gelu_mul_torch(y, gelu_mul.reshape(-1, n_out), out_dtype)
     return y.reshape(*lead, n_out)
 
 
@@ -459,16 +501,22 @@ def gemv_launch_info(launch) -> dict | None:
 
 # -------------------------------------------------------------------------------- torch refs
 
-def qmatmul_ref(x: torch.Tensor, w: PackedQuant, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``qmatmul`` in plain torch: float32 W and float32 product, cast to ``out_dtype``.
-    Dequantizes at most PREFILL_SCRATCH_VALUES weights at a time (the vocab matrix is ~400M)."""
+def qmatmul_ref(x: torch.Tensor, w: PackedQuant, out_dtype: torch.dtype | None = None,
+                gelu_mul: torch.Tensor | None = None) -> torch.Tensor:
+    """``qmatmul`` in plain torch: float32 W and float32 product (and epilogue), cast to
+    ``out_dtype``. Dequantizes at most PREFILL_SCRATCH_VALUES weights at a time (the vocab matrix
+    is ~400M)."""
     _check_packed("qmatmul_ref", w)
     out_dtype = _check_x("qmatmul_ref", x, w, out_dtype)
+    _check_gelu_mul("qmatmul_ref", gelu_mul, x, w.shape[0])
     n_out, n_in = w.shape
     x2 = x.reshape(-1, n_in).to(torch.float32)
-    y = torch.empty((x2.shape[0], n_out), dtype=out_dtype, device=x.device)
+    y = torch.empty((x2.shape[0], n_out), dtype=torch.float32 if gelu_mul is not None else out_dtype,
+                    device=x.device)
     chunk = max(1, PREFILL_SCRATCH_VALUES // n_in)
     for r0 in range(0, n_out, chunk):
         r1 = min(n_out, r0 + chunk)
         y[:, r0:r1] = x2 @ dequantize_packed_ref(w.row_slice(r0, r1)).T
+    if gelu_mul is not None:
+        y = _gelu_mul_torch(y, gelu_mul.reshape(-1, n_out), out_dtype)
     return y.reshape(*x.shape[:-1], n_out)

@@ -81,12 +81,14 @@ class QuantWeight:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, gelu_mul: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x W^T; with `gelu_mul` (same leading shape, n_out wide) gelu_tanh(x W^T) * gelu_mul, the
+        epilogue fused into the GEMV."""
         from kernels.qmatmul import qmatmul
 
         if self.packed is None:
             raise ValueError(f"QuantWeight {self.shape}: a lookup table cannot be multiplied")
-        return qmatmul(x, self.packed)
+        return qmatmul(x, self.packed, gelu_mul=gelu_mul)
 
     @classmethod
     def cat(cls, ws: list["QuantWeight"]) -> "QuantWeight":

@@ -262,3 +262,24 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         qmatmul(x, p)
+
+
+@pytest.mark.parametrize("m", [1, 3, 19], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("t", [GGMLType.Q4_K, GGMLType.Q5_0], ids=lambda t: t.name)
+def test_gelu_mul_epilogue(t, m):
+    """gelu_tanh(x W^T) * e in the GEMV's epilogue (e a strided slice, as Gemma-4's per-layer inputs
+    [T, L, P][:, i] are) equals the torch composition; the prefill path applies it after the GEMM."""
+    n_out, n_in = 37, 512 if block_size(t)[0] == 256 else 288
+    w, p = packed_weight(t, n_out, n_in, seed=11)
+    x = random_x((m, n_in), torch.float32, seed=m) * 30       # |y| ~ 1: both gelu branches
+    e = torch.randn(m, 3, n_out, generator=torch.Generator().manual_seed(m))[:, 1]
+    W = dequantize(w, t, (n_out, n_in))
+    y = x @ W.T
+    want = torch.nn.functional.gelu(y, approximate="tanh") * e
+    bound = (x.abs() @ W.abs().T) * (e.abs() * 1.2) + 1e-6
+    got = qmatmul(x.to(DEVICE), p.to(DEVICE), gelu_mul=e.to(DEVICE)).cpu()
+    ref = qmatmul_ref(x, p, gelu_mul=e)
+    assert_close_bound(ref, want, bound, 1e-5, "gelu_mul ref")
+    assert_close_bound(got, want, bound, 1e-5, "gelu_mul kernel")
+    with pytest.raises(ValueError, match="gelu_mul must be"):
+        qmatmul(x.to(DEVICE), p.to(DEVICE), gelu_mul=e[:, :5].to(DEVICE))
