@@ -133,16 +133,14 @@ HIGH_WORD = {1: (0, 0, 0, 0), 2: (0, 0, 1, 1)}
 
 
 def _high_plane(hi: torch.Tensor, width: int) -> torch.Tensor:
-    """High fields [n, S, 32] (natural order, < 2**width) -> uint8 [n, S * 4 * width] in byte-select
-    order: 1 (Q5) or 2 (Q6_K) little-endian words per sub-block."""
-    lanes = _lane_order(hi).to(torch.int64)                          # [n, S, u, j]
-    words = torch.zeros(*hi.shape[:-1], width, dtype=torch.int64, device=hi.device)
-    for u in range(4):
-        for j in range(8):
-            bit = 8 * (j // 2) + HIGH_BIT[width][u][j % 2]
-            words[..., HIGH_WORD[width][u]] |= lanes[..., u, j] << bit
-    shifts = torch.arange(0, 32, 8, device=hi.device)
-    return ((words[..., None] >> shifts) & 255).to(torch.uint8).reshape(hi.shape[0], -1)
+    """High fields [n, S, 32] (natural order, uint8 < 2**width) -> uint8 [n, S * 4 * width] in
+    byte-select order: 1 (Q5) or 2 (Q6_K) little-endian words per sub-block. The fields of one byte
+    occupy disjoint bits, so a uint8 sum is their OR."""
+    shifts = torch.tensor(HIGH_BIT[width], dtype=torch.uint8, device=hi.device)   # [u, p]
+    lanes = _lane_order(hi).reshape(*hi.shape[:-1], 4, 4, 2)         # [n, S, u, byte b, p]
+    placed = lanes << shifts[:, None, :]
+    words = placed.reshape(*hi.shape[:-1], width, 4 // width, 4, 2)  # [n, S, word, u in word, b, p]
+    return words.sum(dim=(-3, -1), dtype=torch.uint8).reshape(hi.shape[0], -1)
 
 
 def _q4k_nibbles(qs: torch.Tensor) -> torch.Tensor:
@@ -152,8 +150,13 @@ def _q4k_nibbles(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat([qs & 15, qs >> 4], dim=2).reshape(-1, 8, 32)
 
 
+PACK_CHUNK_VALUES = 1 << 22   # rows packed at a time: temporaries of a few x 4 MB, not of the matrix
+
+
 def pack(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> PackedQuant:
-    """GGUF rows uint8 [n_out, row_bytes] of a supported type -> the repacked planes."""
+    """GGUF rows uint8 [n_out, row_bytes] of a supported type -> the repacked planes (built in row
+    chunks into planes allocated once, so a 262k-row vocabulary matrix needs a few MB of temporaries
+    beyond its planes)."""
     t = int(ggml_type)
     if t not in LAYOUT:
         raise ValueError(f"pack: unsupported GGML type {ggml_type}")
@@ -162,6 +165,23 @@ def pack(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> PackedQua
     if n_in % bv or tuple(raw.shape) != (n_out, n_in // bv * bb) or raw.dtype != torch.uint8:
         raise ValueError(f"pack: {name} [{n_out}, {n_in}] needs uint8 rows of {n_in // bv * bb} bytes, "
                          f"got {tuple(raw.shape)} {raw.dtype}")
+    chunk = max(1, PACK_CHUNK_VALUES // n_in)
+    if n_out <= chunk:
+        return _pack_rows(raw, t, n_out, n_in)
+    nb = n_in // bv
+    planes = [None if per == 0 else torch.empty((n_out, nb * per), dtype=torch.uint8, device=raw.device)
+              for per in PLANE_BYTES[t]]
+    for r0 in range(0, n_out, chunk):
+        r1 = min(n_out, r0 + chunk)
+        part = _pack_rows(raw[r0:r1], t, r1 - r0, n_in)
+        for dst, src in zip(planes, (part.q, part.h, part.s, part.d)):
+            if dst is not None:
+                dst[r0:r1] = src
+    return PackedQuant(t, (n_out, n_in), *planes)
+
+
+def _pack_rows(raw: torch.Tensor, t: int, n_out: int, n_in: int) -> PackedQuant:
+    _, bv, bb = LAYOUT[t]
     nb = n_in // bv
     b = raw.reshape(n_out * nb, bb)
     rows = (lambda p: p.reshape(n_out, -1).contiguous())
