@@ -7,13 +7,16 @@ From a dry run of the synthetic E2B/E4B model on the meta device (`engine/dry_ru
     every quantized/dense/vector tensor on the device, the tied LM head included, the host lookup
     tables not);
   * per decode-GEMV format (those the model uses and every other one `QuantWeight` reads): the
-    launch `QuantWeight.linear` makes for one token at an E2B FFN shape, compiled for `arch` with the
-    wheel's ptxas (`kernels/compile_check.py`), and from its SASS the instructions per weight byte =
-    instructions in one K-loop iteration x warps per program / weight bytes the program reads in
-    that iteration, and the share of peak bandwidth that caps the kernel at on the arch's reference
-    GPU (issue rate / (instructions per byte x bandwidth)). One SASS loop iteration is taken to be
-    one iteration of the kernel's K loop: ptxas does not unroll a loop of hundreds of instructions
-    with a runtime trip count (the `ldg_bytes` column shows the loads one iteration issues).
+    launches `QuantWeight.linear` makes for one token at each matrix shape of the model, compiled
+    for `arch` with the wheel's ptxas (`kernels/compile_check.py`), and from the SASS the
+    instructions per weight byte = instructions in one K-loop iteration x warps per program /
+    weight bytes the program reads in that iteration (`kernels.qmatmul.gemv_launch_info`), and the
+    share of peak bandwidth that caps the kernel at on the arch's reference GPU (issue rate /
+    (instructions per byte x bandwidth)). A format's figure is the worst of its shapes (row lengths
+    decide which pointers Triton sees as 16-byte aligned, so which loads vectorize). One SASS loop
+    iteration is taken to be one iteration of the kernel's K loop: ptxas does not unroll a loop of
+    hundreds of instructions with a runtime trip count (`ldg`, `ldg_bytes`: the global loads one
+    iteration issues and the bytes they fetch, weights and x together).
 
 `engine_specs` records the launches of decode (B = 1, 2, 4), verify and prefill steps for every KV
 format, for the compile test (tests/test_kernel_compile.py).
@@ -29,8 +32,7 @@ from collections import Counter
 import torch
 
 KV_FORMATS = ("bf16", "fp16", "int8_per_token_head", "fp8_per_token_head", "fp32")
-_LDG = re.compile(r"\bLDG(?:\.E)?((?:\.\w+)*)")
-_LDG_BYTES = {".U8": 1, ".S8": 1, ".U16": 2, ".S16": 2, ".64": 8, ".128": 16}
+_LDG = re.compile(r"\bLDG(?:STS)?(?:\.\w+)*")  # global loads (LDGSTS: global -> shared, sm_80+)
 
 
 def _kernels_interpreted() -> bool:

@@ -18,9 +18,10 @@ machine with network, for the GPU machine's Python (3.12 there), e.g.:
     echo /.whl/ >> .git/info/exclude
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \\
-        -d .whl gguf==0.19.0 textual==8.2.8 platformdirs==4.14.9 mdit-py-plugins==0.5.0
-(all pure-Python wheels; `unzip -p .whl/NAME-*.whl '*/METADATA' | grep ^Requires-Dist` lists what each
-needs, to add any the GPU machine lacks). When `.whl/` exists the install step runs
+        -d .whl gguf==0.19.0 textual==8.2.8 platformdirs==4.14.9 mdit-py-plugins==0.7.0 linkify-it-py==2.2.0
+(pure-Python wheels, 1.1 MB together; gguf's numpy/pyyaml/requests/tqdm and textual's rich, pygments,
+markdown-it-py and typing-extensions were on that machine already; `unzip -p .whl/NAME-*.whl
+'*/METADATA' | grep ^Requires-Dist` lists what each needs, to add any another machine lacks). When `.whl/` exists the install step runs
 `pip install --no-index --find-links .whl NAMES` (pip takes what is already installed from the
 environment and the rest from the folder); otherwise a plain `pip install NAMES`.
 """
