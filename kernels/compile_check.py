@@ -24,9 +24,9 @@ Kernels must be `JITFunction`s: under TRITON_INTERPRET=1 the kernel modules hold
 wrappers (and the launchers pick the interpreter's block sizes), so the compiles then run in
 spawned worker processes with TRITON_INTERPRET=0 (`jobs` of them).
 
-`loop_body(sass)` / `loop_instructions(sass)` find a kernel's main loop in its SASS (the widest
-backward branch); with the reference GPUs in `ARCHS`, `bandwidth_cap` turns instructions per weight
-byte into the share of peak bandwidth a decode GEMV can reach at most.
+`kernels/sass.py` reads the SASS (a kernel's main loop, its loads); with the reference GPUs in
+`ARCHS`, `bandwidth_cap` turns instructions per weight byte into the share of peak bandwidth a
+decode GEMV can reach at most.
 """
 from __future__ import annotations
 
@@ -51,9 +51,9 @@ from typing import Iterable, Optional
 import torch
 
 __all__ = ["ARCHS", "Arch", "CompileResult", "KernelSpec", "bandwidth_cap", "compile_specs", "default_cache_dir",
-           "gpu_pool", "loop_body", "loop_instructions", "spec_of"]
+           "gpu_pool", "spec_of", "specialize_value"]
 
-ANALYSIS_VERSION = "1"  # bump when what is read out of a compile changes (invalidates the disk cache)
+ANALYSIS_VERSION = "2"  # bump when what is read out of a compile changes (invalidates the disk cache)
 
 
 # ------------------------------------------------------------------------------------ arch facts
@@ -424,48 +424,3 @@ def compile_specs(specs: Iterable[KernelSpec], archs: Iterable[str] = tuple(ARCH
     finally:
         if own:
             pool.shutdown()
-
-
-# ------------------------------------------------------------------------------------ SASS reading
-
-_INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
-_BRANCH = re.compile(r"^(?:@!?U?P\w+\s+)?BRA(?:\.[\w.]+)?\s+(?:[!\w]+,\s*)*(0x[0-9a-f]+)$")
-
-
-def sass_functions(sass: str) -> dict[str, list[tuple[int, str]]]:
-    """cuobjdump -sass text -> {function name: [(address, instruction), ...]}."""
-    funcs, cur = {}, None
-    for line in sass.splitlines():
-        m = re.match(r"\s*Function : (\S+)", line)
-        if m:
-            cur = funcs.setdefault(m.group(1), [])
-            continue
-        m = _INSTR.match(line)
-        if m and cur is not None:
-            cur.append((int(m.group(1), 16), m.group(2)))
-    return funcs
-
-
-def loop_body(sass: str, function: Optional[str] = None) -> list[str]:
-    """The SASS instructions of the kernel's main loop: of all backward branches (a `BRA` to a
-    lower address: cuobjdump prints targets as addresses) the one spanning the most instructions,
-    from its target to the branch inclusive. With nested loops that is the outermost one; [] if
-    the kernel (its longest function, unless `function` names one) has no loop."""
-    funcs = sass_functions(sass)
-    if not funcs:
-        return []
-    code = funcs[function] if function else max(funcs.values(), key=len)
-    index = {addr: i for i, (addr, _) in enumerate(code)}
-    best = (0, 0)
-    for i, (addr, ins) in enumerate(code):
-        m = _BRANCH.match(ins)
-        if m:
-            target = int(m.group(1), 16)
-            if target < addr and target in index and i + 1 - index[target] > best[1] - best[0]:
-                best = (index[target], i + 1)
-    return [ins for _, ins in code[best[0]:best[1]]]
-
-
-def loop_instructions(sass: str, function: Optional[str] = None) -> int:
-    """How many SASS instructions one iteration of the kernel's main loop executes (`loop_body`)."""
-    return len(loop_body(sass, function))

@@ -1,5 +1,6 @@
-"""kernels/compile_check.py: launches specialize as Triton's JIT would, compiles for real archs
-without a GPU, SASS loops are found and counted, and the bandwidth cap follows the issue's figures."""
+"""kernels/compile_check.py and kernels/sass.py: launches specialize as Triton's JIT would, compile
+for real archs without a GPU, SASS loops and loads are found and counted, and the bandwidth cap
+follows the issue's figures."""
 from __future__ import annotations
 
 import triton_env  # noqa: F401  (TRITON_INTERPRET=1 here: compiles go to spawned workers)
@@ -7,8 +8,8 @@ import triton_env  # noqa: F401  (TRITON_INTERPRET=1 here: compiles go to spawne
 import pytest
 import torch
 
-from kernels.compile_check import (ARCHS, KernelSpec, bandwidth_cap, compile_specs, loop_body, loop_instructions,
-                                   spec_of, specialize_value)
+from kernels.compile_check import ARCHS, KernelSpec, bandwidth_cap, compile_specs, spec_of, specialize_value
+from kernels.sass import loop_body, loop_instructions, loop_loads
 from kernels.launch import Launch
 
 from tiny_kernels import _flags_kernel, _sum_rows_kernel, _to_bf16_kernel  # noqa: E402
@@ -129,6 +130,12 @@ def test_loop_body_is_the_widest_backward_branch():
     assert loop_body(_SASS)[0].startswith("IADD3") and loop_body(_SASS)[-1] == "@!P0 BRA 0x20"
     assert loop_instructions(_SASS.replace("@!P0 BRA 0x20", "@!P0 BRA 0x80")) == 2
     assert loop_instructions("") == 0
+
+
+def test_loop_loads_count_instructions_and_bytes_per_thread():
+    body = ["LDG.E.U8 R1, [R2.64]", "LDG.E.128.CONSTANT R4, [R2.64]", "LDGSTS.E.BYPASS.128 [R1], [R2.64]",
+            "LDG.E R3, [R4.64]", "LDG.E.64 R6, [R4.64+0x8]", "LDS R1, [R2]", "FADD R1, R2, R3"]
+    assert loop_loads(body) == (5, 1 + 16 + 16 + 4 + 8)
 
 
 @pytest.fixture(scope="module")
