@@ -7,7 +7,7 @@ VPY := $(VENV)/bin/python
 # CPU build that CI uses; a user who already has a (CUDA) torch in the venv keeps it.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: chat test venv torch clean
+.PHONY: chat test venv torch clean gpu-check
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,13 @@ test: torch
 chat: torch
 	$(VPY) -m pip install --quiet -e ".[demo]"
 	$(VENV)/bin/edgegem
+
+# On a machine with an NVIDIA GPU: the CUDA tests, the decode GEMV bandwidth microbenchmark and the
+# engine bench (E2B/E4B, bf16 and int8 KV) in one Markdown report (path printed; $OUT/gpu-check.md when
+# $OUT is set). Runs with the machine's own python3 and its CUDA torch, not the CPU venv above; what is
+# missing is installed first, from wheels in .whl/ when that folder exists (see packaging/gpu_check.py).
+gpu-check:
+	TRITON_INTERPRET=0 $(PY) packaging/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -80,6 +80,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per context")
     g.add_argument("--peak-bandwidth", type=float, metavar="GBps",
                    help="the device's peak memory bandwidth (default: a table of known GPUs)")
+    g = b.add_argument_group("static bench (--static --synthetic e2b|e4b: no GPU needed)")
+    g.add_argument("--static", action="store_true",
+                   help="count the kernels of one decode step and the weight bytes per token, and compile each "
+                        "decode GEMV format for --arch: SASS instructions per weight byte, bandwidth cap")
+    g.add_argument("--arch", default="sm_86", metavar="SM", help="--static: compile target, sm_75, sm_80, sm_86 or sm_89")
     b.add_argument("--spec-draft-model", metavar="PATH",
                    help="assistant GGUF: decode tok/s with and without it, acceptance, verify cost")
     b.add_argument("--spec-tokens", type=int, default=2)
@@ -305,7 +310,12 @@ def _int_list(s: str, what: str) -> tuple[int, ...]:
 def cmd_bench(a) -> int:
     if a.model and a.synthetic:
         raise ValueError("give --model or --synthetic, not both")
-    if a.spec_draft_model:  # with vs without the assistant draft, through the engine
+    if a.static:  # compiled, not run: kernels per step, bytes per token, GEMV instructions per byte
+        if not a.synthetic:
+            raise ValueError("--static needs --synthetic e2b or e4b")
+        from engine.static_bench import static_report
+        out = static_report(a.synthetic, a.arch, kv=a.kv_cache_dtype)
+    elif a.spec_draft_model:  # with vs without the assistant draft, through the engine
         from engine import api
         from engine.bench import spec_bench
         out = spec_bench(api.resolve_model(a.model), Path(a.spec_draft_model), a.prompt_tokens, a.decode_tokens,

@@ -28,8 +28,9 @@ class ModelRunner:
         `return_hidden`: (logits, y) with y the post-final-norm rows (the assistant's h)."""
         model, L = self.model, self.model.cfg.n_layer
         ids = torch.tensor(tokens, dtype=torch.long)
-        pos = torch.arange(start, start + len(tokens), device=model.device)
-        kv.begin(pos.cpu())
+        pos_host = torch.arange(start, start + len(tokens))  # CPU int64 [T]: slot bookkeeping, no device sync
+        pos = pos_host.to(model.device)
+        kv.begin(pos_host)
         try:
             x, pl = model.embed(ids)
             for i in range(self.first_shared):

@@ -81,6 +81,7 @@ _edgegem() {
         bench:--contexts) COMPREPLY=(); return ;;
         bench:--decode-steps) COMPREPLY=(); return ;;
         bench:--peak-bandwidth) COMPREPLY=(); return ;;
+        bench:--arch) COMPREPLY=(); return ;;
         bench:--spec-draft-model) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         bench:--spec-tokens) COMPREPLY=(); return ;;
         chat:--model) COMPREPLY=($(compgen -f -- "$cur")); return ;;
@@ -126,7 +127,7 @@ _edgegem() {
         tokenize) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --text" -- "$cur")); else COMPREPLY=(); fi ;;
         run) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --prompt --system --max-tokens --temperature --top-k --top-p --min-p --repetition-penalty --presence-penalty --seed --raw --json --exact --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min" -- "$cur")); else COMPREPLY=(); fi ;;
         info) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --synthetic --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --prefill-chunk --max-running-requests --spec-draft-model --device --json" -- "$cur")); else COMPREPLY=($(compgen -f -- "$cur")); fi ;;
-        bench) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --synthetic --device --prompt-tokens --decode-tokens --threads --no-llama-cpp --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --fast-prefill --prompt-lengths --contexts --decode-steps --peak-bandwidth --spec-draft-model --spec-tokens --json" -- "$cur")); else COMPREPLY=(); fi ;;
+        bench) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --synthetic --device --prompt-tokens --decode-tokens --threads --no-llama-cpp --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --fast-prefill --prompt-lengths --contexts --decode-steps --peak-bandwidth --static --arch --spec-draft-model --spec-tokens --json" -- "$cur")); else COMPREPLY=(); fi ;;
         chat) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --system --thinking --max-tokens --temperature --top-k --top-p --min-p --repetition-penalty --presence-penalty --seed --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min" -- "$cur")); else COMPREPLY=(); fi ;;
         doctor) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --data-dir --models-dir --json" -- "$cur")); else COMPREPLY=(); fi ;;
         pull) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --draft --no-draft --revision --data-dir --models-dir" -- "$cur")); else COMPREPLY=(); fi ;;

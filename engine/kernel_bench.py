@@ -1,0 +1,116 @@
+"""Per-kernel bandwidth microbenchmark: each decode GEMV format through `QuantWeight.linear` at the
+matrix shapes of E2B and E4B, in GB/s and as a share of the device's peak memory bandwidth.
+
+A GEMV for one token reads every weight byte once, so its speed is weight bytes / time. The
+weights are random blocks of the format (`engine.synthetic._random_quant_bytes`: real scales,
+numerically tame values). A matrix that fits in L2 (an H200 has 60 MB) would be served from the
+cache after the first call, so each measurement cycles through enough copies of the matrix to
+exceed `ROTATE_BYTES`: every timed call reads its weights from DRAM, as a decode step does (it
+reads 1.5 GB of weights per token). Timing: CUDA events around `iters` calls after `warmup` ones
+(on the CPU, under TRITON_INTERPRET=1, wall clock: a functional check only).
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Optional
+
+import torch
+
+ROTATE_BYTES = 512 << 20  # > 8x the largest L2 of the GPUs in PEAK_BANDWIDTH_GBPS (H100/H200: 50-60 MB)
+
+# (name, n_out, n_in): per variant the FFN up/gate, FFN down and the tied LM head.
+SHAPES = {
+    "e2b": (("ffn_up", 6144, 1536), ("ffn_down", 1536, 6144), ("head", 262144, 1536)),
+    "e4b": (("ffn_up", 10240, 2560), ("ffn_down", 2560, 10240), ("head", 262144, 2560)),
+}
+
+
+def _timer(device: torch.device):
+    """start(), stop() -> seconds since start; CUDA events on a GPU, perf_counter elsewhere."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+        def stop() -> float:
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        return start.record, stop
+    t0 = [0.0]
+
+    def begin() -> None:
+        t0[0] = time.perf_counter()
+    return begin, lambda: time.perf_counter() - t0[0]
+
+
+@torch.inference_mode()
+def gemv_bandwidth(fmt: str, n_out: int, n_in: int, device="cuda", iters: int = 100, warmup: int = 5,
+                   dtype=torch.bfloat16, rotate_bytes: int = ROTATE_BYTES, peak_gbps: Optional[float] = None,
+                   seed: int = 0) -> dict:
+    """GB/s of `QuantWeight.linear` for one token on an [n_out, n_in] `fmt` matrix (weight bytes
+    plus x and y, per call), its time per call and its share of `peak_gbps` (None: unknown)."""
+    from gguf import GGMLQuantizationType as T
+
+    from models.weights import QuantWeight
+
+    from .synthetic import _random_quant_bytes
+
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    first = _random_quant_bytes(fmt, n_out, n_in, 1 / math.sqrt(n_in), gen, device)
+    copies = max(1, min(64, -(-rotate_bytes // first.numel())))
+    weights = [QuantWeight(first if i == 0 else first.clone(), int(T[fmt]), (n_out, n_in)) for i in range(copies)]
+    x = torch.randn((1, n_in), generator=gen, device=device).to(dtype)
+    for i in range(warmup):
+        weights[i % copies].linear(x)
+    start, stop = _timer(device)
+    start()
+    for i in range(iters):
+        weights[i % copies].linear(x)
+    seconds = stop() / iters
+    moved = first.numel() + x.numel() * x.element_size() + n_out * x.element_size()
+    gbps = moved / seconds / 1e9
+    return {"format": fmt, "n_out": n_out, "n_in": n_in, "weight_bytes": first.numel(), "copies": copies,
+            "iters": iters, "us_per_call": seconds * 1e6, "gbps": gbps,
+            "peak_share": gbps / peak_gbps if peak_gbps else None}
+
+
+def gemv_sweep(variants=("e2b", "e4b"), formats=None, device="cuda", iters: int = 100,
+               peak_gbps: Optional[float] = None, shapes=SHAPES) -> list[dict]:
+    """`gemv_bandwidth` for every format (default: every one QuantWeight reads) at each variant's
+    shapes; a format or shape that fails gives a row with "error" instead of stopping the sweep."""
+    from models.weights import QuantWeight
+
+    from .bench import peak_bandwidth_gbps
+
+    device = torch.device(device)
+    if peak_gbps is None and device.type == "cuda":
+        peak_gbps = peak_bandwidth_gbps(torch.cuda.get_device_name(device))
+    formats = formats or sorted(QuantWeight.TYPES)
+    rows = []
+    for variant in variants:
+        for name, n_out, n_in in shapes[variant]:
+            for fmt in formats:
+                row = {"variant": variant, "matrix": name}
+                try:
+                    row.update(gemv_bandwidth(fmt, n_out, n_in, device, iters=iters, peak_gbps=peak_gbps))
+                except Exception as e:  # one format failing must not hide the others' figures
+                    row.update(format=fmt, n_out=n_out, n_in=n_in, error=f"{type(e).__name__}: {e}")
+                rows.append(row)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_table(rows: list[dict]) -> str:
+    """Markdown table of `gemv_sweep` rows."""
+    lines = ["| model | matrix | format | shape | weight MB | µs/call | GB/s | of peak |",
+             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        head = f"| {r['variant']} | {r['matrix']} | {r['format']} | {r['n_out']}x{r['n_in']} |"
+        if "error" in r:
+            lines.append(f"{head} error: {r['error'].splitlines()[0]} | | | |")
+            continue
+        share = f"{100 * r['peak_share']:.1f}%" if r["peak_share"] is not None else "n/a"
+        lines.append(f"{head} {r['weight_bytes'] / 1e6:.1f} | {r['us_per_call']:.1f} | {r['gbps']:.0f} | {share} |")
+    return "\n".join(lines)

@@ -1,0 +1,299 @@
+"""`edgegem bench --static`: what a decode step costs on a GPU, read without one.
+
+From a dry run of the synthetic E2B/E4B model on the meta device (`engine/dry_run.py`):
+  * kernels_per_step: every launch of one B = 1 decode step of the batched decoder, Triton and
+    device-side torch ops, counted by intercepting them (`kernels.launch.record_launches`);
+  * weight_bytes_per_token: the device weights a decode step reads (`engine.bench.device_weight_bytes`:
+    every quantized/dense/vector tensor on the device, the tied LM head included, the host lookup
+    tables not);
+  * per decode-GEMV format (those the model uses and every other one `QuantWeight` reads): the
+    launches `QuantWeight.linear` makes for one token at each matrix shape of the model, compiled
+    for `arch` with the wheel's ptxas (`kernels/compile_check.py`), and from the SASS the
+    instructions per weight byte = instructions in one K-loop iteration x warps per program /
+    weight bytes the program reads in that iteration (`kernels.qmatmul.gemv_launch_info`), and the
+    share of peak bandwidth that caps the kernel at on the arch's reference GPU (issue rate /
+    (instructions per byte x bandwidth)). A format's figure is the worst of its shapes (row lengths
+    decide which pointers Triton sees as 16-byte aligned, so which loads vectorize). One SASS loop
+    iteration is taken to be one iteration of the kernel's K loop: ptxas does not unroll a loop of
+    hundreds of instructions with a runtime trip count (`ldg`, `ldg_bytes`: the global loads one
+    iteration issues and the bytes they fetch, weights and x together).
+
+`engine_specs` records the launches of decode (B = 1, 2, 4), verify and prefill steps for every KV
+format, for the compile test (tests/test_kernel_compile.py).
+
+Everything here imports the kernels as a GPU machine does (TRITON_INTERPRET=0): in a process that
+runs the interpreter the work goes to a spawned worker (`kernels.compile_check.gpu_pool`).
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+KV_FORMATS = ("bf16", "fp16", "int8_per_token_head", "fp8_per_token_head", "fp32")
+# Issue 11's targets, shown beside the figures (stated for sm_86): GEMV instructions per weight byte
+# (Q4_K and Q6_K 0.35, every other format 0.5) and kernels per B = 1 decode step.
+GEMV_TARGETS = {"Q4_K": 0.35, "Q6_K": 0.35}
+GEMV_TARGET_OTHER = 0.5
+KERNELS_PER_STEP_TARGETS = {"e2b": 450, "e4b": 520}
+
+
+def _kernels_interpreted() -> bool:
+    """Whether kernels imported in this process would be (or were) the interpreter's."""
+    import sys
+
+    from kernels.launch import interpreting
+
+    mod = sys.modules.get("kernels.qmatmul")
+    return interpreting() or (mod is not None and type(getattr(mod, "_qmatmul_kernel", None)).__name__ ==
+                              "InterpretedFunction")
+
+
+def _run_as_on_gpu(fn, *args):
+    """fn(*args) here, or in a spawned worker when this process runs the Triton interpreter."""
+    if not _kernels_interpreted():
+        return fn(*args)
+    from kernels.compile_check import gpu_pool
+
+    with gpu_pool(1) as pool:
+        return pool.submit(fn, *args).result()
+
+
+# ------------------------------------------------------------------------- launches of the engine
+
+def engine_specs(variant: str, kv_formats=KV_FORMATS, batches=(1, 2, 4), verify_rows: int = 3,
+                 prefill: int = 2048) -> dict:
+    """{KernelSpec: [run labels]} of every Triton launch the engine makes for `variant` in a decode
+    step at each batch size, a verify step (B = 1, `verify_rows` rows) and a `prefill`-token chunk,
+    for each KV format. Labels: "e2b decode B=2 bf16", "e2b verify T=3 fp16", "e2b prefill 2048 ..."."""
+    from kernels.compile_check import spec_of
+
+    from .dry_run import decode_step, dry_model, prefill_chunk
+
+    model = dry_model(variant)
+    out: dict = {}
+    for kv in kv_formats:
+        runs = [(f"{variant} decode B={b} {kv}", lambda b=b: decode_step(model, b, 1, kv=kv, torch_ops=False))
+                for b in batches]
+        if verify_rows:
+            runs.append((f"{variant} verify T={verify_rows} {kv}",
+                         lambda: decode_step(model, 1, verify_rows, kv=kv, torch_ops=False)))
+        if prefill:
+            runs.append((f"{variant} prefill {prefill} {kv}",
+                         lambda: prefill_chunk(model, prefill, kv=kv, torch_ops=False)))
+        for label, run in runs:
+            for launch in run().record.triton:
+                labels = out.setdefault(spec_of(launch), [])
+                if label not in labels:
+                    labels.append(label)
+    return out
+
+
+def decode_path(labels) -> bool:
+    """A spec launched by a decode or verify step (the batched decoder's graph)."""
+    return any(" decode " in lab or " verify " in lab for lab in labels)
+
+
+# ------------------------------------------------------------------------------------ GEMV costs
+
+def gemv_formats(used=()) -> list[str]:
+    """The formats the model's decode GEMVs use first, then every other one QuantWeight reads."""
+    from models.weights import QuantWeight
+
+    order = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q4_0"]
+    rest = sorted(QuantWeight.TYPES - set(order))
+    return list(dict.fromkeys([*used, *[f for f in order if f in QuantWeight.TYPES], *rest]))
+
+
+def gemv_launch(fmt: str, shape, dtype=torch.bfloat16):
+    """The decode GEMV launch `QuantWeight.linear` makes for one token of x at `shape` (n_out, n_in)."""
+    from gguf import GGMLQuantizationType as T
+
+    from kernels.launch import record_launches
+    from kernels.qmatmul import gemv_launch_info
+    from models.quant import row_bytes
+    from models.weights import QuantWeight
+
+    n_out, n_in = shape
+    raw = torch.empty((n_out, row_bytes(int(T[fmt]), n_in)), dtype=torch.uint8, device="meta")
+    w = QuantWeight(raw, int(T[fmt]), shape)
+    with record_launches(torch_ops=False) as rec:
+        w.linear(torch.empty((1, n_in), dtype=dtype, device="meta"))
+    for launch in rec.triton:
+        info = gemv_launch_info(launch)
+        if info is not None:
+            return launch, info
+    raise RuntimeError(f"QuantWeight.linear on {fmt} launched no decode GEMV "
+                       f"({', '.join(l.name for l in rec.triton) or 'no Triton kernel'})")
+
+
+def model_gemv_shapes(model) -> list[tuple[int, int]]:
+    """Distinct (n_out, n_in) of the quantized matrices a decode step multiplies on the device."""
+    from models.weights import QuantWeight
+
+    return sorted({tuple(w.shape) for w in model.w.values()
+                   if isinstance(w, QuantWeight) and w.raw.device.type == model.device.type})
+
+
+def _shape_cost(launch, info, res, arch) -> dict:
+    from kernels.compile_check import ARCHS, bandwidth_cap
+    from kernels.sass import loop_body, loop_loads
+
+    row = {"kernel": res.spec.label(), "num_warps": info["num_warps"], "loop_bytes": info["loop_bytes"],
+           "registers": res.registers, "spill_stores": res.spill_stores, "spill_loads": res.spill_loads,
+           "shared": res.shared, "error": res.error}
+    body = loop_body(res.sass) if not res.error else []
+    if not res.error and not body:
+        row["error"] = "no loop found in the SASS"
+    if row["error"]:
+        return row
+    ipb = len(body) * info["num_warps"] / info["loop_bytes"]
+    n_ldg, ldg_thread_bytes = loop_loads(body)
+    row.update(loop_instructions=len(body), ldg=n_ldg, ldg_bytes=ldg_thread_bytes * 32 * info["num_warps"],
+               instructions_per_byte=ipb, bandwidth_cap=bandwidth_cap(ipb, ARCHS[arch]))
+    return row
+
+
+def gemv_cost(fmt: str, shapes, arch: str = "sm_86", cache_dir="default", used: bool = False) -> dict:
+    """Instructions per weight byte and bandwidth cap of `fmt`'s decode GEMV on `arch`: the worst
+    over the matrix `shapes` (n_out, n_in) it is launched at (row lengths decide which pointers and
+    ints Triton sees as 16-byte aligned, and so which loads vectorize); `shapes` lists each."""
+    from kernels.compile_check import compile_specs, spec_of
+
+    from models.quant import block_size
+    from gguf import GGMLQuantizationType as T
+
+    row = {"format": fmt, "used_by_model": used, "arch": arch, "instructions_per_byte": None,
+           "bandwidth_cap": None, "target": GEMV_TARGETS.get(fmt, GEMV_TARGET_OTHER), "error": None}
+    fit = [s for s in shapes if s[1] % block_size(int(T[fmt]))[0] == 0]
+    try:
+        launches = [(shape, *gemv_launch(fmt, shape)) for shape in fit]
+    except (RuntimeError, ValueError) as e:
+        return {**row, "error": str(e)}
+    if not launches:
+        return {**row, "error": f"no shape of {shapes} has rows that are whole {fmt} blocks"}
+    specs = [spec_of(launch) for _, launch, _ in launches]
+    results = compile_specs(specs, [arch], jobs=1, cache_dir=cache_dir)
+    per_shape = [{"shape": list(shape), **_shape_cost(launch, info, results[(spec, arch)], arch)}
+                 for (shape, launch, info), spec in zip(launches, specs)]
+    failed = [r for r in per_shape if r["error"]]
+    worst = failed[0] if failed else max(per_shape, key=lambda r: r["instructions_per_byte"])
+    row.update(worst)
+    row["shapes"] = [{k: r.get(k) for k in ("shape", "kernel", "loop_instructions", "instructions_per_byte",
+                                             "error")} for r in per_shape]
+    return row
+
+
+# ---------------------------------------------------------------------------------------- report
+
+def _static_report(variant: str, arch: str, kv: str, cache_dir) -> dict:
+    from kernels.compile_check import ARCHS
+    from kernels.qmatmul import gemv_launch_info
+
+    from .bench import device_weight_bytes
+    from .dry_run import decode_step, dry_model
+
+    model = dry_model(variant)
+    step = decode_step(model, batch=1, rows=1, kv=kv)
+    rec = step.record
+    used = list(dict.fromkeys(info["format"] for info in map(gemv_launch_info, rec.triton) if info))
+    shapes = model_gemv_shapes(model)
+    ref = ARCHS[arch]
+    return {
+        "model": f"synthetic {variant.upper()} (Q4_K_M mix)", "variant": variant, "arch": arch,
+        "reference_gpu": {"name": ref.gpu, "sms": ref.sms, "boost_ghz": ref.boost_ghz,
+                          "bandwidth_gbps": ref.bandwidth_gbps, "smem_limit": ref.smem_limit},
+        "kv_cache_dtype": kv, "context": step.context,
+        "kernels_per_step": rec.total, "kernels_per_step_target": KERNELS_PER_STEP_TARGETS.get(variant),
+        "triton_kernels": rec.n_triton, "torch_ops": rec.n_torch,
+        "triton_breakdown": dict(rec.triton_counts().most_common()),
+        "torch_breakdown": dict(Counter(rec.torch_ops).most_common()),
+        "weight_bytes_per_token": device_weight_bytes(model),
+        "gemv_formats_used": used, "gemv_shapes": [list(s) for s in shapes],
+        "gemv": [gemv_cost(f, shapes, arch, cache_dir, used=f in used) for f in gemv_formats(used)],
+    }
+
+
+def static_report(variant: str, arch: str = "sm_86", kv: str = "bf16", cache_dir="default") -> dict:
+    """The static decode report of the synthetic `variant` ("e2b"/"e4b") for `arch` with KV `kv`;
+    "table" holds the human-readable form."""
+    from kernels.compile_check import ARCHS
+
+    from .kv_format import resolve_format
+
+    kv = resolve_format(kv, "cuda").name
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r} (choose from {', '.join(ARCHS)})")
+    if cache_dir not in (None, "default"):
+        cache_dir = str(cache_dir)
+    out = _run_as_on_gpu(_static_report, variant.lower(), arch, kv, cache_dir)
+    out["table"] = static_table(out)
+    return out
+
+
+def static_table(o: dict) -> str:
+    g = o["reference_gpu"]
+    lines = [f"{o['model']}: one B = 1 decode step at context {o['context']}, KV {o['kv_cache_dtype']}, "
+             f"compiled for {o['arch']} (reference GPU {g['name']}: {g['sms']} SMs, {g['boost_ghz']:.2f} GHz, "
+             f"{g['bandwidth_gbps']:.0f} GB/s)",
+             f"kernels per step: {o['kernels_per_step']} ({o['triton_kernels']} Triton + {o['torch_ops']} torch)"
+             + (f"; target <= {o['kernels_per_step_target']}" if o.get("kernels_per_step_target") else ""),
+             "  Triton: " + ", ".join(f"{k} {v}" for k, v in o["triton_breakdown"].items()),
+             "  torch:  " + ", ".join(f"{k} {v}" for k, v in o["torch_breakdown"].items()),
+             f"weight bytes per token: {o['weight_bytes_per_token'] / 1e6:.1f} MB (device weights, tied head "
+             "included, host lookup tables excluded)",
+             f"decode GEMV per format, the worst of the model's {len(o['gemv_shapes'])} matrix shapes:",
+             f"{'format':6s} {'used':>4s} {'shape':>13s} {'warps':>5s} {'loop instr':>10s} {'B/iter':>7s} "
+             f"{'LDG':>4s} {'regs':>4s} {'instr/B':>8s} {'target':>6s} {'bw cap':>7s}"]
+    for r in o["gemv"]:
+        used = "yes" if r["used_by_model"] else ""
+        if r["error"]:
+            lines.append(f"{r['format']:6s} {used:>4s}  error: {r['error'].splitlines()[0]}")
+            continue
+        shape = "x".join(map(str, r["shape"]))
+        lines.append(f"{r['format']:6s} {used:>4s} {shape:>13s} {r['num_warps']:5d} {r['loop_instructions']:10d} "
+                     f"{r['loop_bytes']:7d} {r['ldg']:4d} {r['registers']:4d} {r['instructions_per_byte']:8.3f} "
+                     f"{r['target']:6.2f} {100 * r['bandwidth_cap']:6.1f}%")
+    lines.append("instr/B = SASS instructions of one K-loop iteration x warps per program / weight bytes the "
+                 "program reads in it; bw cap = min(1, 4 warp-instr/clock/SM x SMs x clock / (instr/B x bandwidth)); "
+                 "targets: issue 11 (sm_86)")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ the compile check
+
+def compile_engine_kernels(variants=("e2b", "e4b"), archs=("sm_75", "sm_80", "sm_86", "sm_89"),
+                           kv_formats=KV_FORMATS, jobs: int = 2, cache_dir="default"):
+    """Record every launch `engine_specs` lists for each variant (one worker each) and compile the
+    distinct specs for every arch in a `gpu_pool(jobs)`: ({KernelSpec: [run labels]},
+    {(KernelSpec, arch): CompileResult})."""
+    from kernels.compile_check import compile_specs, gpu_pool
+
+    specs: dict = {}
+    with gpu_pool(jobs) as pool:
+        for fut in [pool.submit(engine_specs, v, tuple(kv_formats)) for v in variants]:
+            for spec, labels in fut.result().items():
+                specs.setdefault(spec, []).extend(labels)
+        results = compile_specs(specs, archs, cache_dir=cache_dir, pool=pool)
+    return specs, results
+
+
+def compile_summary(specs: dict, results: dict) -> str:
+    """Per arch: kernels compiled, errors, max registers, max spill bytes (decode path / all), max
+    shared memory against the arch's limit."""
+    from kernels.compile_check import ARCHS
+
+    archs = list(dict.fromkeys(a for _, a in results))
+    lines = [f"{len(specs)} distinct kernel specializations ({len({s.name for s in specs})} kernels) x "
+             f"{len(archs)} archs",
+             f"{'arch':6s} {'errors':>6s} {'max regs':>8s} {'spill B decode':>14s} {'spill B all':>11s} "
+             f"{'max smem':>9s} {'limit':>7s}"]
+    for arch in archs:
+        rs = [(r, decode_path(specs[s])) for (s, a), r in results.items() if a == arch]
+        ok = [(r, d) for r, d in rs if not r.error]
+        spill = [r.spill_stores + r.spill_loads for r, _ in ok]
+        spill_dec = [r.spill_stores + r.spill_loads for r, d in ok if d]
+        lines.append(f"{arch:6s} {len(rs) - len(ok):6d} {max((r.registers for r, _ in ok), default=0):8d} "
+                     f"{max(spill_dec, default=0):14d} {max(spill, default=0):11d} "
+                     f"{max((r.shared for r, _ in ok), default=0):9d} {ARCHS[arch].smem_limit:7d}")
+    return "\n".join(lines)
