@@ -45,7 +45,7 @@ def _kernels_interpreted() -> bool:
     from kernels.launch import interpreting
 
     mod = sys.modules.get("kernels.qmatmul")
-    return interpreting() or (mod is not None and type(getattr(mod, "_qmatmul_kernel", None)).__name__ ==
+    return interpreting() or (mod is not None and type(getattr(mod, "_gemv_kernel", None)).__name__ ==
                               "InterpretedFunction")
 
 
@@ -132,7 +132,7 @@ def model_gemv_shapes(model) -> list[tuple[int, int]]:
     from models.weights import QuantWeight
 
     return sorted({tuple(w.shape) for w in model.w.values()
-                   if isinstance(w, QuantWeight) and w.raw.device.type == model.device.type})
+                   if isinstance(w, QuantWeight) and w.packed is not None and w.device.type == model.device.type})
 
 
 def _shape_cost(launch, info, res, arch) -> dict:
