@@ -260,7 +260,7 @@ class _TableKV:
         mask = diff >= 0
         if window is not None:
             mask &= diff < window
-        # As models.common.attention, per sequence: fold each KV head's query group into the query
+        # As models.ops.attention, per sequence: fold each KV head's query group into the query
         # axis, q [B, n_kv, group*T, hd] (row g*T + t) against k, v [B, n_kv, C, hd].
         qg = q.view(B, T, n_kv, group, hd).permute(0, 2, 3, 1, 4).reshape(B, n_kv, group * T, hd)
         o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from models.common import attention
+from models.ops import attention
 
 from .kv_pool import HybridKVPool
 
@@ -24,7 +24,7 @@ class SequenceKV:
         # margin: window positions kept beyond what attention needs, so a cached prefix can be
         # served from up to `margin` tokens before the point where it was stored.
         self.pools, self.window, self.dtype, self.margin = pools, window, dtype, margin
-        self.backend = backend  # None: the torch reference (gather, then models.common.attention)
+        self.backend = backend  # None: the torch reference (gather, then models.ops.attention)
         self.has_window = bool(pools.window.layers)
         self.full_slots = _EMPTY.clone()  # [n] slot of position p at index p
         self.full_owned = torch.empty(0, dtype=torch.bool)  # False: the prefix cache owns it

@@ -2,7 +2,7 @@
 gelu_tanh(gate) * up, and logit softcapping.
 
 Each op is one pass over memory instead of the several torch ops (and fp32 temporaries) of the
-reference path in ``models/common.py``; all math is fp32, the output is in the input's dtype:
+reference path in ``models/ops.py``; all math is fp32, the output is in the input's dtype:
 - ``rms_norm``: reads x once, writes y once (2 x R x D elements) plus the [D] weight.
 - ``rms_norm_rope``: the q/k norm and RoPE of one head row in one program; the rotation partner
   (dim j +- n_rot/2) is re-read from memory (the same row, an L1 hit) rather than permuted in
@@ -21,7 +21,7 @@ element, the blocks are made wide so the tests run fast.
 
 The ``*_ref`` functions are the plain-torch definitions (fp32 math, cast back; float64 inputs stay
 float64).  ``rms_norm_rope_ref`` keeps the normalised row in fp32 between the norm and the rotation
-(the fused semantics), where ``apply_rope(rms_norm(x))`` in models.common rounds it to x's dtype
+(the fused semantics), where ``apply_rope(rms_norm(x))`` in models.ops rounds it to x's dtype
 first: the two are identical for fp32 inputs and differ by one rounding for fp16/bf16.
 Triton is optional: without it this module imports and the refs work; the launchers raise.
 """
@@ -188,7 +188,7 @@ def rms_norm(x: torch.Tensor, weight, eps: float) -> torch.Tensor:
 
 def rms_norm_rope(x: torch.Tensor, weight, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """rms_norm over hd, then NeoX RoPE: x [T, H, hd]; cos, sin fp32 [T, n_rot/2] (or [T, 1, n_rot/2]
-    as models.common.rope_cos_sin returns them).  Dim j < n_rot/2 pairs with j + n_rot/2; dims
+    as models.ops.rope_cos_sin returns them).  Dim j < n_rot/2 pairs with j + n_rot/2; dims
     >= n_rot pass through normalised only.  Output [T, H, hd] contiguous in x's dtype."""
     assert x.dim() == 3, f"rms_norm_rope: x must be [T, H, hd], got {tuple(x.shape)}"
     if cos.dim() == 3:

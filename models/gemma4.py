@@ -11,24 +11,21 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from .common import (
-    ConfigError,
-    DecoderModel,
-    KVStore,
-    Trace,
+from .decoder import DecoderModel, Trace
+from .kv_cache import KVStore
+from .metadata import ConfigError, metadata_reader, vocab_size_of
+from .ops import (
     attend,
     embedding_rows,
     gated_mlp,
     gelu_tanh,
     linear,
-    metadata_reader,
     norm_rope,
     qkv_projection,
     rms_norm,
     rope_inv_freq,
     rows_to_device,
     softcap,
-    vocab_size_of,
 )
 from .weights import load_weights
 

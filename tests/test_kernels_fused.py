@@ -1,4 +1,4 @@
-"""kernels.fused: Triton kernels vs their torch refs vs the models.common functions they replace.
+"""kernels.fused: Triton kernels vs their torch refs vs the models.ops functions they replace.
 
 Runs under the Triton interpreter on the CPU (TRITON_INTERPRET=1 is set before triton is imported);
 `TRITON_INTERPRET=0 pytest tests/test_kernels_fused.py` runs the same tests on a CUDA device, adding
@@ -23,14 +23,14 @@ from kernels.fused import (
     softcap,
     softcap_ref,
 )
-from models import common
+from models import ops
 from models.loader import load_model
 
 DTYPES = [torch.float32, torch.float16] + ([] if INTERPRET else [torch.bfloat16])
 # Kernel vs ref (both fp32 math, one final rounding): fp32 differs by summation order / tanh form;
 # fp16/bf16 by at most an output ulp or so.
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
-# vs models.common in the input dtype, which rounds intermediates (norm before rope, gelu before *).
+# vs models.ops in the input dtype, which rounds intermediates (norm before rope, gelu before *).
 TOL_COMMON = {torch.float32: (1e-5, 1e-5), torch.float16: (6e-3, 6e-3), torch.bfloat16: (4e-2, 4e-2)}
 
 
@@ -74,7 +74,7 @@ def test_rms_norm(shape, dtype, weighted):
     ref = rms_norm_ref(x, w, 1e-6)
     what = f"rms_norm {shape} {_name(dtype)} w={weighted}"
     assert_close(got, ref, *TOL[dtype], what + " vs ref")
-    assert_close(got, common.rms_norm(x, w, 1e-6), *TOL_COMMON[dtype], what + " vs models.common")
+    assert_close(got, ops.rms_norm(x, w, 1e-6), *TOL_COMMON[dtype], what + " vs models.ops")
 
 
 def test_rms_norm_strided_heads():
@@ -92,12 +92,12 @@ def test_rms_norm_strided_heads():
 # ------------------------------------------------------------------------------------ rms_norm_rope
 
 def _cos_sin(T, n_rot, base=10000.0, zero_pairs=0):
-    """models.common's cos/sin [T, 1, n_rot/2] fp32 at odd positions; the last `zero_pairs` pairs
+    """models.ops's cos/sin [T, 1, n_rot/2] fp32 at odd positions; the last `zero_pairs` pairs
     do not rotate (Gemma-4 proportional RoPE: cos 1, sin 0)."""
     factors = [1.0] * (n_rot // 2 - zero_pairs) + [1e30] * zero_pairs
-    inv = common.rope_inv_freq(n_rot, base, factors)
+    inv = ops.rope_inv_freq(n_rot, base, factors)
     pos = torch.tensor([0, 3, 17, 250, 4099, 9, 1, 77])[:T].to(DEVICE)
-    return common.rope_cos_sin(pos, inv.to(DEVICE), torch.float32)
+    return ops.rope_cos_sin(pos, inv.to(DEVICE), torch.float32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
@@ -117,10 +117,10 @@ def test_rms_norm_rope(T, H, hd, n_rot, zero_pairs, dtype, weighted):
     ref = rms_norm_rope_ref(x, w, 1e-6, cos[:, 0], sin[:, 0])
     assert_close(got, ref, *TOL[dtype], what + " vs ref")
     assert_close(rms_norm_rope(x, w, 1e-6, cos, sin), got, 0, 0, what + " [T,1,h] cos form")
-    want = common.apply_rope(common.rms_norm(x, w, 1e-6), cos, sin).to(dtype)
-    assert_close(got, want, *TOL_COMMON[dtype], what + " vs models.common")
-    if dtype == torch.float32:  # the ref is exactly models.common's math in fp32
-        assert_close(ref, want, 0, 0, what + " ref vs models.common")
+    want = ops.apply_rope(ops.rms_norm(x, w, 1e-6), cos, sin).to(dtype)
+    assert_close(got, want, *TOL_COMMON[dtype], what + " vs models.ops")
+    if dtype == torch.float32:  # the ref is exactly models.ops's math in fp32
+        assert_close(ref, want, 0, 0, what + " ref vs models.ops")
 
 
 def test_rms_norm_rope_strided():
@@ -145,8 +145,8 @@ def test_gelu_tanh_mul(shape, dtype):
     what = f"gelu_tanh_mul {shape} {_name(dtype)}"
     got = gelu_tanh_mul(gate, up)
     assert_close(got, gelu_tanh_mul_ref(gate, up), *TOL[dtype], what + " vs ref")
-    want = common.gelu_tanh(gate) * up
-    assert_close(got, want, *TOL_COMMON[dtype], what + " vs models.common")
+    want = ops.gelu_tanh(gate) * up
+    assert_close(got, want, *TOL_COMMON[dtype], what + " vs models.ops")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
@@ -159,7 +159,7 @@ def test_gelu_tanh_mul_fused_gate_up(dtype):
     assert got.shape == (T, Fd)
     assert_close(got, gelu_tanh_mul_ref(gu), *TOL[dtype], "gelu_tanh_mul gate_up vs ref")
     assert_close(gelu_tanh_mul(gate, up), got, 0, 0, "gelu_tanh_mul chunks vs gate_up")
-    assert_close(got, common.gelu_tanh(gate) * up, *TOL_COMMON[dtype], "gelu_tanh_mul gate_up vs models.common")
+    assert_close(got, ops.gelu_tanh(gate) * up, *TOL_COMMON[dtype], "gelu_tanh_mul gate_up vs models.ops")
 
 
 # ------------------------------------------------------------------------------------ softcap
@@ -173,21 +173,21 @@ def test_softcap(shape, dtype):
     what = f"softcap {shape} {_name(dtype)}"
     got = softcap(x, 30.0)
     assert_close(got, softcap_ref(x, 30.0), *TOL[dtype], what + " vs ref")
-    assert_close(got, common.softcap(x, 30.0), *TOL_COMMON[dtype], what + " vs models.common")
+    assert_close(got, ops.softcap(x, 30.0), *TOL_COMMON[dtype], what + " vs models.ops")
 
 
 def test_refs_are_models_common_in_fp32():
-    """The refs are the models.common definitions (exactly, in fp32 and fp64)."""
+    """The refs are the models.ops definitions (exactly, in fp32 and fp64)."""
     for dtype in (torch.float32, torch.float64):
         x = torch.randn(4, 3, 40, dtype=dtype)
         w = torch.randn(40, dtype=torch.float32)
-        assert torch.equal(rms_norm_ref(x, w, 1e-6), common.rms_norm(x, w, 1e-6))
-        assert torch.equal(gelu_tanh_mul_ref(x, x.flip(0)), common.gelu_tanh(x) * x.flip(0))
-        assert torch.equal(softcap_ref(x, 30.0), common.softcap(x, 30.0))
+        assert torch.equal(rms_norm_ref(x, w, 1e-6), ops.rms_norm(x, w, 1e-6))
+        assert torch.equal(gelu_tanh_mul_ref(x, x.flip(0)), ops.gelu_tanh(x) * x.flip(0))
+        assert torch.equal(softcap_ref(x, 30.0), ops.softcap(x, 30.0))
 
 
 def test_models_common_dispatch_whole_model(tmp_path, monkeypatch):
-    """A tiny Gemma-4 (softcap 30, fused qkv) with models.common's CUDA dispatch forced onto the
+    """A tiny Gemma-4 (softcap 30, fused qkv) with models.ops's CUDA dispatch forced onto the
     interpreted kernels gives the torch path's logits, and the kernels were actually called."""
     spec = TinySpec(n_layer=4, pattern=[True, False, True, False], n_kv_shared=2, fused_qkv=True)
     path = write_tiny_gemma4(tmp_path / "tiny.gguf", spec, seed=3)
@@ -205,7 +205,7 @@ def test_models_common_dispatch_whole_model(tmp_path, monkeypatch):
                 return getattr(fused, name)(*a, **k)
             return call
 
-    monkeypatch.setattr(common, "_fused_for", lambda *ts: Spy())
+    monkeypatch.setattr(ops, "_fused_for", lambda *ts: Spy())
     got = model.forward(tokens)
     assert set(calls) == {"rms_norm", "rms_norm_rope", "gelu_tanh_mul", "softcap"}, calls
     assert_close(got, want, 2e-4, 1e-4, "tiny Gemma-4 logits, fused dispatch vs torch")
