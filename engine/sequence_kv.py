@@ -78,6 +78,14 @@ class SequenceKV:
         new_full, new_win = self._step
         self.pools.write(layer, new_full, new_win, k, v, None if self.backend is None else self.backend.store)
 
+    def slab_target(self, layer: int):
+        """A kernel backend (triton): the slabs and slots the models' fused attention prologue
+        stores this forward's K/V into itself (models.kv_cache.SlabTarget); None otherwise."""
+        if getattr(self.backend, "name", None) != "triton":
+            return None
+        new_full, new_win = self._step
+        return self.pools.slab_target(layer, new_full, new_win)
+
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         slab = self.pools.slab(layer)
         if slab not in self._reads:  # KV-shared layers re-read their source's slab: gather once a step

@@ -266,7 +266,7 @@ def synthetic_weights(variant: str, device="cpu", seed: int = 0, dtype=None,
     computed, and the multi-gigabyte host tables cost no RAM until read)."""
     import torch
 
-    from models.weights import QuantWeight
+    from models.weights import QuantWeight, fuse_projections
 
     if fill not in ("random", "empty"):
         raise ValueError(f"fill must be 'random' or 'empty', got {fill!r}")
@@ -311,6 +311,8 @@ def synthetic_weights(variant: str, device="cpu", seed: int = 0, dtype=None,
             out["token_embd.host"] = QuantWeight(torch.empty(e.raw.shape, dtype=torch.uint8), e.ggml_type, e.shape)
         else:
             out["token_embd.host"] = QuantWeight(e.raw.cpu(), e.ggml_type, e.shape) if quantized else e.cpu()
+    if quantized:  # as load_weights does: q/k(/v) and gate/up stacked where they share a type
+        fuse_projections(out)
     return out
 
 

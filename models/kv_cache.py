@@ -3,13 +3,29 @@ cache (`score`, `run`, tests); the engine supplies pooled stores with the same m
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import NamedTuple, Optional, Protocol
 
 import torch
 
 
+class SlabTarget(NamedTuple):
+    """Where one layer's K/V rows of this forward go in a pooled cache, for kernels that store them
+    themselves (kernels/qkv.py): slabs [capacity, n_kv, hd], per-token-head fp32 scales [capacity,
+    n_kv] for 8-bit slabs (else None), and the slot of each row [T] on the slabs' device (< 0:
+    write nothing)."""
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: Optional[torch.Tensor]
+    v_scale: Optional[torch.Tensor]
+    slots: torch.Tensor
+
+
 class KVStore(Protocol):
-    """What a model's attention needs from a KV cache (the engine supplies pooled ones)."""
+    """What a model's attention needs from a KV cache (the engine supplies pooled ones).
+
+    A pooled cache may also offer `slab_target(layer) -> SlabTarget | None`: the models' kernel
+    path then stores K/V straight into the slabs in the launch that norms them, instead of calling
+    `write`."""
 
     def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
 

@@ -15,7 +15,20 @@ import torch.nn.functional as F
 
 
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_fused_module: list = []  # [kernels.fused or None], filled on first use
+_modules: dict = {}  # kernels module name -> the module, or None without triton (imported once)
+
+
+def _kernel_module(name: str):
+    """kernels.<name> when it imports with triton, else None (checked once per module)."""
+    if name not in _modules:
+        import importlib
+
+        try:
+            mod = importlib.import_module(f"kernels.{name}")
+        except ImportError:
+            mod = None
+        _modules[name] = mod if mod is not None and mod.triton is not None else None
+    return _modules[name]
 
 
 def _fused_for(*ts: torch.Tensor | None):
@@ -28,13 +41,18 @@ def _fused_for(*ts: torch.Tensor | None):
 
     if not all(t is None or (t.dtype in _FUSED_DTYPES and t.stride(-1) == 1) for t in ts) or not use_kernels(*ts):
         return None
-    if not _fused_module:
-        try:
-            from kernels import fused
-        except ImportError:
-            fused = None
-        _fused_module.append(fused if fused is not None and fused.triton is not None else None)
-    return _fused_module[0]
+    return _kernel_module("fused")
+
+
+def kernel_path(*ts: torch.Tensor | None) -> bool:
+    """True where the ops below take their fused kernels for these tensors (`_fused_for`)."""
+    return _fused_for(*ts) is not None
+
+
+def rope_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype of the cos/sin tables x's layer wants: fp32 on the kernel path (the fused kernels
+    rotate in fp32, and one table per step serves every layer without a cast), x's otherwise."""
+    return torch.float32 if kernel_path(x) else x.dtype
 
 
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
@@ -63,16 +81,24 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
 
 def qkv_projection(x: torch.Tensor, w: dict, b: str, n_q: int, n_kv: int):
     """q [.., n_q], k [.., n_kv], v [.., n_kv] or None (no attn_v: V = K) for layer prefix `b`,
-    from separate attn_q/k/v weights or one fused `attn_qkv` (rows Q, K[, V])."""
+    from separate attn_q/k/v weights or one fused `attn_qkv` (rows Q, K[, V]; when it holds Q and
+    K only, a separate attn_v, e.g. of another quantization type, is still V)."""
     fused = w.get(b + "attn_qkv.weight")
+    v = linear(x, w[b + "attn_v.weight"]) if b + "attn_v.weight" in w else None
     if fused is not None:
         y = linear(x, fused)
         if y.shape[-1] == n_q + 2 * n_kv:
             return y.split([n_q, n_kv, n_kv], dim=-1)
         q, k = y.split([n_q, n_kv], dim=-1)
-        return q, k, None
-    v = linear(x, w[b + "attn_v.weight"]) if b + "attn_v.weight" in w else None
+        return q, k, v
     return linear(x, w[b + "attn_q.weight"]), linear(x, w[b + "attn_k.weight"]), v
+
+
+def gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up; on the kernel path one Triton pass (kernels/fused.gelu_tanh_mul) that
+    reads gate and up in place (the halves of a fused gate_up output, or a strided PLE slice)."""
+    kern = _fused_for(gate, up)
+    return kern.gelu_tanh_mul(gate, up) if kern is not None else gelu_tanh(gate) * up
 
 
 def gated_mlp(m: torch.Tensor, w: dict, b: str) -> torch.Tensor:
@@ -82,10 +108,60 @@ def gated_mlp(m: torch.Tensor, w: dict, b: str) -> torch.Tensor:
         gate, up = linear(m, fused).chunk(2, dim=-1)
     else:
         gate, up = linear(m, w[b + "ffn_gate.weight"]), linear(m, w[b + "ffn_up.weight"])
-    kern = _fused_for(gate, up)
-    # CUDA: gelu_tanh(gate) * up in one Triton pass, reading the gate_up halves in place.
-    act = kern.gelu_tanh_mul(gate, up) if kern is not None else gelu_tanh(gate) * up
-    return linear(act, w[b + "ffn_down.weight"])
+    return linear(gelu_mul(gate, up), w[b + "ffn_down.weight"])
+
+
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
+                 scale: Optional[torch.Tensor] = None, next_weight: Optional[torch.Tensor] = None):
+    """The residual update (x + rms_norm(y) [* weight]) [* scale] -> (h, n): on the kernel path one
+    Triton pass (kernels/fused.add_rms_norm) that also returns n = rms_norm(h) * next_weight for
+    the op reading h next (the next layer's attention norm, or the final norm); the reference
+    returns n = None (the next op norms h itself, as it always did). scale: a one-element tensor
+    (Gemma-4's layer_output_scale), read in the kernel."""
+    fused = _fused_for(x, y, weight, next_weight)
+    if fused is not None:
+        return fused.add_rms_norm(x, y, weight, eps, scale, next_weight)
+    h = x + rms_norm(y, weight, eps)
+    if scale is not None:
+        h = h * scale.to(h.dtype)
+    return h, None
+
+
+def scaled_add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
+                        x_scale: float, y_scale: float, out_scale: float,
+                        out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(x * x_scale + rms_norm(y * y_scale) [* weight]) * out_scale (Gemma-4's per-layer inputs:
+    tok·√P + rms_norm(ctx·d^-1/2), times 2^-1/2), into `out` when given; one Triton pass on the
+    kernel path."""
+    fused = _fused_for(x, y, weight, out)
+    if fused is not None:
+        return fused.add_rms_norm(x, y, weight, eps, x_scale=x_scale, y_scale=y_scale, out_scale=out_scale,
+                                  out=out)[0]
+    h = (x * x_scale + rms_norm(y * y_scale, weight, eps)) * out_scale
+    return h if out is None else out.copy_(h)
+
+
+def norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor], q_weight: torch.Tensor,
+                    k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, cache,
+                    layer: int, pos: torch.Tensor) -> torch.Tensor:
+    """The attention prologue of a KV-owning layer: q, k rms_norm + RoPE, v weightless rms_norm
+    (v None: the raw k), K/V written to `cache` for `layer` at `pos`; returns q.
+    q [T, n_h, hd], k, v [T, n_kv, hd]; cos, sin [T, 1, n_rot/2] (fp32 on the kernel path).
+    Kernel path: one Triton launch (kernels/qkv.py), storing straight into the slabs when the cache
+    offers them (`cache.slab_target(layer)`, the engine's pools with the triton backend)."""
+    qkv = _kernel_module("qkv") if _fused_for(q, k, v, q_weight, k_weight) is not None else None
+    if qkv is None or cos.dtype != torch.float32 or cos.shape[-1] == 0:
+        q = norm_rope(q, q_weight, eps, cos, sin)
+        k_normed = norm_rope(k, k_weight, eps, cos, sin)
+        cache.write(layer, pos, k_normed, rms_norm(k if v is None else v, None, eps))
+        return q
+    target = cache.slab_target(layer) if hasattr(cache, "slab_target") else None
+    if target is None:
+        q, k, v = qkv.qkv_norm_rope_store(q, k, v, q_weight, k_weight, eps, cos, sin)
+        cache.write(layer, pos, k, v)
+        return q
+    return qkv.qkv_norm_rope_store(q, k, v, q_weight, k_weight, eps, cos, sin, target.k, target.v,
+                                   target.slots, target.k_scale, target.v_scale)[0]
 
 
 def embedding_rows(table, ids: torch.Tensor) -> torch.Tensor:
@@ -101,6 +177,35 @@ def rows_to_device(rows: torch.Tensor, device: torch.device, dtype) -> torch.Ten
     if rows.device.type == "cpu" and device.type == "cuda":
         return rows.pin_memory().to(device, non_blocking=True).to(dtype)
     return rows.to(device, dtype)
+
+
+def quant_rows_to_device(tables: Sequence, ids: torch.Tensor, device: torch.device, dtype) -> list:
+    """Rows `ids` of quantized embedding tables (QuantWeight: GGUF rows `.raw` [V, row_bytes] uint8,
+    `.ggml_type`, `.shape`), dequantized on `device` by the Triton kernel (kernels.qmatmul.qdequantize)
+    -> [len(ids), D] in `dtype` each. Host tables (`--embed-weights host`) send their raw rows, not
+    dequantized ones: a 2048-token prefill moves 2048 x 7350 bytes of E2B's Q6_K per-layer table
+    instead of 2048 x 8960 fp32 values, in one pinned non-blocking copy for all the tables, and the
+    host no longer dequantizes (~133 ms per 2048 rows on 2 cores)."""
+    from kernels.qmatmul import qdequantize
+
+    raws = [t.raw.index_select(0, ids.to(t.raw.device)) for t in tables]
+    remote = [i for i, r in enumerate(raws) if r.device != device]
+    if remote:  # one copy: the tables' rows back to back (each part stays contiguous)
+        flat = torch.cat([raws[i].reshape(-1) for i in remote]) if len(remote) > 1 else raws[remote[0]].reshape(-1)
+        if flat.device.type == "cpu" and device.type == "cuda":
+            flat = flat.pin_memory()
+        flat = flat.to(device, non_blocking=True)
+        start = 0
+        for i in remote:
+            n = raws[i].numel()
+            raws[i] = flat[start:start + n].view(raws[i].shape)
+            start += n
+    return [qdequantize(r, t.ggml_type, r.shape[0], t.shape[1], dtype) for r, t in zip(raws, tables)]
+
+
+def quantized_table(table) -> bool:
+    """A table `quant_rows_to_device` can read: a QuantWeight (GGUF rows the kernels dequantize)."""
+    return hasattr(table, "raw") and hasattr(table, "ggml_type") and not isinstance(table, torch.Tensor)
 
 
 def rope_inv_freq(n_rot: int, base: float, freq_factors: Optional[Sequence[float]] = None,

@@ -14,6 +14,8 @@ from tiny_models import TinySpec, write_tiny_gemma4
 
 from kernels import fused
 from kernels.fused import (
+    add_rms_norm,
+    add_rms_norm_ref,
     gelu_tanh_mul,
     gelu_tanh_mul_ref,
     rms_norm,
@@ -162,6 +164,51 @@ def test_gelu_tanh_mul_fused_gate_up(dtype):
     assert_close(got, ops.gelu_tanh(gate) * up, *TOL_COMMON[dtype], "gelu_tanh_mul gate_up vs models.ops")
 
 
+# ------------------------------------------------------------------------------------ add_rms_norm
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("shape", [(3, 640), (7, 97), (1, 1000), (2, 3, 40)], ids=str)
+@pytest.mark.parametrize("variant", ["plain", "scale+next", "no_w+next_no_w", "scaled_inputs"])
+def test_add_rms_norm(shape, dtype, variant):
+    """h = (x·xs + rms_norm(y·ys)·w)·os·scale and n = rms_norm(h)·w_next, against the ref; fp32
+    also against the models.ops composition it replaces (the reference layer code)."""
+    D = shape[-1]
+    x = _rand(*shape, dtype=dtype, scale=2.0, seed=11)
+    y = _rand(*shape, dtype=dtype, scale=5.0, seed=12)
+    w = None if variant == "no_w+next_no_w" else _rand(D, dtype=torch.float32, seed=13)
+    kw = {}
+    if variant == "scale+next":
+        kw = dict(scale=torch.tensor([0.7], device=DEVICE), next_weight=_rand(D, dtype=torch.float32, seed=14))
+    elif variant == "no_w+next_no_w":
+        kw = dict(next_norm=True)
+    elif variant == "scaled_inputs":
+        kw = dict(x_scale=16.0, y_scale=0.03, out_scale=2 ** -0.5)
+    what = f"add_rms_norm {shape} {_name(dtype)} {variant}"
+    h, n = add_rms_norm(x, y, w, 1e-6, **kw)
+    h_ref, n_ref = add_rms_norm_ref(x, y, w, 1e-6, **kw)
+    assert h.is_contiguous() and h.shape == x.shape
+    assert_close(h, h_ref, *TOL[dtype], what + " h vs ref")
+    assert (n is None) == (n_ref is None) == (variant in ("plain", "scaled_inputs"))
+    if n is not None:
+        assert_close(n, n_ref, *TOL[dtype], what + " next norm vs ref")
+        assert_close(n, rms_norm_ref(h, kw.get("next_weight"), 1e-6), *TOL[dtype], what + " next norm of h as stored")
+    if dtype == torch.float32 and variant != "scaled_inputs":  # the reference layer code
+        want, _ = ops.add_rms_norm(x, y, w, 1e-6, kw.get("scale"))
+        assert_close(h, want, *TOL_COMMON[dtype], what + " vs models.ops")
+
+
+def test_add_rms_norm_strided_rows_into_out():
+    """x and y as column slices of wider tensors (row strides > D), h written into `out`."""
+    R, D = 5, 96
+    x = _rand(R, D + 7, dtype=torch.float16, seed=15)[:, :D]
+    y = _rand(R, 2 * D, dtype=torch.float16, scale=3.0, seed=16)[:, D:]
+    w = _rand(D, dtype=torch.float16, seed=17)
+    out = torch.empty(R, D, dtype=torch.float16, device=DEVICE)
+    h, n = add_rms_norm(x, y, w, 1e-6, out=out)
+    assert h.data_ptr() == out.data_ptr() and n is None
+    assert_close(h, add_rms_norm_ref(x, y, w, 1e-6)[0], *TOL[torch.float16], "add_rms_norm strided into out")
+
+
 # ------------------------------------------------------------------------------------ softcap
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
@@ -207,5 +254,5 @@ def test_models_common_dispatch_whole_model(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ops, "_fused_for", lambda *ts: Spy())
     got = model.forward(tokens)
-    assert set(calls) == {"rms_norm", "rms_norm_rope", "gelu_tanh_mul", "softcap"}, calls
+    assert set(calls) == {"rms_norm", "rms_norm_rope", "add_rms_norm", "gelu_tanh_mul", "softcap"}, calls
     assert_close(got, want, 2e-4, 1e-4, "tiny Gemma-4 logits, fused dispatch vs torch")
