@@ -74,7 +74,7 @@ if triton is not None:
         if r < NH:
             tl.store(q_out_ptr + (t * NH + r) * HD + cols, y.to(q_out_ptr.dtype.element_ty), mask=cmask)
         else:
-            y = y.to(q_out_ptr.dtype.element_ty)  # the normed k/v in the activation dtype, as unfused
+            yr = y.to(q_out_ptr.dtype.element_ty)  # the normed k/v in the activation dtype, as unfused
             if SLOTS:
                 slot = tl.load(slots_ptr + t).to(tl.int64)
             else:
@@ -82,11 +82,11 @@ if triton is not None:
             if slot >= 0:
                 if r < NH + NKV:
                     h = r - NH
-                    _store_row(y, k_dst_ptr + slot * stride_dt + h * stride_dh + cols,
+                    _store_row(yr, k_dst_ptr + slot * stride_dt + h * stride_dh + cols,
                                k_scale_ptr + slot * stride_st + h * stride_sh, cmask, QUANT)
                 else:
                     h = r - NH - NKV
-                    _store_row(y, v_dst_ptr + slot * stride_dt + h * stride_dh + cols,
+                    _store_row(yr, v_dst_ptr + slot * stride_dt + h * stride_dh + cols,
                                v_scale_ptr + slot * stride_st + h * stride_sh, cmask, QUANT)
 
 
