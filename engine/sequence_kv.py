@@ -32,7 +32,7 @@ class SequenceKV:
         self.win_slots = _EMPTY.clone()
         self.win_owned = torch.empty(0, dtype=torch.bool)
         self._step: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-        self._reads: dict[int, tuple] = {}
+        self._reads: dict = {}  # this forward's gathered K/V by slab, and its slots on the device
 
     def __len__(self) -> int:
         return int(self.full_slots.numel())
@@ -83,8 +83,10 @@ class SequenceKV:
         stores this forward's K/V into itself (models.kv_cache.SlabTarget); None otherwise."""
         if getattr(self.backend, "name", None) != "triton":
             return None
-        new_full, new_win = self._step
-        return self.pools.slab_target(layer, new_full, new_win)
+        if "slots" not in self._reads:  # the step's slots on the device once, not once per layer
+            dev = self.pools.full.device
+            self._reads["slots"] = tuple(s.to(dev) for s in self._step)
+        return self.pools.slab_target(layer, *self._reads["slots"])
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         slab = self.pools.slab(layer)

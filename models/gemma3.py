@@ -20,9 +20,12 @@ from .ops import (
     attend,
     embedding_rows,
     gated_mlp,
+    kernel_path,
     linear,
     norm_rope,
     qkv_projection,
+    quant_rows_to_device,
+    quantized_table,
     rms_norm,
     rope_dtype,
     rope_inv_freq,
@@ -138,8 +141,11 @@ class Gemma3Model(DecoderModel):
                       [1.0 if s else 1.0 / cfg.rope_scale_full for s in cfg.is_sliding])
 
     def embed(self, tokens: torch.Tensor) -> tuple[torch.Tensor, None]:
-        x = rows_to_device(embedding_rows(self.w.get("token_embd.host", self.w["token_embd.weight"]), tokens),
-                           self.device, self.dtype)
+        table = self.w.get("token_embd.host", self.w["token_embd.weight"])
+        if kernel_path(self.w["output_norm.weight"]) and quantized_table(table):
+            x = quant_rows_to_device([table], tokens, self.device, self.dtype)[0]  # dequantized on the device
+        else:
+            x = rows_to_device(embedding_rows(table, tokens), self.device, self.dtype)
         return x * math.sqrt(self.cfg.d_model), None
 
     def layer(self, i: int, x: torch.Tensor, pos: torch.Tensor, pl: None, cache: KVStore,

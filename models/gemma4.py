@@ -14,27 +14,9 @@ import torch
 from .decoder import DecoderModel, Trace
 from .kv_cache import KVStore
 from .metadata import ConfigError, metadata_reader, vocab_size_of
-from .ops import (
-    add_rms_norm,
-    attend,
-    embedding_rows,
-    gated_mlp,
-    gelu_mul,
-    gelu_tanh,
-    kernel_path,
-    linear,
-    norm_rope,
-    norm_rope_store,
-    qkv_projection,
-    quant_rows_to_device,
-    quantized_table,
-    rms_norm,
-    rope_dtype,
-    rope_inv_freq,
-    rows_to_device,
-    scaled_add_rms_norm,
-    softcap,
-)
+from .ops import (add_rms_norm, attend, embedding_rows, gated_mlp, gelu_mul, gelu_tanh, kernel_path, linear,
+                  norm_rope, norm_rope_store, qkv_projection, quant_rows_to_device, quantized_table,
+                  rms_norm, rope_dtype, rope_inv_freq, rows_to_device, scaled_add_rms_norm, softcap)
 from .weights import load_weights
 
 
@@ -326,48 +308,52 @@ class Gemma4Model(DecoderModel):
         ])
 
     # --- pieces ----------------------------------------------------------------------------
-    def embed(self, tokens: torch.Tensor, out: Optional[tuple] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """x0 = E[t]·√d  [T, d]; and the per-layer inputs pl [T, L, P] (§3.3) or None.
-        `out`: (x [T, d], pl [T, L, P] or None) buffers to write into (kernel path; else copied)."""
+    def embed(self, tokens: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """x0 = E[t]·√d  [T, d]; and the per-layer inputs pl [T, L, P] (§3.3) or None."""
         cfg, w = self.cfg, self.w
-        table = w.get("token_embd.host", w["token_embd.weight"])
-        ple = w.get("per_layer_token_embd.weight") if cfg.ple_width else None
-        if kernel_path(w["output_norm.weight"]) and quantized_table(table) and \
-                (ple is None or quantized_table(ple)):
-            return self._embed_kernels(tokens, table, ple, out)
-        x = rows_to_device(embedding_rows(table, tokens), self.device, self.dtype) * math.sqrt(cfg.d_model)
-        pl = None
-        if cfg.ple_width:
-            T, L, P = tokens.shape[0], cfg.n_layer, cfg.ple_width
-            tok = rows_to_device(embedding_rows(ple, tokens), self.device, self.dtype)
-            tok = tok.reshape(T, L, P) * math.sqrt(P)
-            ctx = linear(x, w["per_layer_model_proj.weight"]).reshape(T, L, P) * (cfg.d_model ** -0.5)
-            ctx = rms_norm(ctx, w["per_layer_proj_norm.weight"], cfg.rms_eps)
-            pl = (ctx + tok) * (2.0 ** -0.5)
-        if out is not None:
-            out[0].copy_(x)
-            if pl is not None:
-                out[1].copy_(pl)
-        return x, pl
+        if self._quant_tables() is not None:
+            return self._embed_kernels(tokens)
+        x = rows_to_device(embedding_rows(w.get("token_embd.host", w["token_embd.weight"]), tokens),
+                           self.device, self.dtype) * math.sqrt(cfg.d_model)
+        if not cfg.ple_width:
+            return x, None
+        T, L, P = tokens.shape[0], cfg.n_layer, cfg.ple_width
+        tok = rows_to_device(embedding_rows(w["per_layer_token_embd.weight"], tokens), self.device, self.dtype)
+        tok = tok.reshape(T, L, P) * math.sqrt(P)
+        ctx = linear(x, w["per_layer_model_proj.weight"]).reshape(T, L, P) * (cfg.d_model ** -0.5)
+        ctx = rms_norm(ctx, w["per_layer_proj_norm.weight"], cfg.rms_eps)
+        return x, (ctx + tok) * (2.0 ** -0.5)
 
-    def _embed_kernels(self, tokens, table, ple, out):
-        """The kernel path of `embed`: the tables' quantized rows go to the device as they are and
-        are dequantized there (ops.quant_rows_to_device); √d scaling in one op; the per-layer
-        inputs (rms_norm(ctx·d^-1/2) + tok·√P)·2^-1/2 in one fused pass (kernels/fused.add_rms_norm)."""
+    def _quant_tables(self) -> Optional[list]:
+        """The lookup tables when the kernel path dequantizes their rows on the device, else None."""
+        w = self.w
+        tables = [w.get("token_embd.host", w["token_embd.weight"])]
+        if self.cfg.ple_width:
+            tables.append(w["per_layer_token_embd.weight"])
+        ok = kernel_path(w["output_norm.weight"]) and all(map(quantized_table, tables))
+        return tables if ok else None
+
+    def _embed_kernels(self, tokens: torch.Tensor, out: tuple = (None, None)):
+        """The kernel path of `embed`, into `out` buffers when given: the tables' quantized rows go to
+        the device as they are and are dequantized there (ops.quant_rows_to_device); √d in one op;
+        the per-layer inputs (rms_norm(ctx·d^-1/2) + tok·√P)·2^-1/2 in one fused pass."""
         cfg, w = self.cfg, self.w
         T, L, P = tokens.shape[0], cfg.n_layer, cfg.ple_width
-        rows = quant_rows_to_device([table] + ([ple] if ple is not None else []), tokens, self.device, self.dtype)
-        x = torch.mul(rows[0], math.sqrt(cfg.d_model), out=None if out is None else out[0])
-        if ple is None:
+        rows = quant_rows_to_device(self._quant_tables(), tokens, self.device, self.dtype)
+        x = torch.mul(rows[0], math.sqrt(cfg.d_model), out=out[0])
+        if not P:
             return x, None
         ctx = linear(x, w["per_layer_model_proj.weight"])  # [T, L*P]
-        pl_out = None if out is None else out[1].view(T * L, P)
         pl = scaled_add_rms_norm(rows[1].view(T * L, P), ctx.view(T * L, P), w["per_layer_proj_norm.weight"],
-                                 cfg.rms_eps, math.sqrt(P), cfg.d_model ** -0.5, 2.0 ** -0.5, pl_out)
+                                 cfg.rms_eps, math.sqrt(P), cfg.d_model ** -0.5, 2.0 ** -0.5,
+                                 None if out[1] is None else out[1].view(T * L, P))
         return x, pl.view(T, L, P)
 
     def embed_into(self, tokens: torch.Tensor, x_out: torch.Tensor, pl_out: Optional[torch.Tensor]) -> None:
-        self.embed(tokens, (x_out, pl_out))
+        if self._quant_tables() is not None:
+            self._embed_kernels(tokens, (x_out, pl_out))
+        else:
+            super().embed_into(tokens, x_out, pl_out)
 
     def layer(self, i: int, x: torch.Tensor, pos: torch.Tensor, pl: Optional[torch.Tensor],
               cache: KVStore, trace: Trace = None) -> torch.Tensor:

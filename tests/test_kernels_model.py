@@ -147,3 +147,27 @@ def test_embedding_rows_dequantized_on_the_device(q4):
     assert got_pl.shape == want_pl.shape == (5, SPEC.n_layer, SPEC.ple_width)
     torch.testing.assert_close(got_pl, want_pl, rtol=1e-5, atol=1e-5)
     assert torch.equal(pl_buf, got_pl)
+
+
+def test_gemma3_kernel_path():
+    """Gemma 3 on the kernel path (fused norms, residual updates carrying the next norm, fp32 RoPE
+    tables, a Q8_0 token table dequantized by the kernel) gives the reference logits."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from models.gemma3 import Gemma3Model
+    from test_batch_decode import tiny_gemma3
+
+    dense = tiny_gemma3()
+    emb = dense.w["token_embd.weight"]
+    q8 = QuantWeight(torch.from_numpy(quantize(emb.numpy(), GGMLQuantizationType.Q8_0)),
+                     int(GGMLQuantizationType.Q8_0), tuple(emb.shape))
+    model = Gemma3Model(dense.cfg, {**dense.w, "token_embd.host": q8})  # lookups from the Q8_0 rows
+    tokens = torch.tensor([2, 17, 99, 200, 5, 383, 64, 9, 1, 300])  # longer than window 6
+    want = model.forward(tokens)
+    with kernels_on_cpu(), launched_kernels() as names:
+        got = model.forward(tokens)
+    assert names["_qdequant_kernel"] == 1 and names["_add_rms_norm_kernel"] == 2 * dense.cfg.n_layer
+    assert names["_rms_norm_rope_kernel"] == 1 + 2 * dense.cfg.n_layer  # layer 0's norm, then q and k
+    cos = torch.nn.functional.cosine_similarity(got.double(), want.double(), dim=-1)
+    assert cos.min() > 0.9999, cos
