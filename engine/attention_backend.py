@@ -1,7 +1,7 @@
 """Attention backends: how K/V reach the pools and how attention reads them back.
 
 `torch` is the reference (the CPU path): quantize with the KV format, gather the slots, run
-`models.common.attention`. `triton` stores with `kernels.kv_store` (8-bit quantization on the fly)
+`models.ops.attention`. `triton` stores with `kernels.kv_store` (8-bit quantization on the fly)
 and attends straight over the slabs through the slot lists (`kernels.attention`): no gather.
 Backends are picked by name from a registry that imports them lazily, so `import engine` works
 without Triton or CUDA.
@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from models.common import attention
+from models.ops import attention
 
 from .kv_pool import KVPool
 

@@ -5,12 +5,15 @@ A step for n sequences (n <= 4) of T rows each (T = 1 decode, T = 1 + K draft-ve
   - pad to the bucket B in (1, 2, 4); dummy sequences and the unused rows of a short verify write
     their K/V to slot -1 ("padding row, write nothing": kernels/kv_store.py) and are ignored;
   - host side, outside the graph (graphs cannot capture host work): `SequenceKV.begin` has already
-    allocated the new slots (its bookkeeping stays authoritative); the embedding rows are gathered
-    (from host tables with `--embed-weights host`) and every input is `copy_`-ed into the static
-    buffers: x [N, d], per-layer inputs [N, L, P], positions [N], new slots [N] per pool, and the
-    per-sequence slot tables [B, C] of the full and the window pool with their positions;
+    allocated the new slots (its bookkeeping stays authoritative); the model embeds the tokens
+    into x [N, d] and the per-layer inputs [N, L, P] (`embed_into`: with `--embed-weights host`
+    the rows are gathered on the host); positions [N], new slots [N] per pool, the per-sequence
+    slot tables [B, C] of the full and the window pool with their positions, and the fp32 RoPE
+    cos/sin at the positions (computed on the host: no trig or casts on the device) are packed
+    into one buffer and reach the device in one `copy_`;
   - device side (the captured region): layers, final norm, head -> logits [N, V] and the post-norm
-    rows y [N, d] (the assistant's h) in static output buffers. N = B * T.
+    rows y [N, d] (the assistant's h); under a graph these are the tensors the capture allocated,
+    rewritten by every replay (no copy out). N = B * T.
 Attention reads the tables: the torch reference gathers K/V by slot ([B, C] at once) and runs a
 masked SDPA; the triton path calls `kernels.attention.decode_attention` with one query row per
 (sequence, t) and a constant `num_splits` (a compile-time constant, so the captured grid is fixed).
@@ -74,9 +77,14 @@ class StaticBatch:
     full_pos: torch.Tensor  # [B, full_cap] int64: p, POS_PAD beyond the sequence
     win_slots: torch.Tensor  # [B, win_cap] int64: the window slots a sequence holds
     win_pos: torch.Tensor  # [B, win_cap] int64: their positions, POS_PAD beyond
-    indptr: torch.Tensor  # triton path: [N+1] = arange * capacity (one slot list per query row)
-    logits: torch.Tensor  # [N, V]
-    hidden: torch.Tensor  # [N, d] post-final-norm rows
+    rope: list  # per model.rope_sets() entry: (cos, sin) [N, 1, n_rot/2] fp32 at pos, made on the host
+    staged: torch.Tensor  # uint8: every input above from pos on, back to back (views): one copy a step
+    full_indptr: torch.Tensor  # triton path: [N+1] = arange * full_cap (one slot list per query row)
+    win_indptr: torch.Tensor  # the same times win_cap
+    # Outputs: the tensors the last run produced. Under a graph these are the ones the capture
+    # allocated (in the graph's memory pool), which every replay rewrites in place: no copy out.
+    logits: Optional[torch.Tensor] = None  # [N, V]
+    hidden: Optional[torch.Tensor] = None  # [N, d] post-final-norm rows
     graph: object = None  # torch.cuda.CUDAGraph once captured
 
     @property
@@ -112,19 +120,15 @@ class BatchDecoder:
         win_cap = capacity_of(max(win_need, st.win_cap if st else 0)) if self.pools.window.layers else 0
         N, P = B * T, getattr(cfg, "ple_width", 0)
 
-        def ints(*shape):
-            return torch.zeros(shape, dtype=torch.long, device=dev)
-
+        staged, views = _staged(self._host_inputs(B, T, full_cap, win_cap, torch.zeros(N, dtype=torch.long)), dev)
+        ar = torch.arange(N + 1, device=dev)
         st = StaticBatch(
             B, T, full_cap, win_cap,
             x=torch.zeros((N, cfg.d_model), dtype=m.dtype, device=dev),
             pl=torch.zeros((N, cfg.n_layer, P), dtype=m.dtype, device=dev) if P else None,
-            pos=ints(N), new_full=ints(N), new_win=ints(N),
-            full_slots=ints(B, full_cap), full_pos=ints(B, full_cap),
-            win_slots=ints(B, win_cap), win_pos=ints(B, win_cap),
-            indptr=torch.arange(N + 1, device=dev),  # scaled per pool in _TableKV
-            logits=torch.zeros((N, cfg.vocab_size), dtype=m.dtype, device=dev),
-            hidden=torch.zeros((N, cfg.d_model), dtype=m.dtype, device=dev))
+            pos=views[0], new_full=views[1], new_win=views[2], full_slots=views[3], full_pos=views[4],
+            win_slots=views[5], win_pos=views[6], rope=list(zip(views[7::2], views[8::2])), staged=staged,
+            full_indptr=ar * full_cap, win_indptr=ar * win_cap)
         self.statics[(B, T)] = st  # the old buffers (and graph) of this shape are dropped
         return st
 
@@ -150,22 +154,33 @@ class BatchDecoder:
         logits = st.logits.view(B, T, -1)[:n].clone()
         return logits, st.hidden.view(B, T, -1)[:n].clone()
 
+    def _host_inputs(self, B: int, T: int, full_cap: int, win_cap: int, pos: torch.Tensor) -> list:
+        """The step's inputs as CPU tensors in StaticBatch order: pos, new_full, new_win, the slot
+        tables and their positions (defaults: no writes, empty tables), then the fp32 RoPE tables
+        (cos, sin per frequency set) at `pos` [B*T]: computed here, so the device runs no
+        cos/sin/cast ops for them."""
+        ints = [pos, torch.full((B * T,), -1, dtype=torch.long), torch.full((B * T,), -1, dtype=torch.long),
+                torch.zeros((B, full_cap), dtype=torch.long), torch.full((B, full_cap), POS_PAD),
+                torch.zeros((B, win_cap), dtype=torch.long), torch.full((B, win_cap), POS_PAD)]
+        return ints + [t for cos_sin in self.model.rope_host(pos) for t in cos_sin]
+
     def _fill(self, st: StaticBatch, kvs: list[SequenceKV], tokens: list[list[int]]) -> None:
-        """Host side: build every input on the CPU, then one `copy_` per static buffer."""
+        """Host side: build every input on the CPU, then one `copy_` of all of them (plus the
+        embedding rows, `embed_into`)."""
         B, T = st.B, st.T
         ids = torch.zeros(B * T, dtype=torch.long)  # padding rows embed token 0 (outputs ignored)
         pos = torch.zeros(B * T, dtype=torch.long)
-        new_full = torch.full((B * T,), -1, dtype=torch.long)
-        new_win = torch.full((B * T,), -1, dtype=torch.long)
-        full_slots, full_pos = torch.zeros((B, st.full_cap), dtype=torch.long), torch.full((B, st.full_cap), POS_PAD)
-        win_slots, win_pos = torch.zeros((B, st.win_cap), dtype=torch.long), torch.full((B, st.win_cap), POS_PAD)
         for b, (kv, toks) in enumerate(zip(kvs, tokens)):
             r, k = b * T, len(toks)
             start = len(kv) - k
-            step_full, step_win = kv.step_slots
             ids[r:r + k] = torch.tensor(toks)
             pos[r:r + T] = start  # padding rows of a short verify: a visible position, no write
             pos[r:r + k] = torch.arange(start, start + k)
+        host = self._host_inputs(B, T, st.full_cap, st.win_cap, pos)
+        _, new_full, new_win, full_slots, full_pos, win_slots, win_pos = host[:7]
+        for b, (kv, toks) in enumerate(zip(kvs, tokens)):
+            r, k = b * T, len(toks)
+            step_full, step_win = kv.step_slots
             new_full[r:r + k] = step_full
             if len(step_win):
                 new_win[r:r + k] = step_win
@@ -179,14 +194,8 @@ class BatchDecoder:
         # (the torch path would give NaN); their rows write nothing and are never read back.
         full_pos[len(kvs):, :1] = 0
         win_pos[len(kvs):, :1] = 0
-        x, pl = self.model.embed(ids)  # host-table gathers happen here, never inside the graph
-        st.x.copy_(x)
-        if st.pl is not None:
-            st.pl.copy_(pl)
-        for dst, src in ((st.pos, pos), (st.new_full, new_full), (st.new_win, new_win),
-                         (st.full_slots, full_slots), (st.full_pos, full_pos),
-                         (st.win_slots, win_slots), (st.win_pos, win_pos)):
-            dst.copy_(src, non_blocking=True)
+        self.model.embed_into(ids, st.x, st.pl)  # host-table gathers happen here, never inside the graph
+        st.staged.copy_(_pack(host), non_blocking=True)
 
     def _run_layers(self, st: StaticBatch) -> None:
         """Device side, static buffers in and out: what the graph captures."""
@@ -195,12 +204,12 @@ class BatchDecoder:
         # A fresh view each run: `DecoderModel.rope` memoizes cos/sin on the identity of `pos`,
         # and the static buffer's contents change between runs.
         pos = st.pos.view(-1)
+        m.seed_rope(pos, st.rope)  # the step's cos/sin came with the other inputs
         x = st.x
         for i in range(m.cfg.n_layer):
             x = m.layer(i, x, pos, None if st.pl is None else st.pl[:, i], kv)
         y = m.norm(x)
-        st.hidden.copy_(y)
-        st.logits.copy_(m.head(y))
+        st.hidden, st.logits = y, m.head(y)
 
     def _capture(self, st: StaticBatch) -> None:
         """Warm up on a side stream (Triton compiles, the allocator settles), then capture. The
@@ -232,6 +241,13 @@ class _TableKV:
         store = self.dec.backend.store if self.dec.triton else _masked_store
         self.pools.write(layer, self.st.new_full, self.st.new_win, k, v, store)
 
+    def slab_target(self, layer: int):
+        """Triton backend: where the models' fused attention prologue stores `layer`'s K/V itself
+        (kernels/qkv.py), one launch instead of norm kernels plus kv_store."""
+        if not self.dec.triton:
+            return None
+        return self.pools.slab_target(layer, self.st.new_full, self.st.new_win)
+
     def _tables(self, pool):
         st = self.st
         return (st.win_slots, st.win_pos) if pool is self.pools.window else (st.full_slots, st.full_pos)
@@ -260,7 +276,7 @@ class _TableKV:
         mask = diff >= 0
         if window is not None:
             mask &= diff < window
-        # As models.common.attention, per sequence: fold each KV head's query group into the query
+        # As models.ops.attention, per sequence: fold each KV head's query group into the query
         # axis, q [B, n_kv, group*T, hd] (row g*T + t) against k, v [B, n_kv, C, hd].
         qg = q.view(B, T, n_kv, group, hd).permute(0, 2, 3, 1, 4).reshape(B, n_kv, group * T, hd)
         o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
@@ -278,12 +294,41 @@ class _TableKV:
             # takes one query per list, and causality inside a verify comes from the positions.
             rows_slots = (slots if T == 1 else slots.repeat_interleave(T, dim=0)).reshape(-1)
             rows_pos = (k_pos if T == 1 else k_pos.repeat_interleave(T, dim=0)).reshape(-1)
-            self._rows[pool.name] = (rows_slots, rows_pos, self.st.indptr * C)
+            indptr = self.st.win_indptr if pool is self.pools.window else self.st.full_indptr
+            self._rows[pool.name] = (rows_slots, rows_pos, indptr)
         rows_slots, rows_pos, indptr = self._rows[pool.name]
         scales = (pool.k_scale[slab], pool.v_scale[slab]) if pool.fmt.scaled else (None, None)
         o = decode_attention(q.contiguous(), pool.k[slab], pool.v[slab], rows_slots, rows_pos, pos, scale,
                              window, scales[0], scales[1], slot_indptr=indptr, num_splits=decode_splits(C))
         return o.reshape(N, n_h * hd)
+
+
+def _offsets(parts: list[torch.Tensor]) -> list[int]:
+    """Byte offset of each part packed back to back, each starting on an 8-byte boundary."""
+    out, at = [], 0
+    for t in parts:
+        out.append(at)
+        at += -(-t.numel() * t.element_size() // 8) * 8
+    return out + [at]
+
+
+def _pack(parts: list[torch.Tensor]) -> torch.Tensor:
+    """CPU tensors -> one uint8 tensor laid out as `_staged` reads it."""
+    offs = _offsets(parts)
+    buf = torch.zeros(offs[-1], dtype=torch.uint8)
+    for t, at in zip(parts, offs):
+        raw = t.contiguous().reshape(-1).view(torch.uint8)
+        buf[at:at + raw.numel()] = raw
+    return buf
+
+
+def _staged(parts: list[torch.Tensor], device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A device uint8 buffer holding `parts` (as `_pack` lays them out) and a view of each, in its
+    dtype and shape: the step's inputs then reach the device in one copy instead of one each."""
+    offs = _offsets(parts)
+    buf = _pack(parts).to(device)
+    views = [buf[at:at + t.numel() * t.element_size()].view(t.dtype).view(t.shape) for t, at in zip(parts, offs)]
+    return buf, views
 
 
 def _masked_store(pool, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from models.common import DenseKVCache
+from models.kv_cache import DenseKVCache
 from models.loader import load_model
 
 

@@ -11,7 +11,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from models.common import DenseKVCache
+from models.kv_cache import DenseKVCache
 
 from .sampler import Sampler, SamplingParams
 from .scheduler import ContextOverflowError

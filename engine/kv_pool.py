@@ -117,17 +117,37 @@ class HybridKVPool:
     def pool_of(self, layer: int) -> KVPool:
         return self.window if self.cfg.is_sliding[layer] else self.full
 
+    def targets(self, layer: int, full_slots: torch.Tensor, win_slots: torch.Tensor) -> list:
+        """(pool, slab layer, slots) of every slab `layer`'s K/V go to: its own, plus in the debug
+        mode the layers keeping copies of it."""
+        out = []
+        for target in [layer] + self.copies.get(layer, []):
+            pool = self.pool_of(target)
+            out.append((pool, target, win_slots if pool is self.window else full_slots))
+        return out
+
     def write(self, layer: int, full_slots: torch.Tensor, win_slots: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor, store=None) -> None:
         """K/V of `layer` (and, in the debug mode, of the layers keeping copies of it); `store(pool,
         layer, slots, k, v)` is the attention backend's writer (default: the pool's own)."""
-        for target in [layer] + self.copies.get(layer, []):
-            pool = self.pool_of(target)
-            slots = win_slots if pool is self.window else full_slots
+        for pool, target, slots in self.targets(layer, full_slots, win_slots):
             if store is None:
                 pool.write(target, slots, k, v)
             else:
                 store(pool, target, slots, k, v)
+
+    def slab_target(self, layer: int, full_slots: torch.Tensor, win_slots: torch.Tensor):
+        """models.kv_cache.SlabTarget of `layer`'s one slab (slots moved to its device), or None in
+        the debug mode where its K/V go to several slabs (the caller then uses `write`)."""
+        from models.kv_cache import SlabTarget
+
+        targets = self.targets(layer, full_slots, win_slots)
+        if len(targets) != 1:
+            return None
+        pool, target, slots = targets[0]
+        scaled = pool.fmt.scaled
+        return SlabTarget(pool.k[target], pool.v[target], pool.k_scale[target] if scaled else None,
+                          pool.v_scale[target] if scaled else None, slots.to(pool.device))
 
     def status(self) -> dict:
         return {"full": self.full.status(), "window": self.window.status(), "share_kv": self.share_kv}

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from models.common import attention
+from models.ops import attention
 
 from .kv_pool import HybridKVPool
 
@@ -24,7 +24,7 @@ class SequenceKV:
         # margin: window positions kept beyond what attention needs, so a cached prefix can be
         # served from up to `margin` tokens before the point where it was stored.
         self.pools, self.window, self.dtype, self.margin = pools, window, dtype, margin
-        self.backend = backend  # None: the torch reference (gather, then models.common.attention)
+        self.backend = backend  # None: the torch reference (gather, then models.ops.attention)
         self.has_window = bool(pools.window.layers)
         self.full_slots = _EMPTY.clone()  # [n] slot of position p at index p
         self.full_owned = torch.empty(0, dtype=torch.bool)  # False: the prefix cache owns it
@@ -32,7 +32,7 @@ class SequenceKV:
         self.win_slots = _EMPTY.clone()
         self.win_owned = torch.empty(0, dtype=torch.bool)
         self._step: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-        self._reads: dict[int, tuple] = {}
+        self._reads: dict = {}  # this forward's gathered K/V by slab, and its slots on the device
 
     def __len__(self) -> int:
         return int(self.full_slots.numel())
@@ -77,6 +77,16 @@ class SequenceKV:
     def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         new_full, new_win = self._step
         self.pools.write(layer, new_full, new_win, k, v, None if self.backend is None else self.backend.store)
+
+    def slab_target(self, layer: int):
+        """A kernel backend (triton): the slabs and slots the models' fused attention prologue
+        stores this forward's K/V into itself (models.kv_cache.SlabTarget); None otherwise."""
+        if getattr(self.backend, "name", None) != "triton":
+            return None
+        if "slots" not in self._reads:  # the step's slots on the device once, not once per layer
+            dev = self.pools.full.device
+            self._reads["slots"] = tuple(s.to(dev) for s in self._step)
+        return self.pools.slab_target(layer, *self._reads["slots"])
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         slab = self.pools.slab(layer)

@@ -266,7 +266,7 @@ def synthetic_weights(variant: str, device="cpu", seed: int = 0, dtype=None,
     computed, and the multi-gigabyte host tables cost no RAM until read)."""
     import torch
 
-    from models.weights import QuantWeight
+    from models.weights import QuantWeight, fuse_projections
 
     if fill not in ("random", "empty"):
         raise ValueError(f"fill must be 'random' or 'empty', got {fill!r}")
@@ -318,6 +318,8 @@ def synthetic_weights(variant: str, device="cpu", seed: int = 0, dtype=None,
             out["token_embd.host"] = QuantWeight(token_raw.cpu(), e.ggml_type, e.shape, lookup=True)
         else:
             out["token_embd.host"] = e.cpu()
+    if quantized:  # as load_weights does: q/k(/v) and gate/up stacked where they share a type
+        fuse_projections(out)
     return out
 
 

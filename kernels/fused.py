@@ -2,7 +2,7 @@
 gelu_tanh(gate) * up, and logit softcapping.
 
 Each op is one pass over memory instead of the several torch ops (and fp32 temporaries) of the
-reference path in ``models/common.py``; all math is fp32, the output is in the input's dtype:
+reference path in ``models/ops.py``; all math is fp32, the output is in the input's dtype:
 - ``rms_norm``: reads x once, writes y once (2 x R x D elements) plus the [D] weight.
 - ``rms_norm_rope``: the q/k norm and RoPE of one head row in one program; the rotation partner
   (dim j +- n_rot/2) is re-read from memory (the same row, an L1 hit) rather than permuted in
@@ -11,6 +11,11 @@ reference path in ``models/common.py``; all math is fp32, the output is in the i
 - ``gelu_tanh_mul``: reads gate and up (possibly the two halves of one [T, 2F] gate_up tensor, by
   row stride, no copy), writes [T, F] once.
 - ``softcap``: cap * tanh(x / cap) over the logits, one read and one write.
+- ``add_rms_norm``: the residual update h = (x + rms_norm(y) [* w]) [* scale] and, for the op that
+  reads h next, rms_norm(h) [* w_next] in the same pass: reads x and y once, writes h and the
+  normed copy once (the torch path: norm, cast, add, cast, multiply, then the next layer's norm).
+  Gemma-4 runs it three times a layer (after attention, after the MLP, after the PLE injection,
+  the last one with the layer scale and the next layer's attention norm).
 
 tanh is computed here from ``exp`` (``_tanh``): the interpreter does not run libdevice calls, and
 one formula everywhere keeps the GPU and interpreted results the same up to rounding.
@@ -21,7 +26,7 @@ element, the blocks are made wide so the tests run fast.
 
 The ``*_ref`` functions are the plain-torch definitions (fp32 math, cast back; float64 inputs stay
 float64).  ``rms_norm_rope_ref`` keeps the normalised row in fp32 between the norm and the rotation
-(the fused semantics), where ``apply_rope(rms_norm(x))`` in models.common rounds it to x's dtype
+(the fused semantics), where ``apply_rope(rms_norm(x))`` in models.ops rounds it to x's dtype
 first: the two are identical for fp32 inputs and differ by one rounding for fp16/bf16.
 Triton is optional: without it this module imports and the refs work; the launchers raise.
 """
@@ -36,7 +41,7 @@ try:  # CPU-only installs have no triton: the refs below still work.
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-__all__ = ["gelu_tanh_mul", "gelu_tanh_mul_ref", "rms_norm", "rms_norm_ref", "rms_norm_rope",
+__all__ = ["add_rms_norm", "add_rms_norm_ref", "gelu_tanh_mul", "gelu_tanh_mul_ref", "rms_norm", "rms_norm_ref", "rms_norm_rope",
            "rms_norm_rope_ref", "softcap", "softcap_ref"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -125,6 +130,34 @@ if triton is not None:
         tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+    @triton.jit
+    def _add_rms_norm_kernel(x_ptr, y_ptr, w_ptr, scale_ptr, nw_ptr, h_ptr, n_ptr, R, sx, sy,
+                             eps, x_scale, y_scale, out_scale, D: tl.constexpr, HAS_W: tl.constexpr,
+                             HAS_SCALE: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_NW: tl.constexpr,
+                             BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        """h = (x * x_scale + rms_norm(y * y_scale) [* w]) * out_scale [* scale[0]] per row
+        (x, y row strides sx, sy; h [R, D] contiguous); HAS_NEXT: n = rms_norm(h as stored) [* nw]."""
+        rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+        cols = tl.arange(0, BLOCK_D)
+        cmask = cols < D
+        mask = (rows < R)[:, None] & cmask[None, :]
+        y = tl.load(y_ptr + rows[:, None] * sy + cols[None, :], mask=mask, other=0.0).to(tl.float32) * y_scale
+        ny = y * (1.0 / tl.sqrt(tl.sum(y * y, axis=1) / D + eps))[:, None]
+        if HAS_W:
+            ny = ny * tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * sx + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        h = (x * x_scale + ny) * out_scale
+        if HAS_SCALE:
+            h = h * tl.load(scale_ptr).to(tl.float32)
+        h = h.to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + rows[:, None] * D + cols[None, :], h, mask=mask)
+        if HAS_NEXT:
+            hf = h.to(tl.float32)
+            n = hf * (1.0 / tl.sqrt(tl.sum(hf * hf, axis=1) / D + eps))[:, None]
+            if HAS_NW:
+                n = n * tl.load(nw_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+            tl.store(n_ptr + rows[:, None] * D + cols[None, :], n.to(n_ptr.dtype.element_ty), mask=mask)
+
 # ------------------------------------------------------------------------------------ launchers
 
 def _need_triton(fn: str) -> None:
@@ -188,7 +221,7 @@ def rms_norm(x: torch.Tensor, weight, eps: float) -> torch.Tensor:
 
 def rms_norm_rope(x: torch.Tensor, weight, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """rms_norm over hd, then NeoX RoPE: x [T, H, hd]; cos, sin fp32 [T, n_rot/2] (or [T, 1, n_rot/2]
-    as models.common.rope_cos_sin returns them).  Dim j < n_rot/2 pairs with j + n_rot/2; dims
+    as models.ops.rope_cos_sin returns them).  Dim j < n_rot/2 pairs with j + n_rot/2; dims
     >= n_rot pass through normalised only.  Output [T, H, hd] contiguous in x's dtype."""
     assert x.dim() == 3, f"rms_norm_rope: x must be [T, H, hd], got {tuple(x.shape)}"
     if cos.dim() == 3:
@@ -240,6 +273,54 @@ def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
     return out
 
 
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight, eps: float, scale=None, next_weight=None,
+                 next_norm: bool = False, x_scale: float = 1.0, y_scale: float = 1.0, out_scale: float = 1.0,
+                 out=None):
+    """h = (x * x_scale + rms_norm(y * y_scale) [* weight]) * out_scale [* scale] and, when
+    `next_norm` (or a `next_weight` is given), n = rms_norm(h) [* next_weight]: (h, n or None).
+
+    x, y [..., D] of one dtype (fp16/bf16/fp32, unit last stride, any row strides); weight,
+    next_weight [D] or None; scale None or a one-element tensor on the device (Gemma-4's
+    layer_output_scale, read in the kernel: no host sync, no cast op). fp32 math; h is rounded to
+    x's dtype once and n is the norm of h as stored. Outputs are contiguous in x's shape, h in
+    `out` when given (contiguous, x's shape and dtype)."""
+    _need_triton("add_rms_norm")
+    D = x.shape[-1]
+    assert y.shape == x.shape, f"add_rms_norm: x {tuple(x.shape)} y {tuple(y.shape)}"
+    assert x.dtype in _DTYPES and y.dtype == x.dtype, f"add_rms_norm: dtypes {x.dtype} {y.dtype}"
+    assert x.device == y.device, f"add_rms_norm: devices {x.device} {y.device}"
+    for w in (weight, next_weight):
+        assert w is None or (w.shape == (D,) and w.is_contiguous() and w.device == x.device
+                             and w.dtype in _DTYPES), f"add_rms_norm: weight {w.shape} {w.dtype}, D={D}"
+    if scale is not None:
+        assert scale.numel() == 1 and scale.device == x.device and scale.dtype in _DTYPES, \
+            f"add_rms_norm: scale {tuple(scale.shape)} {scale.dtype} {scale.device}"
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    assert out.shape == x.shape and out.dtype == x.dtype and out.is_contiguous() and out.device == x.device, \
+        f"add_rms_norm: out {tuple(out.shape)} {out.dtype}"
+    next_norm = next_norm or next_weight is not None
+    normed = torch.empty(x.shape, dtype=x.dtype, device=x.device) if next_norm else None
+    x2 = _as_rows3(x, "add_rms_norm").flatten(0, 1)
+    y2 = _as_rows3(y, "add_rms_norm").flatten(0, 1)
+    R = x2.shape[0]
+    if R == 0:
+        return out, normed
+    block_d = triton.next_power_of_2(D)
+    block_r = max(1, min(_ELEMS // block_d, triton.next_power_of_2(R)))
+    # x, y, the normed y and h live in registers at once: <= 16 fp32 values of each per thread
+    # (4 warps for 16 x 256 spilled on sm_80).
+    elems = block_r * block_d
+    warps = 4 if elems <= 1024 else (8 if elems <= 4096 else 16)
+    _add_rms_norm_kernel[(triton.cdiv(R, block_r),)](
+        x2, y2, weight if weight is not None else x2, scale if scale is not None else x2,
+        next_weight if next_weight is not None else x2, out, normed if next_norm else out, R,
+        x2.stride(0), y2.stride(0), float(eps), float(x_scale), float(y_scale), float(out_scale),
+        D=D, HAS_W=weight is not None, HAS_SCALE=scale is not None, HAS_NEXT=next_norm,
+        HAS_NW=next_weight is not None, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps)
+    return out, normed
+
+
 # ------------------------------------------------------------------------------------ references
 
 def _f32(x: torch.Tensor) -> torch.Tensor:
@@ -272,3 +353,17 @@ def gelu_tanh_mul_ref(gate: torch.Tensor, up=None) -> torch.Tensor:
 
 def softcap_ref(x: torch.Tensor, cap: float) -> torch.Tensor:
     return (torch.tanh(_f32(x) / cap) * cap).to(x.dtype)
+
+
+def add_rms_norm_ref(x, y, weight, eps, scale=None, next_weight=None, next_norm=False, x_scale=1.0,
+                     y_scale=1.0, out_scale=1.0, out=None):
+    xf, yf = _f32(x), _f32(y)
+    w = None if weight is None else weight.to(yf.dtype)
+    h = (xf * x_scale + F.rms_norm(yf * y_scale, (yf.shape[-1],), w, eps)) * out_scale
+    if scale is not None:
+        h = h * scale.reshape(()).to(h.dtype)
+    h = h.to(x.dtype)
+    if out is not None:
+        h = out.copy_(h)
+    n = rms_norm_ref(h, next_weight, eps) if next_norm or next_weight is not None else None
+    return h, n

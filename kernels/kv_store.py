@@ -10,6 +10,8 @@ the kernel reproduces it bit for bit: both divisions are IEEE round-to-nearest (
 Triton's default fast `/`), and rounding uses the fp32 magic-number trick below.
 
 A negative slot means "padding row, write nothing" (lets a CUDA graph run a fixed T).
+K and V share one launch (grid axis 2). The row store `_store_row` is also the last step of the
+fused attention prologue (kernels/qkv.py), which norms, rotates and stores in one pass.
 Memory traffic: reads T·n_kv·hd input elements twice per tensor (amax, then quantize; the second
 read hits L1/L2) and writes T·n_kv·(hd·bytes + 4).
 """
@@ -57,39 +59,53 @@ if triton is not None:
         return (((bits >> 8) & 0x80) | ((bits >> 7) & 0x7F)).to(tl.uint8)
 
     @triton.jit
-    def _kv_store_kernel(x_ptr, slab_ptr, scale_ptr, slots_ptr,
-                         stride_xt, stride_xh, stride_st, stride_sh, stride_ct, stride_ch,
+    def _store_row(x, dst, scale_dst, mask, QUANT: tl.constexpr):
+        """One (token, head) row x [BLOCK_D] (any float dtype, masked lanes 0) -> the slab row at
+        `dst` (a block of pointers): QUANT 0 cast to the slab's dtype; 1 int8, 2 fp8 e4m3fn (as its
+        bytes), each with its fp32 scale stored at `scale_dst`. Shared by kv_store and the fused
+        q/k/v prologue (kernels/qkv.py), so both quantize bit for bit alike."""
+        if QUANT == 0:
+            tl.store(dst, x.to(dst.dtype.element_ty), mask=mask)
+        else:
+            xf = x.to(tl.float32)
+            amax = tl.maximum(tl.max(tl.abs(xf), axis=0), 1e-12)
+            if QUANT == 1:
+                scale = tl.math.div_rn(amax, 127.0)
+                y = tl.math.div_rn(xf, scale)
+                # Round half to even like torch.round: for |y| < 2**22, adding 1.5 * 2**23 leaves
+                # a ulp of 1, so the fp32 add itself rounds to an integer (ties to even).
+                # Triton emits no reassociation flags, so the add/sub pair survives (checked in
+                # the sm_90 PTX: two add.f32).
+                y = (y + 12582912.0) - 12582912.0
+                y = tl.minimum(tl.maximum(y, -127.0), 127.0)
+                tl.store(dst, y.to(tl.int8), mask=mask)
+            else:
+                scale = tl.math.div_rn(amax, 448.0)
+                y = tl.math.div_rn(xf, scale)
+                y = _round_to_e4m3_grid(tl.minimum(tl.maximum(y, -448.0), 448.0))
+                tl.store(dst, _e4m3_grid_to_bits(y), mask=mask)
+            tl.store(scale_dst, scale)
+
+    @triton.jit
+    def _kv_store_kernel(k_ptr, v_ptr, k_slab_ptr, v_slab_ptr, k_scale_ptr, v_scale_ptr, slots_ptr,
+                         stride_kt, stride_kh, stride_vt, stride_vh, stride_st, stride_sh, stride_ct, stride_ch,
                          HD: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr):
-        # One program per (token, kv head): one row of HD values. QUANT: 0 cast, 1 int8, 2 fp8 e4m3fn.
+        # One program per (token, kv head, K or V): one row of HD values. QUANT: 0 cast, 1 int8,
+        # 2 fp8 e4m3fn. K and V share the launch (grid axis 2): one kernel per layer, not two.
         t = tl.program_id(0)
         h = tl.program_id(1)
         slot = tl.load(slots_ptr + t).to(tl.int64)
         if slot >= 0:
             offs = tl.arange(0, BLOCK_D)
             mask = offs < HD
-            x = tl.load(x_ptr + t.to(tl.int64) * stride_xt + h * stride_xh + offs, mask=mask, other=0.0)
-            dst = slab_ptr + slot * stride_st + h * stride_sh + offs
-            if QUANT == 0:
-                tl.store(dst, x.to(slab_ptr.dtype.element_ty), mask=mask)
+            row = slot * stride_st + h * stride_sh
+            scale_at = slot * stride_ct + h * stride_ch
+            if tl.program_id(2) == 0:
+                x = tl.load(k_ptr + t.to(tl.int64) * stride_kt + h * stride_kh + offs, mask=mask, other=0.0)
+                _store_row(x, k_slab_ptr + row + offs, k_scale_ptr + scale_at, mask, QUANT)
             else:
-                xf = x.to(tl.float32)
-                amax = tl.maximum(tl.max(tl.abs(xf), axis=0), 1e-12)
-                if QUANT == 1:
-                    scale = tl.math.div_rn(amax, 127.0)
-                    y = tl.math.div_rn(xf, scale)
-                    # Round half to even like torch.round: for |y| < 2**22, adding 1.5 * 2**23 leaves
-                    # a ulp of 1, so the fp32 add itself rounds to an integer (ties to even).
-                    # Triton emits no reassociation flags, so the add/sub pair survives (checked in
-                    # the sm_90 PTX: two add.f32).
-                    y = (y + 12582912.0) - 12582912.0
-                    y = tl.minimum(tl.maximum(y, -127.0), 127.0)
-                    tl.store(dst, y.to(tl.int8), mask=mask)
-                else:
-                    scale = tl.math.div_rn(amax, 448.0)
-                    y = tl.math.div_rn(xf, scale)
-                    y = _round_to_e4m3_grid(tl.minimum(tl.maximum(y, -448.0), 448.0))
-                    tl.store(dst, _e4m3_grid_to_bits(y), mask=mask)
-                tl.store(scale_ptr + slot * stride_ct + h * stride_ch, scale)
+                x = tl.load(v_ptr + t.to(tl.int64) * stride_vt + h * stride_vh + offs, mask=mask, other=0.0)
+                _store_row(x, v_slab_ptr + row + offs, v_scale_ptr + scale_at, mask, QUANT)
 
 
 def _check(x: torch.Tensor, slab: torch.Tensor, scale, slots: torch.Tensor, name: str) -> None:
@@ -120,17 +136,26 @@ def kv_store(k: torch.Tensor, v: torch.Tensor, k_slab: torch.Tensor, v_slab: tor
     T, n_kv, hd = k.shape
     if T == 0:
         return
-    block_d = triton.next_power_of_2(hd)
-    for x, slab, scale in ((k, k_slab, k_scale), (v, v_slab, v_scale)):
-        quant = {torch.int8: 1, torch.float8_e4m3fn: 2}.get(slab.dtype, 0)
-        if quant == 2:
-            slab = slab.view(torch.uint8)  # bytes written by _e4m3_grid_to_bits
-        scale_arg = scale if scale is not None else slab  # never read when quant == 0
-        _kv_store_kernel[(T, n_kv)](
-            x, slab, scale_arg, slots,
-            x.stride(0), x.stride(1), slab.stride(0), slab.stride(1),
-            scale_arg.stride(0) if quant else 0, scale_arg.stride(1) if quant else 0,
-            HD=hd, BLOCK_D=block_d, QUANT=quant, num_warps=1 if block_d <= 256 else 2)
+    assert k_slab.dtype == v_slab.dtype and k_slab.stride() == v_slab.stride(), "k/v slabs differ"
+    quant = quant_code(k_slab.dtype)
+    if quant:
+        assert k_scale.stride() == v_scale.stride(), "k/v scales differ"
+    ks, vs = store_views(k_slab, v_slab)
+    _kv_store_kernel[(T, n_kv, 2)](
+        k, v, ks, vs, k_scale if quant else ks, v_scale if quant else vs, slots,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), ks.stride(0), ks.stride(1),
+        k_scale.stride(0) if quant else 0, k_scale.stride(1) if quant else 0,
+        HD=hd, BLOCK_D=triton.next_power_of_2(hd), QUANT=quant, num_warps=1 if hd <= 256 else 2)
+
+
+def quant_code(slab_dtype: torch.dtype) -> int:
+    """The kernels' QUANT constant for a slab dtype: 0 plain cast, 1 int8, 2 fp8 e4m3fn."""
+    return {torch.int8: 1, torch.float8_e4m3fn: 2}.get(slab_dtype, 0)
+
+
+def store_views(*slabs: torch.Tensor):
+    """The slabs as the kernels write them: fp8 as its bytes (written by _e4m3_grid_to_bits)."""
+    return tuple(s.view(torch.uint8) if s.dtype == torch.float8_e4m3fn else s for s in slabs)
 
 
 def quantize_ref(x: torch.Tensor, dtype: torch.dtype):

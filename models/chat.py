@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from .chat_sandbox import ChatTemplateError, compile_template, render_budget, render_template
-from .common import MetadataReader
+from .metadata import MetadataReader
 
 __all__ = ["ChatFormat", "ChatTemplateError", "Message", "split_thinking",
            "GEMMA4_STOP_STRINGS", "GEMMA3_STOP_STRINGS"]

@@ -12,23 +12,25 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from .common import (
-    ConfigError,
-    DecoderModel,
-    KVStore,
-    Trace,
+from .decoder import DecoderModel, Trace
+from .kv_cache import KVStore
+from .metadata import ConfigError, metadata_reader, vocab_size_of
+from .ops import (
+    add_rms_norm,
     attend,
     embedding_rows,
     gated_mlp,
+    kernel_path,
     linear,
-    metadata_reader,
     norm_rope,
     qkv_projection,
+    quant_rows_to_device,
+    quantized_table,
     rms_norm,
+    rope_dtype,
     rope_inv_freq,
     rows_to_device,
     softcap,
-    vocab_size_of,
 )
 from .weights import load_weights
 
@@ -133,38 +135,43 @@ class Gemma3Model(DecoderModel):
     def __init__(self, cfg: Gemma3Config, weights: Mapping[str, Any], dtype=torch.float32, device="cpu"):
         self.cfg, self.w, self.dtype, self.device = cfg, dict(weights), dtype, torch.device(device)
         self.head_w = self.w.get("output.weight", self.w["token_embd.weight"])
-        inv_s = rope_inv_freq(cfg.head_dim, cfg.rope_base_sliding).to(self.device)
-        inv_f = rope_inv_freq(cfg.head_dim, cfg.rope_base_full).to(self.device)
-        self.inv_freq = [inv_s if s else inv_f for s in cfg.is_sliding]
-        self.pos_scale = [1.0 if s else 1.0 / cfg.rope_scale_full for s in cfg.is_sliding]
+        inv_s = rope_inv_freq(cfg.head_dim, cfg.rope_base_sliding)
+        inv_f = rope_inv_freq(cfg.head_dim, cfg.rope_base_full)
+        self.set_rope([inv_s if s else inv_f for s in cfg.is_sliding],
+                      [1.0 if s else 1.0 / cfg.rope_scale_full for s in cfg.is_sliding])
 
     def embed(self, tokens: torch.Tensor) -> tuple[torch.Tensor, None]:
-        x = rows_to_device(embedding_rows(self.w.get("token_embd.host", self.w["token_embd.weight"]), tokens),
-                           self.device, self.dtype)
+        table = self.w.get("token_embd.host", self.w["token_embd.weight"])
+        if kernel_path(self.w["output_norm.weight"]) and quantized_table(table):
+            x = quant_rows_to_device([table], tokens, self.device, self.dtype)[0]  # dequantized on the device
+        else:
+            x = rows_to_device(embedding_rows(table, tokens), self.device, self.dtype)
         return x * math.sqrt(self.cfg.d_model), None
 
     def layer(self, i: int, x: torch.Tensor, pos: torch.Tensor, pl: None, cache: KVStore,
               trace: Trace = None) -> torch.Tensor:
         cfg, w, b, eps = self.cfg, self.w, f"blk.{i}.", self.cfg.rms_eps
         T, hd = x.shape[0], cfg.head_dim
-        a = rms_norm(x, w[b + "attn_norm.weight"], eps)
+        a = self.pre_norm(x, w[b + "attn_norm.weight"])
         q, k, v = qkv_projection(a, w, b, cfg.n_head * hd, cfg.n_kv_head * hd)
         q, k, v = q.reshape(T, cfg.n_head, hd), k.reshape(T, cfg.n_kv_head, hd), v.reshape(T, cfg.n_kv_head, hd)
-        cos, sin = self.rope(i, pos, x.dtype)
+        cos, sin = self.rope(i, pos, rope_dtype(x))
         q = norm_rope(q, w[b + "attn_q_norm.weight"], eps, cos, sin)
         k = norm_rope(k, w[b + "attn_k_norm.weight"], eps, cos, sin)
         cache.write(i, pos, k, v)
         o = attend(cache, i, i, q, pos, cfg.window(i), scale=cfg.query_scale)
-        x = x + rms_norm(linear(o, w[b + "attn_output.weight"]), w[b + "post_attention_norm.weight"], eps)
-        m = rms_norm(x, w[b + "ffn_norm.weight"], eps)
-        f = gated_mlp(m, w, b)
-        x = x + rms_norm(f, w[b + "post_ffw_norm.weight"], eps)
+        x, m = add_rms_norm(x, linear(o, w[b + "attn_output.weight"]), w[b + "post_attention_norm.weight"], eps,
+                            next_weight=w[b + "ffn_norm.weight"])
+        f = gated_mlp(rms_norm(x, w[b + "ffn_norm.weight"], eps) if m is None else m, w, b)
+        nxt = w[f"blk.{i + 1}.attn_norm.weight"] if i + 1 < cfg.n_layer else w["output_norm.weight"]
+        x, n = add_rms_norm(x, f, w[b + "post_ffw_norm.weight"], eps, next_weight=nxt)
+        self.keep_norm(x, nxt, n)  # kernel path: the next layer's attention norm (or the final norm)
         if trace:
             trace("l_out", i, x)
         return x
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.w["output_norm.weight"], self.cfg.rms_eps)
+        return self.pre_norm(x, self.w["output_norm.weight"])
 
     def head(self, y: torch.Tensor) -> torch.Tensor:
         return softcap(linear(y, self.head_w), self.cfg.final_softcap)

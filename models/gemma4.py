@@ -11,25 +11,12 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from .common import (
-    ConfigError,
-    DecoderModel,
-    KVStore,
-    Trace,
-    attend,
-    embedding_rows,
-    gated_mlp,
-    gelu_tanh,
-    linear,
-    metadata_reader,
-    norm_rope,
-    qkv_projection,
-    rms_norm,
-    rope_inv_freq,
-    rows_to_device,
-    softcap,
-    vocab_size_of,
-)
+from .decoder import DecoderModel, Trace
+from .kv_cache import KVStore
+from .metadata import ConfigError, metadata_reader, vocab_size_of
+from .ops import (add_rms_norm, attend, embedding_rows, gated_mlp, gelu_mul, gelu_tanh, kernel_path, linear,
+                  norm_rope, norm_rope_store, qkv_projection, quant_rows_to_device, quantized_table,
+                  rms_norm, rope_dtype, rope_inv_freq, rows_to_device, scaled_add_rms_norm, softcap)
 from .weights import load_weights
 
 
@@ -314,60 +301,97 @@ class Gemma4Model(DecoderModel):
         # Per-layer inverse frequencies (one object per distinct set, so `rope` memoizes per type);
         # full layers carry the proportional-RoPE factors.
         freqs: dict = {}
-        self.inv_freq = [
+        self.set_rope([
             freqs.setdefault((cfg.rope_dims[i], cfg.rope_base[i], cfg.is_sliding[i]), rope_inv_freq(
-                cfg.rope_dims[i], cfg.rope_base[i],
-                None if cfg.is_sliding[i] else cfg.full_rope_freq_factors).to(self.device))
+                cfg.rope_dims[i], cfg.rope_base[i], None if cfg.is_sliding[i] else cfg.full_rope_freq_factors))
             for i in range(cfg.n_layer)
-        ]
+        ])
 
     # --- pieces ----------------------------------------------------------------------------
     def embed(self, tokens: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """x0 = E[t]·√d  [T, d]; and the per-layer inputs pl [T, L, P] (§3.3) or None."""
-        cfg = self.cfg
-        x = rows_to_device(embedding_rows(self.w.get("token_embd.host", self.w["token_embd.weight"]), tokens),
+        cfg, w = self.cfg, self.w
+        if self._quant_tables() is not None:
+            return self._embed_kernels(tokens)
+        x = rows_to_device(embedding_rows(w.get("token_embd.host", w["token_embd.weight"]), tokens),
                            self.device, self.dtype) * math.sqrt(cfg.d_model)
         if not cfg.ple_width:
             return x, None
         T, L, P = tokens.shape[0], cfg.n_layer, cfg.ple_width
-        tok = rows_to_device(embedding_rows(self.w["per_layer_token_embd.weight"], tokens), self.device, self.dtype)
+        tok = rows_to_device(embedding_rows(w["per_layer_token_embd.weight"], tokens), self.device, self.dtype)
         tok = tok.reshape(T, L, P) * math.sqrt(P)
-        ctx = linear(x, self.w["per_layer_model_proj.weight"]).reshape(T, L, P) * (cfg.d_model ** -0.5)
-        ctx = rms_norm(ctx, self.w["per_layer_proj_norm.weight"], cfg.rms_eps)
+        ctx = linear(x, w["per_layer_model_proj.weight"]).reshape(T, L, P) * (cfg.d_model ** -0.5)
+        ctx = rms_norm(ctx, w["per_layer_proj_norm.weight"], cfg.rms_eps)
         return x, (ctx + tok) * (2.0 ** -0.5)
+
+    def _quant_tables(self) -> Optional[list]:
+        """The lookup tables when the kernel path dequantizes their rows on the device, else None."""
+        w = self.w
+        tables = [w.get("token_embd.host", w["token_embd.weight"])]
+        if self.cfg.ple_width:
+            tables.append(w["per_layer_token_embd.weight"])
+        ok = kernel_path(w["output_norm.weight"]) and all(map(quantized_table, tables))
+        return tables if ok else None
+
+    def _embed_kernels(self, tokens: torch.Tensor, out: tuple = (None, None)):
+        """The kernel path of `embed`, into `out` buffers when given: the tables' quantized rows go to
+        the device as they are and are dequantized there (ops.quant_rows_to_device); √d in one op;
+        the per-layer inputs (rms_norm(ctx·d^-1/2) + tok·√P)·2^-1/2 in one fused pass."""
+        cfg, w = self.cfg, self.w
+        T, L, P = tokens.shape[0], cfg.n_layer, cfg.ple_width
+        rows = quant_rows_to_device(self._quant_tables(), tokens, self.device, self.dtype)
+        x = torch.mul(rows[0], math.sqrt(cfg.d_model), out=out[0])
+        if not P:
+            return x, None
+        ctx = linear(x, w["per_layer_model_proj.weight"])  # [T, L*P]
+        pl = scaled_add_rms_norm(rows[1].view(T * L, P), ctx.view(T * L, P), w["per_layer_proj_norm.weight"],
+                                 cfg.rms_eps, math.sqrt(P), cfg.d_model ** -0.5, 2.0 ** -0.5,
+                                 None if out[1] is None else out[1].view(T * L, P))
+        return x, pl.view(T, L, P)
+
+    def embed_into(self, tokens: torch.Tensor, x_out: torch.Tensor, pl_out: Optional[torch.Tensor]) -> None:
+        if self._quant_tables() is not None:
+            self._embed_kernels(tokens, (x_out, pl_out))
+        else:
+            super().embed_into(tokens, x_out, pl_out)
 
     def layer(self, i: int, x: torch.Tensor, pos: torch.Tensor, pl: Optional[torch.Tensor],
               cache: KVStore, trace: Trace = None) -> torch.Tensor:
-        """Decoder layer i (§3.4). x: [T, d]; pl: this layer's PLE slice [T, P] or None."""
+        """Decoder layer i (§3.4). x: [T, d]; pl: this layer's PLE slice [T, P] or None.
+        On the kernel path (ops.kernel_path) the same code runs fused kernels: the attention
+        prologue in one launch, each residual update with the norm the next op needs."""
         cfg, w, b, eps = self.cfg, self.w, f"blk.{i}.", self.cfg.rms_eps
         T, hd, nh, nkv = x.shape[0], cfg.head_dim[i], cfg.n_head[i], cfg.n_kv_head[i]
-        a = rms_norm(x, w[b + "attn_norm.weight"], eps)
+        a = self.pre_norm(x, w[b + "attn_norm.weight"])
+        cos, sin = self.rope(i, pos, rope_dtype(x))
         if cfg.has_kv(i):
             q, k_raw, v_raw = qkv_projection(a, w, b, nh * hd, nkv * hd)
-            k_raw = k_raw.reshape(T, nkv, hd)
-            v_raw = k_raw if v_raw is None else v_raw.reshape(T, nkv, hd)  # no attn_v: V = raw K
-        else:
-            q = linear(a, w[b + "attn_q.weight"])  # KV-shared: no K/V projections at all
-        cos, sin = self.rope(i, pos, x.dtype)
-        q = norm_rope(q.reshape(T, nh, hd), w[b + "attn_q_norm.weight"], eps, cos, sin)
-        if cfg.has_kv(i):
-            k = norm_rope(k_raw, w[b + "attn_k_norm.weight"], eps, cos, sin)
-            v = rms_norm(v_raw, None, eps)  # weightless V norm, no RoPE
-            cache.write(i, pos, k, v)
+            v_raw = None if v_raw is None else v_raw.reshape(T, nkv, hd)  # no attn_v: V = raw K
+            q = norm_rope_store(q.reshape(T, nh, hd), k_raw.reshape(T, nkv, hd), v_raw, w[b + "attn_q_norm.weight"],
+                                w[b + "attn_k_norm.weight"], eps, cos, sin, cache, i, pos)
+        else:  # KV-shared: no K/V projections at all
+            q = norm_rope(linear(a, w[b + "attn_q.weight"]).reshape(T, nh, hd), w[b + "attn_q_norm.weight"], eps,
+                          cos, sin)
         o = attend(cache, i, cfg.kv_source(i), q, pos, cfg.window(i), scale=1.0)
         if trace:
             trace("attn_out", i, o)
-        x = x + rms_norm(linear(o, w[b + "attn_output.weight"]), w[b + "post_attention_norm.weight"], eps)
-        if b + "ffn_gate_inp.weight" in w:
+        moe = b + "ffn_gate_inp.weight" in w
+        x, m = add_rms_norm(x, linear(o, w[b + "attn_output.weight"]), w[b + "post_attention_norm.weight"], eps,
+                            next_weight=None if moe else w[b + "ffn_norm.weight"])
+        if moe:
             f = self._moe_ffn(i, x)
         else:
-            f = self._mlp(i, rms_norm(x, w[b + "ffn_norm.weight"], eps))
-        x = x + rms_norm(f, w[b + "post_ffw_norm.weight"], eps)
+            f = self._mlp(i, rms_norm(x, w[b + "ffn_norm.weight"], eps) if m is None else m)
+        # The layer's last residual update also gives the next layer's attention norm (or the final norm).
+        nxt = w[f"blk.{i + 1}.attn_norm.weight"] if i + 1 < cfg.n_layer else w["output_norm.weight"]
+        scale = w.get(b + "layer_output_scale.weight")
         if pl is not None:  # PLE injection: the gate reads the post-MLP residual
-            g = gelu_tanh(linear(x, w[b + "inp_gate.weight"])) * pl
-            x = x + rms_norm(linear(g, w[b + "proj.weight"]), w[b + "post_norm.weight"], eps)
-        if b + "layer_output_scale.weight" in w:
-            x = x * w[b + "layer_output_scale.weight"].to(x.dtype)
+            x, _ = add_rms_norm(x, f, w[b + "post_ffw_norm.weight"], eps)
+            g = gelu_mul(linear(x, w[b + "inp_gate.weight"]), pl)
+            x, n = add_rms_norm(x, linear(g, w[b + "proj.weight"]), w[b + "post_norm.weight"], eps, scale, nxt)
+        else:
+            x, n = add_rms_norm(x, f, w[b + "post_ffw_norm.weight"], eps, scale, nxt)
+        self.keep_norm(x, nxt, n)
         if trace:
             trace("l_out", i, x)
         return x
@@ -402,7 +426,7 @@ class Gemma4Model(DecoderModel):
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
         """Post-final-norm hidden state y (the LM-head input and the assistant's h)."""
-        return rms_norm(x, self.w["output_norm.weight"], self.cfg.rms_eps)
+        return self.pre_norm(x, self.w["output_norm.weight"])
 
     def head(self, y: torch.Tensor) -> torch.Tensor:
         """Logits (tied head + final softcap) for normed rows y [R, d] -> [R, V]."""

@@ -10,7 +10,7 @@ target's last KV-owning full layer (E2B: 13 / 14). Its input embedding is the *t
     logits, h_next, y = asst.draft_step(tokens, h, pos, target, kv_view)
 
 `kv_view` is anything with `read(target_layer) -> (k [S, n_kv, hd], v, positions [S])` (a
-`models.common.DenseKVCache` works as is); one view for every row, or a sequence of B views.
+`models.kv_cache.DenseKVCache` works as is); one view for every row, or a sequence of B views.
 """
 from __future__ import annotations
 
@@ -22,20 +22,18 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .common import (
-    ConfigError,
+from .gemma4 import _per_layer
+from .metadata import ConfigError, metadata_reader, vocab_size_of
+from .ops import (
     apply_rope,
     embedding_rows,
     gated_mlp,
     linear,
-    metadata_reader,
     rms_norm,
     rope_cos_sin,
     rope_inv_freq,
     rows_to_device,
-    vocab_size_of,
 )
-from .gemma4 import _per_layer
 from .weights import load_weights
 
 ARCH = "gemma4-assistant"

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import torch
 
-from .common import ConfigError
+from .metadata import ConfigError
 from .gguf import GGUFError, GGUFFile, UnsupportedArchitectureError
 
 SUPPORTED_ARCHITECTURES = ("gemma4", "gemma3")

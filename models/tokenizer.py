@@ -42,7 +42,7 @@ from tokenizers import models as _models
 from tokenizers import normalizers as _normalizers
 from tokenizers import pre_tokenizers as _pre_tokenizers
 
-from .common import MetadataReader
+from .metadata import MetadataReader
 
 SUPPORTED_MODELS = ("gemma4", "llama")
 

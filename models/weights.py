@@ -192,25 +192,45 @@ def load_weights(source, plan: dict, dtype: torch.dtype = torch.float32, device=
         if progress is not None:
             done += sizes[i]
             progress(i + 1, len(plan), done, total)
-    if weight_dtype == torch.float16:
+    if weight_dtype == torch.float16 or quantized:
         fuse_projections(out)
     return out
 
 
 # Projections that read the same input, fused into one matrix in the runtime format: a decode step
 # then makes 4 matmul calls a layer instead of 7 (each call costs ~30 us of overhead on a small CPU,
-# as much as the GEMV itself at these sizes). Rows are stacked in order; the model splits by shape.
+# as much as the GEMV itself at these sizes; on CUDA each is a kernel launch). Rows are stacked in
+# order; the model splits by shape.
 FUSIONS = (("attn_qkv.weight", ("attn_q.weight", "attn_k.weight", "attn_v.weight")),
            ("ffn_gate_up.weight", ("ffn_gate.weight", "ffn_up.weight")))
 
 
+def _fusable(ws: list) -> bool:
+    """Matrices one fused matrix can hold: all HalfWeight, or all QuantWeight of one GGML type (the
+    quantized GEMV reads one format per launch)."""
+    if all(isinstance(w, HalfWeight) for w in ws):
+        return True
+    return all(isinstance(w, QuantWeight) for w in ws) and len({w.ggml_type for w in ws}) == 1
+
+
 def fuse_projections(weights: dict) -> None:
+    """Stack q/k(/v) and gate/up of every layer (FUSIONS) in place. Quantized matrices are stacked
+    as far as they share a type: Q4_K_M files keep some attn_v in Q6_K beside Q4_K q and k, so
+    those layers get a q+k `attn_qkv` and keep their `attn_v` (ops.qkv_projection reads both)."""
     layers = {name.split(".")[1] for name in weights if name.startswith("blk.")}
     for i in layers:
         b = f"blk.{i}."
         for fused, parts in FUSIONS:
             names = [b + p for p in parts if b + p in weights]
             # q+k(+v) or gate+up; a KV-shared layer's lone q stays as it is.
-            if len(names) >= 2 and names[:2] == [b + parts[0], b + parts[1]] and \
-                    all(isinstance(weights[n], HalfWeight) for n in names):
-                weights[b + fused] = HalfWeight(torch.cat([weights.pop(n).w for n in names]))
+            if len(names) < 2 or names[:2] != [b + parts[0], b + parts[1]]:
+                continue
+            while len(names) >= 2 and not _fusable([weights[n] for n in names]):
+                names.pop()  # drop the trailing matrix of another type (attn_v)
+            if len(names) < 2:
+                continue
+            ws = [weights.pop(n) for n in names]
+            if isinstance(ws[0], HalfWeight):
+                weights[b + fused] = HalfWeight(torch.cat([w.w for w in ws]))
+            else:
+                weights[b + fused] = QuantWeight.cat(ws)

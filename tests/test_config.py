@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 from gguf import GGUFWriter
 
-from models.common import ConfigError, MetadataReader
 from models.gemma3 import Gemma3Config
 from models.gemma4 import Gemma4Config, kv_sharing_plan
 from models.gguf import GGUFFile
+from models.metadata import ConfigError, MetadataReader
 
 E2B_KV_SOURCE = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 13, 13, 13, 13, 14, 13, 13, 13, 13, 14,
                  13, 13, 13, 13, 14, 13, 13, 13, 13, 14]
@@ -146,7 +146,7 @@ def test_gemma3_270m_pattern(gemma3_270m_path):
 
 @pytest.mark.parametrize("n", [0, -3, 1 << 40])
 def test_absurd_layer_counts_are_refused_before_any_per_layer_loop(n):
-    from models.common import ConfigError, MetadataReader
+    from models.metadata import ConfigError, MetadataReader
     key = MetadataReader({"gemma3.block_count": n}, "gemma3.")
     with pytest.raises(ConfigError, match="1 to 1024 layers"):
         key.layer_count()

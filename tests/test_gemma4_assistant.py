@@ -18,7 +18,7 @@ import torch
 from gguf import GGUFReader
 from tiny_models import TinySpec, write_tiny_assistant, write_tiny_gemma4
 
-from models.common import DenseKVCache
+from models.kv_cache import DenseKVCache
 from models.gemma4 import Gemma4Config, load_gemma4
 from models.gemma4_assistant import (
     Gemma4Assistant,
@@ -299,7 +299,7 @@ def test_hf_safetensors_assistant_equals_gguf(tmp_path):
 
     from safetensors.torch import save_file
 
-    from models.common import DenseKVCache
+    from models.kv_cache import DenseKVCache
     from models.gemma4 import load_gemma4
     from models.gemma4_assistant import load_gemma4_assistant_hf
     from tiny_models import write_tiny_gemma4

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from models.gemma4 import Gemma4Config, load_gemma4
-from models.common import DenseKVCache
+from models.kv_cache import DenseKVCache
 from models.gguf import GGUFFile
 from tiny_models import TinySpec, llama_cpp_logits, quantize_gguf, write_tiny_gemma4
 

@@ -11,7 +11,7 @@ Mutations that can never be harmless (bad magic, misaligned or overlapping tenso
 EOF, ...) must fail. The same is run through the `edgegem info` path (`engine.api.describe`, which
 also builds the model config) on a tiny Gemma-4, and a few bad files through `app.cli.main` itself.
 Metadata values of the wrong GGUF type still escape the config as TypeError/OverflowError: that
-test is a strict xfail until models/common.py reads metadata with typed accessors.
+test is a strict xfail until models/metadata.py reads metadata with typed accessors.
 """
 from __future__ import annotations
 
@@ -531,7 +531,7 @@ LOADER_MUTATIONS = {
 def describe_case(path: Path, data: bytes) -> str:
     """Open `data` the way `edgegem info FILE` does; "described" or the one-line typed error."""
     from engine import api
-    from models.common import ConfigError
+    from models.metadata import ConfigError
 
     path.unlink(missing_ok=True)
     path.write_bytes(data)

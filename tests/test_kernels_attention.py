@@ -1,4 +1,4 @@
-"""kernels.kv_store and kernels.attention: Triton kernels vs their torch refs vs models.common.attention.
+"""kernels.kv_store and kernels.attention: Triton kernels vs their torch refs vs models.ops.attention.
 
 Runs the kernels on the CPU under the Triton interpreter: TRITON_INTERPRET=1 is set here, before
 anything imports triton. On a CUDA machine, `TRITON_INTERPRET=0 pytest tests/test_kernels_attention.py`
@@ -22,7 +22,7 @@ from kernels.attention import (
     extend_attention_ref,
 )
 from kernels.kv_store import kv_store, kv_store_ref
-from models.common import attention
+from models.ops import attention
 
 CAPACITY = 200
 SCALED = (torch.int8, torch.float8_e4m3fn)
@@ -93,7 +93,7 @@ def _filled_slabs(S: int, n_kv: int, hd: int, dtype, gen):
 
 
 def _direct(q, k_slab, v_slab, ks, vs, slots, k_pos, q_pos, scale, window):
-    """models.common.attention over the dequantized (engine KVFormat) gathered K/V: [T, n_h, hd]."""
+    """models.ops.attention over the dequantized (engine KVFormat) gathered K/V: [T, n_h, hd]."""
     fmt = resolve_format(FORMAT_OF[k_slab.dtype])
     s = slots.cpu()
     k = fmt.dequantize(k_slab.cpu()[s], ks.cpu()[s] if ks is not None else None, torch.float32)
@@ -201,7 +201,7 @@ def _check_decode(q, k, v, ks, vs, slots, k_pos, q_pos, scale, window, num_split
                          scale, window)
         ref_b = want.unsqueeze(0)[b] if q.dim() == 2 else want[b:b + 1]
         assert_close(ref_b.float().reshape(direct.shape), direct, 1e-5 if q.dtype == torch.float32 else 1e-3,
-                     1e-5 if q.dtype == torch.float32 else 1e-3, f"ref vs models.common.attention (seq {b})")
+                     1e-5 if q.dtype == torch.float32 else 1e-3, f"ref vs models.ops.attention (seq {b})")
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
@@ -329,7 +329,7 @@ def test_extend(case):
     assert_close(got.float(), want.float(), *TOL[q_dtype], "kernel vs ref")
     direct = _direct(q, k, v, ks, vs, slots, k_pos, q_pos, 1.0, window)
     tol = 1e-5 if q_dtype == torch.float32 else 1e-3
-    assert_close(want.float().cpu(), direct, tol, tol, "ref vs models.common.attention")
+    assert_close(want.float().cpu(), direct, tol, tol, "ref vs models.ops.attention")
 
 
 def test_extend_matches_decode_rows():

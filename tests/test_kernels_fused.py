@@ -1,4 +1,4 @@
-"""kernels.fused: Triton kernels vs their torch refs vs the models.common functions they replace.
+"""kernels.fused: Triton kernels vs their torch refs vs the models.ops functions they replace.
 
 Runs under the Triton interpreter on the CPU (TRITON_INTERPRET=1 is set before triton is imported);
 `TRITON_INTERPRET=0 pytest tests/test_kernels_fused.py` runs the same tests on a CUDA device, adding
@@ -14,6 +14,8 @@ from tiny_models import TinySpec, write_tiny_gemma4
 
 from kernels import fused
 from kernels.fused import (
+    add_rms_norm,
+    add_rms_norm_ref,
     gelu_tanh_mul,
     gelu_tanh_mul_ref,
     rms_norm,
@@ -23,14 +25,14 @@ from kernels.fused import (
     softcap,
     softcap_ref,
 )
-from models import common
+from models import ops
 from models.loader import load_model
 
 DTYPES = [torch.float32, torch.float16] + ([] if INTERPRET else [torch.bfloat16])
 # Kernel vs ref (both fp32 math, one final rounding): fp32 differs by summation order / tanh form;
 # fp16/bf16 by at most an output ulp or so.
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
-# vs models.common in the input dtype, which rounds intermediates (norm before rope, gelu before *).
+# vs models.ops in the input dtype, which rounds intermediates (norm before rope, gelu before *).
 TOL_COMMON = {torch.float32: (1e-5, 1e-5), torch.float16: (6e-3, 6e-3), torch.bfloat16: (4e-2, 4e-2)}
 
 
@@ -74,7 +76,7 @@ def test_rms_norm(shape, dtype, weighted):
     ref = rms_norm_ref(x, w, 1e-6)
     what = f"rms_norm {shape} {_name(dtype)} w={weighted}"
     assert_close(got, ref, *TOL[dtype], what + " vs ref")
-    assert_close(got, common.rms_norm(x, w, 1e-6), *TOL_COMMON[dtype], what + " vs models.common")
+    assert_close(got, ops.rms_norm(x, w, 1e-6), *TOL_COMMON[dtype], what + " vs models.ops")
 
 
 def test_rms_norm_strided_heads():
@@ -92,12 +94,12 @@ def test_rms_norm_strided_heads():
 # ------------------------------------------------------------------------------------ rms_norm_rope
 
 def _cos_sin(T, n_rot, base=10000.0, zero_pairs=0):
-    """models.common's cos/sin [T, 1, n_rot/2] fp32 at odd positions; the last `zero_pairs` pairs
+    """models.ops's cos/sin [T, 1, n_rot/2] fp32 at odd positions; the last `zero_pairs` pairs
     do not rotate (Gemma-4 proportional RoPE: cos 1, sin 0)."""
     factors = [1.0] * (n_rot // 2 - zero_pairs) + [1e30] * zero_pairs
-    inv = common.rope_inv_freq(n_rot, base, factors)
+    inv = ops.rope_inv_freq(n_rot, base, factors)
     pos = torch.tensor([0, 3, 17, 250, 4099, 9, 1, 77])[:T].to(DEVICE)
-    return common.rope_cos_sin(pos, inv.to(DEVICE), torch.float32)
+    return ops.rope_cos_sin(pos, inv.to(DEVICE), torch.float32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
@@ -117,10 +119,10 @@ def test_rms_norm_rope(T, H, hd, n_rot, zero_pairs, dtype, weighted):
     ref = rms_norm_rope_ref(x, w, 1e-6, cos[:, 0], sin[:, 0])
     assert_close(got, ref, *TOL[dtype], what + " vs ref")
     assert_close(rms_norm_rope(x, w, 1e-6, cos, sin), got, 0, 0, what + " [T,1,h] cos form")
-    want = common.apply_rope(common.rms_norm(x, w, 1e-6), cos, sin).to(dtype)
-    assert_close(got, want, *TOL_COMMON[dtype], what + " vs models.common")
-    if dtype == torch.float32:  # the ref is exactly models.common's math in fp32
-        assert_close(ref, want, 0, 0, what + " ref vs models.common")
+    want = ops.apply_rope(ops.rms_norm(x, w, 1e-6), cos, sin).to(dtype)
+    assert_close(got, want, *TOL_COMMON[dtype], what + " vs models.ops")
+    if dtype == torch.float32:  # the ref is exactly models.ops's math in fp32
+        assert_close(ref, want, 0, 0, what + " ref vs models.ops")
 
 
 def test_rms_norm_rope_strided():
@@ -145,8 +147,8 @@ def test_gelu_tanh_mul(shape, dtype):
     what = f"gelu_tanh_mul {shape} {_name(dtype)}"
     got = gelu_tanh_mul(gate, up)
     assert_close(got, gelu_tanh_mul_ref(gate, up), *TOL[dtype], what + " vs ref")
-    want = common.gelu_tanh(gate) * up
-    assert_close(got, want, *TOL_COMMON[dtype], what + " vs models.common")
+    want = ops.gelu_tanh(gate) * up
+    assert_close(got, want, *TOL_COMMON[dtype], what + " vs models.ops")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
@@ -159,7 +161,52 @@ def test_gelu_tanh_mul_fused_gate_up(dtype):
     assert got.shape == (T, Fd)
     assert_close(got, gelu_tanh_mul_ref(gu), *TOL[dtype], "gelu_tanh_mul gate_up vs ref")
     assert_close(gelu_tanh_mul(gate, up), got, 0, 0, "gelu_tanh_mul chunks vs gate_up")
-    assert_close(got, common.gelu_tanh(gate) * up, *TOL_COMMON[dtype], "gelu_tanh_mul gate_up vs models.common")
+    assert_close(got, ops.gelu_tanh(gate) * up, *TOL_COMMON[dtype], "gelu_tanh_mul gate_up vs models.ops")
+
+
+# ------------------------------------------------------------------------------------ add_rms_norm
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("shape", [(3, 640), (7, 97), (1, 1000), (2, 3, 40)], ids=str)
+@pytest.mark.parametrize("variant", ["plain", "scale+next", "no_w+next_no_w", "scaled_inputs"])
+def test_add_rms_norm(shape, dtype, variant):
+    """h = (x·xs + rms_norm(y·ys)·w)·os·scale and n = rms_norm(h)·w_next, against the ref; fp32
+    also against the models.ops composition it replaces (the reference layer code)."""
+    D = shape[-1]
+    x = _rand(*shape, dtype=dtype, scale=2.0, seed=11)
+    y = _rand(*shape, dtype=dtype, scale=5.0, seed=12)
+    w = None if variant == "no_w+next_no_w" else _rand(D, dtype=torch.float32, seed=13)
+    kw = {}
+    if variant == "scale+next":
+        kw = dict(scale=torch.tensor([0.7], device=DEVICE), next_weight=_rand(D, dtype=torch.float32, seed=14))
+    elif variant == "no_w+next_no_w":
+        kw = dict(next_norm=True)
+    elif variant == "scaled_inputs":
+        kw = dict(x_scale=16.0, y_scale=0.03, out_scale=2 ** -0.5)
+    what = f"add_rms_norm {shape} {_name(dtype)} {variant}"
+    h, n = add_rms_norm(x, y, w, 1e-6, **kw)
+    h_ref, n_ref = add_rms_norm_ref(x, y, w, 1e-6, **kw)
+    assert h.is_contiguous() and h.shape == x.shape
+    assert_close(h, h_ref, *TOL[dtype], what + " h vs ref")
+    assert (n is None) == (n_ref is None) == (variant in ("plain", "scaled_inputs"))
+    if n is not None:
+        assert_close(n, n_ref, *TOL[dtype], what + " next norm vs ref")
+        assert_close(n, rms_norm_ref(h, kw.get("next_weight"), 1e-6), *TOL[dtype], what + " next norm of h as stored")
+    if dtype == torch.float32 and variant != "scaled_inputs":  # the reference layer code
+        want, _ = ops.add_rms_norm(x, y, w, 1e-6, kw.get("scale"))
+        assert_close(h, want, *TOL_COMMON[dtype], what + " vs models.ops")
+
+
+def test_add_rms_norm_strided_rows_into_out():
+    """x and y as column slices of wider tensors (row strides > D), h written into `out`."""
+    R, D = 5, 96
+    x = _rand(R, D + 7, dtype=torch.float16, seed=15)[:, :D]
+    y = _rand(R, 2 * D, dtype=torch.float16, scale=3.0, seed=16)[:, D:]
+    w = _rand(D, dtype=torch.float16, seed=17)
+    out = torch.empty(R, D, dtype=torch.float16, device=DEVICE)
+    h, n = add_rms_norm(x, y, w, 1e-6, out=out)
+    assert h.data_ptr() == out.data_ptr() and n is None
+    assert_close(h, add_rms_norm_ref(x, y, w, 1e-6)[0], *TOL[torch.float16], "add_rms_norm strided into out")
 
 
 # ------------------------------------------------------------------------------------ softcap
@@ -173,21 +220,21 @@ def test_softcap(shape, dtype):
     what = f"softcap {shape} {_name(dtype)}"
     got = softcap(x, 30.0)
     assert_close(got, softcap_ref(x, 30.0), *TOL[dtype], what + " vs ref")
-    assert_close(got, common.softcap(x, 30.0), *TOL_COMMON[dtype], what + " vs models.common")
+    assert_close(got, ops.softcap(x, 30.0), *TOL_COMMON[dtype], what + " vs models.ops")
 
 
 def test_refs_are_models_common_in_fp32():
-    """The refs are the models.common definitions (exactly, in fp32 and fp64)."""
+    """The refs are the models.ops definitions (exactly, in fp32 and fp64)."""
     for dtype in (torch.float32, torch.float64):
         x = torch.randn(4, 3, 40, dtype=dtype)
         w = torch.randn(40, dtype=torch.float32)
-        assert torch.equal(rms_norm_ref(x, w, 1e-6), common.rms_norm(x, w, 1e-6))
-        assert torch.equal(gelu_tanh_mul_ref(x, x.flip(0)), common.gelu_tanh(x) * x.flip(0))
-        assert torch.equal(softcap_ref(x, 30.0), common.softcap(x, 30.0))
+        assert torch.equal(rms_norm_ref(x, w, 1e-6), ops.rms_norm(x, w, 1e-6))
+        assert torch.equal(gelu_tanh_mul_ref(x, x.flip(0)), ops.gelu_tanh(x) * x.flip(0))
+        assert torch.equal(softcap_ref(x, 30.0), ops.softcap(x, 30.0))
 
 
 def test_models_common_dispatch_whole_model(tmp_path, monkeypatch):
-    """A tiny Gemma-4 (softcap 30, fused qkv) with models.common's CUDA dispatch forced onto the
+    """A tiny Gemma-4 (softcap 30, fused qkv) with models.ops's CUDA dispatch forced onto the
     interpreted kernels gives the torch path's logits, and the kernels were actually called."""
     spec = TinySpec(n_layer=4, pattern=[True, False, True, False], n_kv_shared=2, fused_qkv=True)
     path = write_tiny_gemma4(tmp_path / "tiny.gguf", spec, seed=3)
@@ -205,7 +252,7 @@ def test_models_common_dispatch_whole_model(tmp_path, monkeypatch):
                 return getattr(fused, name)(*a, **k)
             return call
 
-    monkeypatch.setattr(common, "_fused_for", lambda *ts: Spy())
+    monkeypatch.setattr(ops, "_fused_for", lambda *ts: Spy())
     got = model.forward(tokens)
-    assert set(calls) == {"rms_norm", "rms_norm_rope", "gelu_tanh_mul", "softcap"}, calls
+    assert set(calls) == {"rms_norm", "rms_norm_rope", "add_rms_norm", "gelu_tanh_mul", "softcap"}, calls
     assert_close(got, want, 2e-4, 1e-4, "tiny Gemma-4 logits, fused dispatch vs torch")

@@ -23,7 +23,8 @@ def test_host_embeddings_placement(tmp_path):
         assert where(w["per_layer_token_embd.weight"]) == "cpu"
         assert where(w["token_embd.host"]) == "cpu"  # lookups
         assert where(w["token_embd.weight"]) == "meta"  # the tied LM head stays on the device
-        assert where(w["blk.0.attn_q.weight"]) == "meta" and where(w["output_norm.weight"]) == "meta"
+        q = w["blk.0.attn_qkv.weight" if quantized else "blk.0.attn_q.weight"]  # GGUF q/k/v stacked at load
+        assert where(q) == "meta" and where(w["output_norm.weight"]) == "meta"
         dev = load_weights(f, plan, device="meta", quantized=quantized, host_embeddings=False)
         assert "token_embd.host" not in dev and where(dev["per_layer_token_embd.weight"]) == "meta"
     # a tied head in quantized form serves both the kernel matmul and row lookups

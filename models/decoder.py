@@ -1,0 +1,109 @@
+"""The decoder pass shared by the model families: embed -> layers -> final norm -> head, and the
+per-forward RoPE table memo."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from .kv_cache import DenseKVCache, KVStore
+from .ops import rms_norm, rope_cos_sin
+
+Trace = Optional[Callable[[str, int, torch.Tensor], None]]  # trace(name, layer, tensor); layer -1 = none
+
+
+class DecoderModel:
+    """The whole pass, shared by the model files; each family provides embed / layer / norm / head.
+
+    `embed(tokens)` -> (x [T, d], per-layer inputs [T, L, P] or None); `layer(i, x, pos, pl_i, cache,
+    trace)` -> x; `norm(x)` -> post-final-norm y; `head(y)` -> logits.
+
+    Two per-forward memos keep work out of the layers: `rope` computes cos/sin once per distinct
+    frequency set (keyed on the identity of `pos`), and `pre_norm` returns the normed residual a
+    layer's fused residual kernel already wrote (`keep_norm`, keyed on the identity of x), so on
+    the kernel path no layer runs its attention norm (or the final norm) as a kernel of its own.
+    """
+
+    cfg: object
+    device: torch.device
+    inv_freq: list  # [n_layer] inverse-frequency tensors on the device (one object per distinct set)
+    inv_freq_host: list  # the same on the CPU (float64): host-side tables for the batched decoder
+    pos_scale: Optional[list] = None  # [n_layer] position multipliers (linear RoPE scaling)
+    _rope_memo: tuple = (None, {})
+    _norm_memo: tuple = (None, None, None)  # (x, weight, rms_norm(x) * weight) of the last layer
+
+    def set_rope(self, inv_freq_host: list, pos_scale: Optional[list] = None) -> None:
+        """Per-layer inverse frequencies given on the CPU (layers of one type share one object)."""
+        dev: dict = {}
+        self.inv_freq_host = list(inv_freq_host)
+        self.inv_freq = [dev.setdefault(id(f), f.to(self.device)) for f in self.inv_freq_host]
+        self.pos_scale = pos_scale
+
+    def _rope_key(self, i: int, dtype) -> tuple:
+        return (id(self.inv_freq[i]), self.pos_scale[i] if self.pos_scale else 1.0, dtype)
+
+    def rope(self, i: int, pos: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for layer i at `pos`, computed once per forward for each distinct frequency set."""
+        if self._rope_memo[0] is not pos:
+            self._rope_memo = (pos, {})
+        key = self._rope_key(i, dtype)
+        memo = self._rope_memo[1]
+        if key not in memo:
+            memo[key] = rope_cos_sin(pos, self.inv_freq[i], dtype, key[1])
+        return memo[key]
+
+    def rope_sets(self) -> list[int]:
+        """One layer of each distinct frequency set (inverse frequencies and position scale)."""
+        first: dict = {}
+        for i in range(self.cfg.n_layer):
+            first.setdefault(self._rope_key(i, None), i)
+        return list(first.values())
+
+    def rope_host(self, pos: torch.Tensor, dtype=torch.float32) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """cos, sin [T, 1, n_rot/2] on the CPU for CPU positions `pos`, per `rope_sets()` entry."""
+        return [rope_cos_sin(pos, self.inv_freq_host[i], dtype, self._rope_key(i, None)[1])
+                for i in self.rope_sets()]
+
+    def seed_rope(self, pos: torch.Tensor, tables: list, dtype=torch.float32) -> None:
+        """Make `rope(i, pos, dtype)` return `tables` (one (cos, sin) per `rope_sets()` entry, e.g.
+        `rope_host` copied to the device with the step's other inputs) for this forward."""
+        self._rope_memo = (pos, {self._rope_key(i, dtype): t for i, t in zip(self.rope_sets(), tables)})
+
+    def keep_norm(self, x: torch.Tensor, weight: torch.Tensor, normed: Optional[torch.Tensor]) -> None:
+        """Remember rms_norm(x) * weight when a fused kernel produced it with x (None: forget)."""
+        self._norm_memo = (x, weight, normed) if normed is not None else (None, None, None)
+
+    def pre_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """rms_norm(x) * weight: the kept one when x is the last layer's output, else computed."""
+        kept_x, kept_w, normed = self._norm_memo
+        if kept_x is x and kept_w is weight:
+            return normed
+        return rms_norm(x, weight, self.cfg.rms_eps)
+
+    def embed_into(self, tokens: torch.Tensor, x_out: torch.Tensor, pl_out: Optional[torch.Tensor]) -> None:
+        """`embed(tokens)` written into preallocated buffers (the batched decoder's static inputs)."""
+        x, pl = self.embed(tokens)
+        x_out.copy_(x)
+        if pl_out is not None:
+            pl_out.copy_(pl)
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, pos: Optional[torch.Tensor] = None,
+                cache: Optional[KVStore] = None, logits_rows: Optional[torch.Tensor] = None,
+                trace: Trace = None) -> torch.Tensor:
+        """tokens [T] int64 at positions pos [T] (default 0..T-1) -> logits [R, V] for `logits_rows`
+        (default: every row). Writes K/V of the owning layers into `cache` (a fresh one if None)."""
+        tokens = tokens.to(self.device)
+        pos = torch.arange(tokens.shape[0], device=self.device) if pos is None else pos.to(self.device)
+        cache = DenseKVCache() if cache is None else cache
+        x, pl = self.embed(tokens)
+        if trace:
+            trace("inp_scaled", -1, x)
+        for i in range(self.cfg.n_layer):
+            x = self.layer(i, x, pos, None if pl is None else pl[:, i], cache, trace)
+        if logits_rows is not None:
+            x = x[logits_rows]
+        y = self.norm(x)
+        if trace:
+            trace("result_norm", -1, y)
+        return self.head(y)
