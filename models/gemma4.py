@@ -14,7 +14,7 @@ import torch
 from .decoder import DecoderModel, Trace
 from .kv_cache import KVStore
 from .metadata import ConfigError, metadata_reader, vocab_size_of
-from .ops import (add_rms_norm, attend, embedding_rows, gated_mlp, gelu_mul, gelu_tanh, kernel_path, linear,
+from .ops import (add_rms_norm, attend, embedding_rows, gated_mlp, gelu_mul, gelu_tanh, kernel_path, linear, linear_gelu_mul,
                   norm_rope, norm_rope_store, qkv_projection, quant_rows_to_device, quantized_table,
                   rms_norm, rope_dtype, rope_inv_freq, rows_to_device, scaled_add_rms_norm, softcap)
 from .weights import load_weights
@@ -387,7 +387,7 @@ class Gemma4Model(DecoderModel):
         scale = w.get(b + "layer_output_scale.weight")
         if pl is not None:  # PLE injection: the gate reads the post-MLP residual
             x, _ = add_rms_norm(x, f, w[b + "post_ffw_norm.weight"], eps)
-            g = gelu_mul(linear(x, w[b + "inp_gate.weight"]), pl)
+            g = linear_gelu_mul(x, w[b + "inp_gate.weight"], pl)
             x, n = add_rms_norm(x, linear(g, w[b + "proj.weight"]), w[b + "post_norm.weight"], eps, scale, nxt)
         else:
             x, n = add_rms_norm(x, f, w[b + "post_ffw_norm.weight"], eps, scale, nxt)

@@ -79,6 +79,14 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
     return w.linear(x)
 
 
+def linear_gelu_mul(x: torch.Tensor, w, e: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(x W^T) * e (Gemma-4's per-layer-input gate): a quantized W on the kernel path does
+    it in the GEMV's epilogue (one launch); elsewhere linear, then gelu_mul."""
+    if not isinstance(w, torch.Tensor) and getattr(w, "packed", None) is not None and kernel_path(x, e):
+        return w.linear(x, gelu_mul=e)
+    return gelu_mul(linear(x, w), e)
+
+
 def qkv_projection(x: torch.Tensor, w: dict, b: str, n_q: int, n_kv: int):
     """q [.., n_q], k [.., n_kv], v [.., n_kv] or None (no attn_v: V = K) for layer prefix `b`,
     from separate attn_q/k/v weights or one fused `attn_qkv` (rows Q, K[, V]; when it holds Q and

@@ -22,7 +22,7 @@ pytest.importorskip("triton", reason="the launch recorder intercepts Triton laun
 
 from engine.dry_run import decode_step, dry_model  # noqa: E402
 
-PINNED = {"e2b": 509, "e4b": 612}
+PINNED = {"e2b": 474, "e4b": 570}
 TARGET = {"e2b": 450, "e4b": 520}  # issue 11
 
 
@@ -57,7 +57,7 @@ def test_decode_step_structure(steps, variant):
     assert n["_qkv_norm_rope_store_kernel"] == owning and "_kv_store_kernel" not in n, why
     assert n["_rms_norm_rope_kernel"] == cfg.n_layer - owning + 1, why  # + layer 0's attention norm
     assert n["_add_rms_norm_kernel"] == 3 * cfg.n_layer + 1, why  # + the per-layer inputs
-    assert n["_gelu_tanh_mul_kernel"] == 2 * cfg.n_layer, why
+    assert n["_gelu_tanh_mul_kernel"] == cfg.n_layer, why  # the PLE gate: in the inp_gate GEMV
     stacked = sum(name.endswith(("attn_qkv.weight", "ffn_gate_up.weight")) for name in model.w)
     assert stacked == owning + cfg.n_layer, why
     assert rec.n_torch <= 6 and not {"_to_copy", "add", "mul", "cos", "sin"} & {

@@ -32,7 +32,7 @@ SPEC = TinySpec(n_layer=4, pattern=[True, False, True, False], n_kv_shared=2, pl
                 n_kv_head=2, sliding_window=6)
 # Every kernel of the CUDA decode/prefill path. (kv_store is not among them: with the triton
 # backend the attention prologue stores K/V itself.)
-KERNELS = {"_qmatmul_kernel", "_qkv_norm_rope_store_kernel", "_rms_norm_rope_kernel", "_add_rms_norm_kernel",
+KERNELS = {"_gemv_kernel", "_qkv_norm_rope_store_kernel", "_rms_norm_rope_kernel", "_add_rms_norm_kernel",
            "_gelu_tanh_mul_kernel", "_softcap_kernel", "_qdequant_kernel", "_decode_split_kernel",
            "_extend_kernel"}
 
@@ -127,7 +127,8 @@ def test_kernel_path_without_attn_v_and_dense_cache(tmp_path):
 
 def test_embedding_rows_dequantized_on_the_device(q4):
     """Kernel path of `embed`: the quantized rows of both tables (token_embd, per_layer_token_embd)
-    are gathered as bytes and dequantized by the Triton kernel; x and the per-layer inputs equal
+    are gathered as bytes and dequantized by a Triton kernel (GGUF rows, or the tied head's
+    repacked planes); x and the per-layer inputs equal
     the CPU path's (host dequantization, models.quant), also when written into given buffers."""
     from models.ops import quant_rows_to_device
 
@@ -140,7 +141,9 @@ def test_embedding_rows_dequantized_on_the_device(q4):
         got_x, got_pl = model.embed(ids)
         x_buf, pl_buf = torch.empty_like(want_x), torch.empty_like(want_pl)
         model.embed_into(ids, x_buf, pl_buf)
-    assert names["_qdequant_kernel"] == 6 and names["_add_rms_norm_kernel"] == 2
+    # the PLE table's GGUF rows (qdequant); the tied head's repacked rows (its own dequant kernel)
+    assert names["_qdequant_kernel"] == 3 and names["_dequant_packed_kernel"] == 3
+    assert names["_add_rms_norm_kernel"] == 2
     for r, t in zip(rows, tables):  # dequantization is exact
         assert torch.equal(r, t.rows(ids))
     assert torch.equal(got_x, want_x) and torch.equal(x_buf, want_x)
@@ -161,7 +164,7 @@ def test_gemma3_kernel_path():
     dense = tiny_gemma3()
     emb = dense.w["token_embd.weight"]
     q8 = QuantWeight(torch.from_numpy(quantize(emb.numpy(), GGMLQuantizationType.Q8_0)),
-                     int(GGMLQuantizationType.Q8_0), tuple(emb.shape))
+                     int(GGMLQuantizationType.Q8_0), tuple(emb.shape), lookup=True)
     model = Gemma3Model(dense.cfg, {**dense.w, "token_embd.host": q8})  # lookups from the Q8_0 rows
     tokens = torch.tensor([2, 17, 99, 200, 5, 383, 64, 9, 1, 300])  # longer than window 6
     want = model.forward(tokens)
