@@ -6,13 +6,13 @@ kernels.arch's two probes (`_have_cuda`, `_cuda_gpu`); nothing here needs a GPU 
 test (`-m cuda`)."""
 from __future__ import annotations
 
-import threading
-import time
+from triton_env import INTERPRET  # noqa: F401 - first: TRITON_INTERPRET before triton is imported
 
-import pytest
-import torch
+import threading  # noqa: E402
+import time  # noqa: E402
 
-pytest.importorskip("triton", reason="launch recording needs the triton package")
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from engine import api  # noqa: E402
 from engine.attention_backend import get_attention_backend  # noqa: E402
