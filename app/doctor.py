@@ -1,4 +1,4 @@
-"""`edgegem doctor`: why the GPU is (not) used, in one screen.
+"""`edgegem doctor`: why the GPU is (not) used and what runs on it, in one screen.
 
 `gather()` probes the machine into a `Facts` record; `evaluate(facts)` turns it into checks, each
 `OK|WARN|FAIL  <check>: <finding>` with a fix hint under WARN/FAIL. Tests build `Facts` by hand
@@ -353,6 +353,13 @@ def check_driver(f: Facts) -> Check:
 
 
 def check_triton(f: Facts) -> Check:
+    if f.gpus:
+        from engine.api import gpu_support  # torch imports: f.gpus came from it
+
+        if not any(gpu_support(g.capability).triton for g in f.gpus):  # older than sm_75: never used
+            archs = ", ".join(sorted({gpu_support(g.capability).name for g in f.gpus}))
+            return Check(OK, "triton", f"{f.triton_version or 'not installed'}: not used on {archs} "
+                         "(the torch path runs, see the kernels line)")
     if f.triton_version is None:
         if f.cuda_available:
             return Check(FAIL, "triton", f"cannot import triton ({f.triton_error})",
@@ -366,6 +373,29 @@ def check_triton(f: Facts) -> Check:
                      "reinstall torch from its CUDA index so the matching triton comes with it: "
                      f"{_torch_fix(f)}; meanwhile --attention-backend torch avoids Triton attention")
     return Check(OK, "triton", f"{f.triton_version}: a test kernel compiled and ran on the GPU")
+
+
+def check_kernels(f: Facts) -> list[Check]:
+    """Per GPU: its arch and what the engine runs on it (engine.api.gpu_support): the Triton
+    kernels (sm_75+) or the torch path and why, the attention dots' operand type, fp8 KV."""
+    if not f.gpus:
+        return []
+    from engine.api import gpu_support  # torch imports: f.gpus came from it
+
+    out = []
+    for i, g in enumerate(f.gpus):
+        s = gpu_support(g.capability, f.triton_version is not None)
+        name = "kernels" if len(f.gpus) == 1 else f"kernels {i}"
+        fp8 = "fp8 KV cache" if s.fp8_kv else "no fp8 KV cache (int8_per_token_head is the same size)"
+        if s.triton:
+            out.append(Check(OK, name, f"{s.name}: Triton kernels, {s.attention_dots} attention dots, {fp8}"))
+        elif f.triton_version is None:
+            out.append(Check(WARN, name, f"{s.name}: the torch path runs ({s.reason}); {fp8}", "see the triton line"))
+        else:
+            out.append(Check(WARN, name, f"{s.name}: the torch path runs ({s.reason}); {fp8}",
+                             "nothing to fix: edgegem runs here on the torch path, slower; the Triton kernels need "
+                             "a Turing (GTX 16xx, RTX 20xx) or newer GPU"))
+    return out
 
 
 def check_memory(f: Facts) -> Check:
@@ -399,7 +429,7 @@ def check_models_dir(f: Facts) -> Check:
 
 def evaluate(f: Facts) -> list[Check]:
     return [check_python(f), check_torch(f), check_cuda(f), *check_gpu(f), check_driver(f), check_triton(f),
-            check_memory(f), check_data_dir(f), check_models_dir(f)]
+            *check_kernels(f), check_memory(f), check_data_dir(f), check_models_dir(f)]
 
 
 def report(checks: list[Check], as_json: bool = False) -> str:

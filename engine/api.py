@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from kernels.arch import support, triton_supported
 from models.chat import split_thinking
 from models.gguf import GGUFError, GGUFFile
 from models.loader import LoadedModel, load_model, open_gguf
@@ -23,7 +24,7 @@ from .scheduler import EngineConfig
 __all__ = ["GGUFError", "LoadedModel", "SamplingParams", "GenerationParams", "EngineOptions",
            "demo_model_path", "resolve_model", "open_model", "tokenize", "score", "prompt_ids",
            "engine_config", "engine_plan", "split_thinking", "start_client", "run_prompt", "describe",
-           "open_layout", "memory_plan"]
+           "open_layout", "memory_plan", "gpu_support"]
 
 
 def demo_model_path() -> Optional[Path]:
@@ -60,11 +61,20 @@ def open_model(path: Path, exact: bool = True, device: str = "cpu", embed_weight
                progress: Optional[Callable[[int, int, int, int], None]] = None) -> LoadedModel:
     """CPU: `exact` float32 weights (the reference), else the float16 runtime format, about 3x
     faster decode on a memory-bound CPU (models/weights.py). CUDA: bf16 activations, GGUF matrices
-    kept quantized for the Triton kernels (`exact`: float32 activations)."""
-    if device == "cuda":
+    kept quantized for the Triton kernels (`exact`: float32 activations). A GPU the Triton kernels
+    do not run on (older than sm_75: `gpu_support`) gets the CPU's layout on the device: float32
+    activations over float16 matrices (`exact`: float32), the torch path throughout."""
+    if device == "cuda" and triton_supported(device)[0]:
         return load_model(path, dtype=torch.float32 if exact else torch.bfloat16, device=device, quantized=True,
                           host_embeddings=embed_weights == "host", progress=progress)
-    return load_model(path, device=device, weight_dtype=None if exact else torch.float16, progress=progress)
+    return load_model(path, device=device, weight_dtype=None if exact else torch.float16,
+                      host_embeddings=device != "cpu" and embed_weights == "host", progress=progress)
+
+
+def gpu_support(capability: tuple[int, int], triton_installed: bool = True):
+    """What runs on a GPU of this compute capability (kernels.arch.ArchSupport: Triton kernels or
+    the torch path and why, fp8 KV, the attention dots' operand type), for `edgegem doctor`."""
+    return support(tuple(capability), triton_installed)
 
 
 def tokenize(path: Path, text: str) -> list[int]:

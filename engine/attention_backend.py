@@ -74,18 +74,19 @@ class TritonAttention(AttentionBackend):
 _REGISTRY = {"torch": TorchAttention, "triton": TritonAttention}
 
 
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def get_attention_backend(name: str = "auto", device: str | torch.device = "cpu") -> AttentionBackend:
-    """`auto`: triton on CUDA when it imports, torch otherwise."""
+    """`auto`: triton where `kernels.arch.triton_supported(device)` (a CUDA GPU of sm_75 or newer,
+    triton importable), torch otherwise. `triton` named on an older GPU is a one-line ValueError
+    saying why (on the CPU it stays allowed: the interpreter runs it in tests)."""
+    from kernels.arch import triton_supported
+
+    device = torch.device(device)
     if name == "auto":
-        name = "triton" if torch.device(device).type == "cuda" and triton_available() else "torch"
+        name = "triton" if triton_supported(device)[0] else "torch"
+    elif name == "triton" and device.type == "cuda":
+        ok, why = triton_supported(device)
+        if not ok:
+            raise ValueError(f"attention backend triton: {why}")
     if name not in _REGISTRY:
         raise ValueError(f"unknown attention backend '{name}' (auto, {', '.join(_REGISTRY)})")
     return _REGISTRY[name]()

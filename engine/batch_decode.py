@@ -54,10 +54,16 @@ def capacity_of(n: int) -> int:
     return max(MIN_CAPACITY, 1 << max(0, n - 1).bit_length())
 
 
-def decode_splits(capacity: int) -> int:
-    """Split-K programs per (row, KV head), fixed per capacity so a captured graph keeps its grid.
-    Untuned guess (no GPU measured): about one split per 512 table entries, at most 16."""
-    return max(1, min(16, capacity // 512))
+def decode_splits(capacity: int, rows: int, n_kv: int, device) -> int:
+    """Split-K programs per (query row, KV head) of a decode-attention launch over tables of
+    `capacity` entries for `rows` = B * T query rows: enough (row, KV head, split) programs for
+    two per SM of `device` where the capacity allows (`kernels.attention.decode_splits`). A
+    function of the captured shape and the device only, so a graph's grid is a constant. Meta and
+    CPU devices take the reference GPU's SM count (`kernels.arch.REFERENCE`, or `assume_gpu`)."""
+    from kernels.arch import gpu_of
+    from kernels.attention import decode_splits as split_rule
+
+    return split_rule(capacity, rows, n_kv, gpu_of(device).sms)
 
 
 @dataclass
@@ -223,7 +229,9 @@ class BatchDecoder:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: a CUDA call from another thread (the app's model loader, a UI probe) during
+        # the capture would otherwise invalidate it ("operation not permitted when stream is capturing").
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             self._run_layers(st)
         st.graph = graph
 
@@ -299,7 +307,8 @@ class _TableKV:
         rows_slots, rows_pos, indptr = self._rows[pool.name]
         scales = (pool.k_scale[slab], pool.v_scale[slab]) if pool.fmt.scaled else (None, None)
         o = decode_attention(q.contiguous(), pool.k[slab], pool.v[slab], rows_slots, rows_pos, pos, scale,
-                             window, scales[0], scales[1], slot_indptr=indptr, num_splits=decode_splits(C))
+                             window, scales[0], scales[1], slot_indptr=indptr,
+                             num_splits=decode_splits(C, N, pool.k[slab].shape[1], q.device))
         return o.reshape(N, n_h * hd)
 
 

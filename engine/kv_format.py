@@ -61,13 +61,35 @@ _FORMATS = {
 
 
 def resolve_format(name: str, device: str | torch.device = "cpu") -> KVFormat:
-    """A format by name; `auto` is bf16 on CUDA and fp32 on the CPU (exact reference numerics)."""
+    """A format by name; `auto` is bf16 on CUDA and fp32 on the CPU (exact reference numerics).
+    fp8 on a GPU older than sm_80 is a one-line ValueError naming int8_per_token_head."""
     if name == "auto":
         name = "bf16" if torch.device(device).type == "cuda" else "fp32"
     try:
-        return _FORMATS[name]
+        fmt = _FORMATS[name]
     except KeyError:
         raise ValueError(f"unknown KV cache format '{name}' (choose from {', '.join(FORMAT_NAMES)})") from None
+    if fmt.value_dtype == torch.float8_e4m3fn:
+        _check_fp8(device)
+    return fmt
+
+
+class FormatUnsupported(ValueError):
+    """A KV format not offered on this device (fp8 below sm_80: kernels.arch.fp8_kv_supported)."""
+
+
+def _check_fp8(device) -> None:
+    """On the CPU the torch path converts fp8 itself; a GPU (or a dry run's assumed one: meta, or
+    "cuda" without a GPU) must be sm_80+ (kernels.arch.fp8_kv_supported)."""
+    device = torch.device(device)
+    if device.type not in ("cuda", "meta"):
+        return
+    from kernels.arch import arch_name, fp8_kv_supported, gpu_of
+
+    arch = gpu_of(device).arch
+    if not fp8_kv_supported(arch):
+        raise FormatUnsupported(f"fp8_per_token_head KV cache needs an sm_80 or newer GPU, this one is "
+                                f"{arch_name(arch)}: use int8_per_token_head (the same size)")
 
 
 def owning_layers(cfg, sliding: bool, share_kv: bool = True) -> list[int]:

@@ -25,7 +25,7 @@ import re
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
-from .kv_format import FORMAT_NAMES, owning_layers, pool_unit_bytes, resolve_format
+from .kv_format import FORMAT_NAMES, FormatUnsupported, owning_layers, pool_unit_bytes, resolve_format
 
 MiB, GiB = 2 ** 20, 2 ** 30
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": MiB, "mib": MiB, "mb": 10**6,
@@ -309,7 +309,8 @@ def _suggestions(layout, cfg, opt: PlanOptions, needed: int) -> list[tuple[str, 
 
 
 def max_context_by_format(layout, opt: PlanOptions = PlanOptions(), cfg=None) -> dict[str, Optional[dict]]:
-    """The plan's full pool and max context for every full-pool format (None: does not fit)."""
+    """The plan's full pool and max context for every full-pool format the device can store
+    (None: does not fit; fp8 is left out below sm_80)."""
     cfg = cfg or _config(layout)
     if opt.budget is None:
         opt = replace(opt, budget=default_budget(opt.device)[0])
@@ -321,4 +322,6 @@ def max_context_by_format(layout, opt: PlanOptions = PlanOptions(), cfg=None) ->
                       "max_context": p.max_context}
         except BudgetTooSmall:
             out[f] = None
+        except FormatUnsupported:
+            continue
     return out

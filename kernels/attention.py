@@ -19,16 +19,25 @@ out of the window) skip their K/V loads, which prunes most of them when position
 
 Numerics: dot inputs in q's dtype (8-bit K/V values are exact in fp16/bf16), fp32 accumulation,
 exp2-domain online softmax. 8-bit scales are applied to the scores (k) and to the probabilities (v),
-never to the K/V tiles: BLOCK_H·BLOCK_N multiplies instead of BLOCK_N·hd.
+never to the K/V tiles: BLOCK_H·BLOCK_N multiplies instead of BLOCK_N·hd. Below sm_80 bf16 queries
+go into the dots as fp16 (no bf16 MMA or bf16 conversions there; q, k and v are RMS-normed, so
+fp16's range holds them; 8-bit values are exact in fp16 too).
 Decode split-K (flash-decoding): grid (B, n_kv, splits); each split writes a normalized partial
 output and its log2-sum-exp, and `_decode_reduce_kernel` merges them. With one split the first
 kernel writes the output directly (one launch per layer). Each program handles all n_h/n_kv query
 heads of one KV head, so a K/V tile is read once per group: decode reads each visible key's
-K and V bytes once per step.
+K and V bytes once per step. `decode_splits` sizes the split count from the GPU's SM count.
+
+Tiles depend on the GPU (kernels.arch.gpu_of: the tensor's CUDA device, or the assumed GPU of a
+dry run): `decode_tiles`, `extend_tiles`. Triton >= 3.2 has no tensor-core path below sm_80 and
+runs every fp32 'ieee' dot on FMA units too; there tl.dot holds both operands' whole contraction
+extent in each thread's registers, so the q·k dot runs over head-dim chunks (`_scores`).
 """
-import functools
+from typing import NamedTuple
 
 import torch
+
+from .arch import dot_fp16, gpu_of
 
 try:
     import triton
@@ -52,15 +61,56 @@ if triton is not None:
         return (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True)
 
     @triton.jit
-    def _attend_block(q, acc, m_i, l_i, start, end, q_pos_rows, q_pos_min, q_pos_max, kv_head,
+    def _to_dot(x, q_rows, DOT_F16: tl.constexpr):
+        """x as a dot operand: in q's type, or fp16 below sm_80 (no bf16 MMA or bf16 conversions)."""
+        if DOT_F16:
+            y = x.to(tl.float16)
+        else:
+            y = x.to(q_rows.dtype.element_ty)
+        return y
+
+    @triton.jit
+    def _scores(q, q_rows, mask_rows, k_ptr, slot, mask_n, kv_head, stride_kt, stride_kh,
+                HD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DK: tl.constexpr,
+                BLOCK_N: tl.constexpr, FP8: tl.constexpr, DOT_F16: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """q · k^T of R rows against a tile of keys gathered by slot: [BLOCK_R, BLOCK_N] fp32.
+        BLOCK_DK == BLOCK_D: one dot with q held in registers (tensor cores). BLOCK_DK < BLOCK_D:
+        the head dim in chunks, q re-read from L1 per chunk: Triton's FMA dot (sm_75: no MMA)
+        holds both operands' whole contraction extent per thread, and q [R, 512] with a [512, N]
+        tile spills; chunks of 32 keep it to about (rows + cols per thread) x 32 registers."""
+        if BLOCK_DK == BLOCK_D:
+            offs_d = tl.arange(0, BLOCK_D)
+            kt = tl.load(k_ptr + slot[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
+                         mask=mask_n[None, :] & (offs_d[:, None] < HD), other=0)  # k^T [BLOCK_D, BLOCK_N]
+            if FP8:
+                kt = _e4m3_bits_to_fp16(kt)
+            qk = tl.dot(q, _to_dot(kt, q_rows, DOT_F16), input_precision=DOT_PRECISION)
+        else:
+            qk = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
+            for c in tl.static_range(BLOCK_D // BLOCK_DK):
+                offs_c = c * BLOCK_DK + tl.arange(0, BLOCK_DK)
+                q_c = tl.load(q_rows[:, None] + offs_c[None, :], mask=mask_rows[:, None] & (offs_c[None, :] < HD),
+                              other=0.0)
+                kt = tl.load(k_ptr + slot[None, :] * stride_kt + kv_head * stride_kh + offs_c[:, None],
+                             mask=mask_n[None, :] & (offs_c[:, None] < HD), other=0)
+                if FP8:
+                    kt = _e4m3_bits_to_fp16(kt)
+                qk += tl.dot(_to_dot(q_c.to(tl.float32), q_rows, DOT_F16), _to_dot(kt, q_rows, DOT_F16),
+                             input_precision=DOT_PRECISION)
+        return qk
+
+    @triton.jit
+    def _attend_block(q, q_rows, mask_rows, acc, m_i, l_i, start, end, q_pos_rows, q_pos_min, q_pos_max, kv_head,
                       k_ptr, v_ptr, ks_ptr, vs_ptr, slots_ptr, kpos_ptr, qk_scale, window,
                       stride_kt, stride_kh, stride_vt, stride_vh,
                       stride_kst, stride_ksh, stride_vst, stride_vsh,
-                      HD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                      HAS_WINDOW: tl.constexpr, SCALED: tl.constexpr, FP8: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr):
+                      HD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DK: tl.constexpr,
+                      BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, SCALED: tl.constexpr, FP8: tl.constexpr,
+                      DOT_F16: tl.constexpr, DOT_PRECISION: tl.constexpr):
         """One BLOCK_N tile of keys (list entries start..start+BLOCK_N, < end) into the online
-        softmax state of R query rows: q [R, BLOCK_D], acc [R, D] fp32, m_i, l_i [R] fp32 (log2)."""
+        softmax state of R query rows: q [R, BLOCK_D] in the dot type (unused when BLOCK_DK <
+        BLOCK_D: q_rows [R] pointers to each row's q, mask_rows [R], are read instead), acc [R, D]
+        fp32, m_i, l_i [R] fp32 (log2)."""
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         k_pos = tl.load(kpos_ptr + offs_n, mask=mask_n, other=0)
@@ -72,14 +122,8 @@ if triton is not None:
             live = live & (q_pos_min - kp_max < window)
         if live:
             slot = tl.load(slots_ptr + offs_n, mask=mask_n, other=0).to(tl.int64)
-            offs_d = tl.arange(0, BLOCK_D)
-            mask_kv = mask_n[None, :] & (offs_d[:, None] < HD)
-            # k^T tile [BLOCK_D, BLOCK_N] gathered by slot; v tile [BLOCK_N, BLOCK_D].
-            kt = tl.load(k_ptr + slot[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
-                         mask=mask_kv, other=0)
-            if FP8:
-                kt = _e4m3_bits_to_fp16(kt)
-            qk = tl.dot(q, kt.to(q.dtype), input_precision=DOT_PRECISION)  # [R, N] fp32
+            qk = _scores(q, q_rows, mask_rows, k_ptr, slot, mask_n, kv_head, stride_kt, stride_kh,
+                         HD, BLOCK_R, BLOCK_D, BLOCK_DK, BLOCK_N, FP8, DOT_F16, DOT_PRECISION)
             if SCALED:
                 k_sc = tl.load(ks_ptr + slot * stride_kst + kv_head * stride_ksh, mask=mask_n, other=0.0)
                 if FP8:
@@ -97,6 +141,7 @@ if triton is not None:
             alpha = tl.math.exp2(m_i - m_use)
             p = tl.math.exp2(qk - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
+            offs_d = tl.arange(0, BLOCK_D)
             v = tl.load(v_ptr + slot[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
                         mask=mask_n[:, None] & (offs_d[None, :] < HD), other=0)
             if FP8:
@@ -106,7 +151,8 @@ if triton is not None:
                 if FP8:
                     v_sc = v_sc * 256.0
                 p = p * v_sc[None, :]
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+            acc = acc * alpha[:, None] + tl.dot(_to_dot(p, q_rows, DOT_F16), _to_dot(v, q_rows, DOT_F16),
+                                                input_precision=DOT_PRECISION)
             m_i = m_new
         return acc, m_i, l_i
 
@@ -117,9 +163,10 @@ if triton is not None:
                              stride_kt, stride_kh, stride_vt, stride_vh,
                              stride_kst, stride_ksh, stride_vst, stride_vsh,
                              GROUP: tl.constexpr, HD: tl.constexpr, BLOCK_H: tl.constexpr,
-                             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                             BLOCK_D: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_N: tl.constexpr,
+                             NUM_SPLITS: tl.constexpr,
                              HAS_INDPTR: tl.constexpr, HAS_WINDOW: tl.constexpr, SCALED: tl.constexpr,
-                             FP8: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                             FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_F16: tl.constexpr):
         b = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -139,8 +186,13 @@ if triton is not None:
         mask_h = offs_g < GROUP
         offs_d = tl.arange(0, BLOCK_D)
         mask_d = offs_d < HD
-        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=mask_h[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+        q_rows = q_ptr + b * stride_qb + heads * stride_qh
+        if BLOCK_DK == BLOCK_D:  # else _scores reads q by chunks
+            q = tl.load(q_rows[:, None] + offs_d[None, :], mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+            if DOT_F16:
+                q = q.to(tl.float32).to(tl.float16)  # [BLOCK_H, BLOCK_D]
+        else:
+            q = 0.0
         q_pos = tl.load(qpos_ptr + b)
         q_pos_rows = tl.zeros([BLOCK_H], dtype=q_pos.dtype) + q_pos
 
@@ -149,10 +201,10 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         for start in range(lo, hi, BLOCK_N):
             acc, m_i, l_i = _attend_block(
-                q, acc, m_i, l_i, start, hi, q_pos_rows, q_pos, q_pos, kv_head,
+                q, q_rows, mask_h, acc, m_i, l_i, start, hi, q_pos_rows, q_pos, q_pos, kv_head,
                 k_ptr, v_ptr, ks_ptr, vs_ptr, slots_ptr + seq_start, kpos_ptr + seq_start, qk_scale, window,
                 stride_kt, stride_kh, stride_vt, stride_vh, stride_kst, stride_ksh, stride_vst, stride_vsh,
-                HD, BLOCK_D, BLOCK_N, HAS_WINDOW, SCALED, FP8, DOT_PRECISION)
+                HD, BLOCK_H, BLOCK_D, BLOCK_DK, BLOCK_N, HAS_WINDOW, SCALED, FP8, DOT_F16, DOT_PRECISION)
 
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         mask_o = mask_h[:, None] & mask_d[None, :]
@@ -169,21 +221,29 @@ if triton is not None:
     @triton.jit
     def _decode_reduce_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, n_h, stride_ob, stride_oh,
                               HD: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                              BLOCK_S: tl.constexpr):
+                              BLOCK_S: tl.constexpr, BLOCK_LSE: tl.constexpr):
+        """out[b, h] = sum_s w_s o_s / sum_s w_s, w_s = 2^(lse_s - max lse). The partial outputs are
+        read BLOCK_S splits at a time, so the split count (up to a few hundred on a big GPU) does
+        not grow the register tile [BLOCK_S, BLOCK_D]."""
         b = tl.program_id(0)
         h = tl.program_id(1)
-        offs_s = tl.arange(0, BLOCK_S)
-        mask_s = offs_s < NUM_SPLITS
+        base = (b * n_h + h) * NUM_SPLITS
+        offs_all = tl.arange(0, BLOCK_LSE)
+        m = tl.max(tl.load(mid_lse_ptr + base + offs_all, mask=offs_all < NUM_SPLITS, other=float("-inf")), axis=0)
+        m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: all weights 0
         offs_d = tl.arange(0, BLOCK_D)
         mask_d = offs_d < HD
-        row = (b * n_h + h) * NUM_SPLITS + offs_s
-        lse = tl.load(mid_lse_ptr + row, mask=mask_s, other=float("-inf"))
-        m = tl.max(lse, axis=0)
-        w = tl.math.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # empty splits weigh 0
-        o = tl.load(mid_o_ptr + row[:, None] * HD + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :],
-                    other=0.0)
-        den = tl.sum(w, axis=0)
-        o = tl.sum(w[:, None] * o, axis=0) / tl.where(den == 0.0, 1.0, den)
+        o = tl.zeros([BLOCK_D], dtype=tl.float32)
+        den = 0.0
+        for s0 in range(0, NUM_SPLITS, BLOCK_S):
+            offs_s = s0 + tl.arange(0, BLOCK_S)
+            mask_s = offs_s < NUM_SPLITS
+            w = tl.math.exp2(tl.load(mid_lse_ptr + base + offs_s, mask=mask_s, other=float("-inf")) - m)
+            part = tl.load(mid_o_ptr + (base + offs_s)[:, None] * HD + offs_d[None, :],
+                           mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+            o += tl.sum(w[:, None] * part, axis=0)
+            den += tl.sum(w, axis=0)
+        o = o / tl.where(den == 0.0, 1.0, den)
         tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=mask_d)
 
     @triton.jit
@@ -193,8 +253,8 @@ if triton is not None:
                        stride_kt, stride_kh, stride_vt, stride_vh,
                        stride_kst, stride_ksh, stride_vst, stride_vsh,
                        GROUP: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, SCALED: tl.constexpr,
-                       FP8: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                       BLOCK_DK: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, SCALED: tl.constexpr,
+                       FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_F16: tl.constexpr):
         # Rows fold (query t, head of the KV group g) = r // GROUP, r % GROUP, so each K/V tile is
         # loaded once for all GROUP heads that share it.
         kv_head = tl.program_id(1)
@@ -204,8 +264,13 @@ if triton is not None:
         heads = kv_head * GROUP + offs_r % GROUP
         offs_d = tl.arange(0, BLOCK_D)
         mask_d = offs_d < HD
-        q = tl.load(q_ptr + t[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=mask_r[:, None] & mask_d[None, :], other=0.0)
+        q_rows = q_ptr + t * stride_qt + heads * stride_qh
+        if BLOCK_DK == BLOCK_D:
+            q = tl.load(q_rows[:, None] + offs_d[None, :], mask=mask_r[:, None] & mask_d[None, :], other=0.0)
+            if DOT_F16:
+                q = q.to(tl.float32).to(tl.float16)
+        else:
+            q = 0.0
         q_pos_rows = tl.load(qpos_ptr + t, mask=mask_r, other=0)
         q_pos_min = tl.min(tl.where(mask_r, q_pos_rows, 2147483647), axis=0)
         q_pos_max = tl.max(tl.where(mask_r, q_pos_rows, -2147483647), axis=0)
@@ -215,10 +280,10 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         for start in range(0, n_keys, BLOCK_N):
             acc, m_i, l_i = _attend_block(
-                q, acc, m_i, l_i, start, n_keys, q_pos_rows, q_pos_min, q_pos_max, kv_head,
+                q, q_rows, mask_r, acc, m_i, l_i, start, n_keys, q_pos_rows, q_pos_min, q_pos_max, kv_head,
                 k_ptr, v_ptr, ks_ptr, vs_ptr, slots_ptr, kpos_ptr, qk_scale, window,
                 stride_kt, stride_kh, stride_vt, stride_vh, stride_kst, stride_ksh, stride_vst, stride_vsh,
-                HD, BLOCK_D, BLOCK_N, HAS_WINDOW, SCALED, FP8, DOT_PRECISION)
+                HD, BLOCK_M, BLOCK_D, BLOCK_DK, BLOCK_N, HAS_WINDOW, SCALED, FP8, DOT_F16, DOT_PRECISION)
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + t[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=mask_r[:, None] & mask_d[None, :])
@@ -262,19 +327,57 @@ def _common_args(q, k_slab, v_slab, k_scale, v_scale, scaled):
     return k_slab, v_slab, ks, vs, strides, precision
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+class Tiles(NamedTuple):
+    """Launch shape of one attention kernel: rows per program (the padded head group for decode,
+    query-head rows for extend), the q·k contraction chunk (== block_d: one tensor-core dot),
+    keys per tile, warps."""
+    rows: int
+    block_dk: int
+    block_n: int
+    num_warps: int
 
 
-def _default_splits(total_keys: int, n_seqs: int, n_kv: int, block_n: int, device) -> int:
-    """Enough (sequence, kv head, split) programs to fill the GPU twice over, with >= 2 tiles per split.
-    Untuned guess; pass num_splits explicitly for CUDA graphs (it is a compile-time constant)."""
-    sms = _sm_count(device)
-    per_seq = -(-total_keys // max(n_seqs, 1))
-    by_occupancy = -(-2 * sms // max(n_seqs * n_kv, 1))
-    by_length = -(-per_seq // (2 * block_n))
-    return max(1, min(by_occupancy, by_length, 64))
+def _fma_dots(q_dtype: torch.dtype, arch: tuple[int, int]) -> bool:
+    """Triton lowers tl.dot to FMA loops where no MMA fits: every dot below sm_80 (Triton >= 3.2
+    dropped Turing's mma.m16n8k8), and fp32 'ieee' dots everywhere."""
+    return q_dtype == torch.float32 or tuple(arch) < (8, 0)
+
+
+def decode_tiles(hd: int, group: int, q_dtype: torch.dtype, arch: tuple[int, int]) -> Tiles:
+    """Tiles of `_decode_split_kernel` (ptxas -v, spill-free on sm_75..sm_89 for E2B/E4B: hd 256/512,
+    group 8/4, every KV format). Tensor cores: the head group padded to 16 rows (the MMA's M),
+    one dot over the whole head dim. FMA dots: rows = the group itself (no padded FMAs), the
+    head dim in chunks of 32 (see _scores)."""
+    block_d = max(16, triton.next_power_of_2(hd))
+    if _fma_dots(q_dtype, arch):
+        return Tiles(max(1, triton.next_power_of_2(group)), min(32, block_d), 16, 4 if hd <= 256 else 8)
+    return Tiles(max(16, triton.next_power_of_2(group)), block_d, 32 if hd <= 256 else 16, 4 if hd <= 256 else 8)
+
+
+def extend_tiles(hd: int, q_dtype: torch.dtype, arch: tuple[int, int]) -> Tiles:
+    """Tiles of `_extend_kernel` (ptxas -v: spill-free on sm_75..sm_89 for hd 256/512, every KV
+    format, a 2048-row prefill chunk and a 3-row verify; untimed, chosen from compile reports).
+    Tensor cores: 16 query rows over 32 keys (hd 256) or 16 (hd 512), 8 warps: ptxas holds an
+    8-warp program to 128 registers a thread, and 32 x 256 or 16 x 512 x 32-key tiles spilled
+    4-44 bytes there (with 4 warps too, for fp8). FMA dots: 8 rows, the head dim in chunks of 32
+    (see _scores), 16 keys; 16 rows of hd 512 need all 255 registers on sm_75."""
+    block_d = max(16, triton.next_power_of_2(hd))
+    if _fma_dots(q_dtype, arch):
+        return Tiles(8, min(32, block_d), 16, 8)
+    return Tiles(16, block_d, 32 if hd <= 256 else 16, 8)
+
+
+SPLIT_MIN_KEYS = 64  # keys per split at least: its partial output (group x hd fp32, written and read
+# back by the reduce) stays under a quarter of the K/V bytes it reads at hd 256..512 in bf16
+
+
+def decode_splits(keys: int, rows: int, n_kv: int, sms: int) -> int:
+    """Splits per (query row, KV head) so one decode launch has >= 2 programs per SM where the keys
+    allow (each split gets at least SPLIT_MIN_KEYS keys). `keys`: entries of each row's slot list;
+    the batched decoder passes its table capacity, so the count, a compile-time constant of the
+    kernel, is fixed for a captured (B, T, capacity)."""
+    want = -(-2 * sms // max(1, rows * n_kv))
+    return max(1, min(want, keys // SPLIT_MIN_KEYS))
 
 
 def decode_attention(q: torch.Tensor, k_slab: torch.Tensor, v_slab: torch.Tensor, slots: torch.Tensor,
@@ -303,30 +406,31 @@ def decode_attention(q: torch.Tensor, k_slab: torch.Tensor, v_slab: torch.Tensor
     assert window is None or window >= 1
     out = torch.empty_like(q3)
     group = n_h // n_kv
+    gpu = gpu_of(q.device)
     block_d = max(16, triton.next_power_of_2(hd))
-    block_h = max(16, triton.next_power_of_2(group))  # tl.dot needs M >= 16: pad the head group
-    block_n = block_n or (32 if hd <= 256 else 16)
-    if num_splits is None:
-        num_splits = _default_splits(slots.numel(), B, n_kv, block_n, q.device)
+    tiles = decode_tiles(hd, group, q.dtype, gpu.arch)
+    block_n = block_n or tiles.block_n
+    if num_splits is None:  # eager callers; the batched decoder passes a per-capacity constant
+        num_splits = decode_splits(-(-slots.numel() // B), B, n_kv, gpu.sms)
     k_slab, v_slab, ks, vs, strides, precision = _common_args(q3, k_slab, v_slab, k_scale, v_scale, scaled)
+    dot16 = q.dtype == torch.bfloat16 and dot_fp16(gpu.arch)
     if num_splits > 1:
         mid_o = torch.empty((B, n_h, num_splits, hd), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((B, n_h, num_splits), dtype=torch.float32, device=q.device)
     else:
         mid_o = mid_lse = out  # unused
-    num_warps = 4 if hd <= 256 else 8
     _decode_split_kernel[(B, n_kv, num_splits)](
         q3, k_slab, v_slab, ks, vs, slots, k_pos, q_pos, slot_indptr if slot_indptr is not None else slots,
         out, mid_o, mid_lse, slots.numel(), float(scale) * _LOG2E, int(window or 0), n_h,
         q3.stride(0), q3.stride(1), out.stride(0), out.stride(1), *strides,
-        GROUP=group, HD=hd, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        HAS_INDPTR=slot_indptr is not None, HAS_WINDOW=window is not None, SCALED=scaled,
-        FP8=k_slab.dtype == torch.uint8, DOT_PRECISION=precision, num_warps=num_warps)
+        GROUP=group, HD=hd, BLOCK_H=tiles.rows, BLOCK_D=block_d, BLOCK_DK=tiles.block_dk, BLOCK_N=block_n,
+        NUM_SPLITS=num_splits, HAS_INDPTR=slot_indptr is not None, HAS_WINDOW=window is not None, SCALED=scaled,
+        FP8=k_slab.dtype == torch.uint8, DOT_PRECISION=precision, DOT_F16=dot16, num_warps=tiles.num_warps)
     if num_splits > 1:
         _decode_reduce_kernel[(B, n_h)](
             mid_o, mid_lse, out, n_h, out.stride(0), out.stride(1),
-            HD=hd, BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
-            num_warps=4 if hd <= 256 else 8)
+            HD=hd, BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=min(16, triton.next_power_of_2(num_splits)),
+            BLOCK_LSE=triton.next_power_of_2(num_splits), num_warps=4 if hd <= 256 else 8)
     return out[0] if single else out
 
 
@@ -349,20 +453,21 @@ def extend_attention(q: torch.Tensor, k_slab: torch.Tensor, v_slab: torch.Tensor
     if T == 0:
         return out
     group = n_h // n_kv
+    arch = gpu_of(q.device).arch
     block_d = max(16, triton.next_power_of_2(hd))
-    # The largest tiles that ptxas (sm_90, 8 warps, bf16) fits in 255 registers without spilling:
-    # 64 x 256 or 32 x 512 query rows spill. Untimed: chosen from compile reports, not benchmarks.
-    block_m = block_m or (32 if hd <= 256 else 16)
-    block_n = block_n or 32
+    tiles = extend_tiles(hd, q.dtype, arch)
+    block_m = block_m or tiles.rows
+    block_n = block_n or tiles.block_n
     k_slab, v_slab, ks, vs, strides, precision = _common_args(q, k_slab, v_slab, k_scale, v_scale, scaled)
+    dot16 = q.dtype == torch.bfloat16 and dot_fp16(arch)
     n_rows = T * group
     _extend_kernel[(triton.cdiv(n_rows, block_m), n_kv)](
         q, k_slab, v_slab, ks, vs, slots, k_pos, q_pos, out,
         n_rows, slots.numel(), float(scale) * _LOG2E, int(window or 0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides,
-        GROUP=group, HD=hd, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=block_n,
+        GROUP=group, HD=hd, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_DK=tiles.block_dk, BLOCK_N=block_n,
         HAS_WINDOW=window is not None, SCALED=scaled, FP8=k_slab.dtype == torch.uint8,
-        DOT_PRECISION=precision, num_warps=8)
+        DOT_PRECISION=precision, DOT_F16=dot16, num_warps=tiles.num_warps)
     return out
 
 

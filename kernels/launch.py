@@ -1,7 +1,7 @@
 """Where the Triton kernels run, and a recorder that counts every kernel launch without a GPU.
 
 Dispatch (`use_kernels`, `check_device`): the models take the kernel path for tensors on
-  - CUDA (the product),
+  - CUDA (the product) of sm_75 or newer (`kernels.arch.triton_supported`),
   - the CPU inside `kernels_on_cpu()` under TRITON_INTERPRET=1 (tests: the whole model through the
     interpreted kernels, against the torch reference),
   - the meta device inside `record_launches()` (a dry run: shapes only, nothing computed).
@@ -25,6 +25,8 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from .arch import triton_supported
+
 __all__ = ["Launch", "LaunchRecord", "check_device", "interpreting", "kernels_on_cpu", "record_launches",
            "recording", "use_kernels"]
 
@@ -41,8 +43,8 @@ def recording() -> Optional["LaunchRecord"]:
 
 
 def _device_ok(device: torch.device) -> bool:
-    if device.type == "cuda":
-        return True
+    if device.type == "cuda":  # sm_75+ (kernels.arch.triton_supported); older GPUs take the torch path
+        return triton_supported(device)[0]
     if device.type == "meta":
         return recording() is not None
     return device.type == "cpu" and getattr(_state, "cpu_kernels", 0) > 0 and interpreting()

@@ -97,6 +97,30 @@ def test_gpu_the_torch_build_has_no_kernels_for():
     assert by_name(evaluate(ok))["gpu"].status == OK  # PTX for 8.0 runs on 8.9
 
 
+@pytest.mark.parametrize("name, cap, status, finding", [
+    ("RTX 3060", (8, 6), OK, "sm_86: Triton kernels, bf16 attention dots, fp8 KV cache"),
+    ("GTX 1660 SUPER", (7, 5), OK, "sm_75: Triton kernels, fp16 attention dots, no fp8 KV cache "
+                                   "(int8_per_token_head is the same size)"),
+    ("GTX 1080", (6, 1), WARN, "sm_61: the torch path runs (older than sm_75 (Turing), the oldest GPU the Triton "
+                               "kernels are built for); no fp8 KV cache (int8_per_token_head is the same size)"),
+])
+def test_kernels_line_names_the_arch_and_what_runs(name, cap, status, finding):
+    c = by_name(evaluate(facts(gpus=[Gpu(name, cap, 5 * GiB, 6 * GiB)], torch_arch_list=[])))
+    assert (c["kernels"].status, c["kernels"].finding) == (status, finding)
+    assert status == OK or "Turing (GTX 16xx, RTX 20xx)" in c["kernels"].hint
+    if cap < (7, 5):  # Triton is never used there: a failing probe or a missing package is no FAIL
+        broken = by_name(evaluate(facts(gpus=[Gpu(name, cap, 5 * GiB, 6 * GiB)], torch_arch_list=[],
+                                        triton_run="PTXASError: ...")))
+        assert broken["triton"].status == OK and broken["triton"].finding == \
+            "3.5.0: not used on sm_61 (the torch path runs, see the kernels line)"
+    two = by_name(evaluate(facts(gpus=[Gpu(name, cap, 5 * GiB, 6 * GiB), Gpu("RTX 4060", (8, 9), 7 * GiB, 8 * GiB)],
+                                 torch_arch_list=[])))
+    assert two["kernels 0"].finding == finding and two["kernels 1"].finding.startswith("sm_89: Triton kernels")
+    no_triton = by_name(evaluate(facts(triton_version=None, triton_error="ModuleNotFoundError: triton")))
+    assert no_triton["kernels"].finding.startswith("sm_86: the torch path runs (triton is not installed)")
+    assert "kernels" not in by_name(evaluate(facts(cuda_available=False, gpus=[], triton_run=None)))
+
+
 def test_vram_warnings():
     c = by_name(evaluate(facts(gpus=[Gpu("GT 1030", (8, 6), 1 * GiB, 2 * GiB)])))
     assert c["vram"].status == WARN and "small for Gemma-4 E2B" in c["vram"].finding

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from engine.kv_format import resolve_format
+from kernels.arch import assume_gpu
 from kernels.attention import (
     decode_attention,
     decode_attention_ref,
@@ -290,6 +291,56 @@ def test_decode_shared_layer_reads_source_slab():
     want = decode_attention_ref(q, src[0], src[1], src[4], k_pos, q_pos, 1.0, None, src[2], src[3])
     assert_close(a.float(), want.float(), *TOL[torch.float16], "source slab")
     assert not torch.allclose(a.float(), b.float(), atol=1e-2)
+
+
+def test_decode_split_counts_agree():
+    """The split count is launch geometry only: 1 split, a few, and 24 over 9 tiles of 16 keys (15
+    splits empty, merged by the reduce in 2 chunks of 16) give the same rows, for two sequences
+    through slot_indptr with a window."""
+    gen = torch.Generator().manual_seed(9)
+    n_h, n_kv, hd = 4, 1, 40
+    lengths = [130, 57]
+    k, v, ks, vs, slots = _filled_slabs(sum(lengths), n_kv, hd, torch.int8, gen)
+    k_pos = torch.cat([torch.randperm(130, generator=gen), torch.arange(57)]).to(DEVICE)
+    indptr = torch.tensor([0, 130, 187], device=DEVICE)
+    q_pos = torch.tensor([129, 56], device=DEVICE)
+    q = (torch.randn(2, n_h, hd, generator=gen) * 0.3).to(DEVICE)
+    want = decode_attention_ref(q, k, v, slots, k_pos, q_pos, 1.0, 50, ks, vs, slot_indptr=indptr)
+    outs = {}
+    for splits in (1, 3, 24):
+        outs[splits] = decode_attention(q, k, v, slots, k_pos, q_pos, 1.0, 50, ks, vs, slot_indptr=indptr,
+                                        num_splits=splits, block_n=16)
+        assert_close(outs[splits], want, *TOL[torch.float32], f"{splits} splits vs ref")
+    for splits in (3, 24):
+        assert_close(outs[splits], outs[1], *TOL[torch.float32], f"{splits} splits vs 1")
+
+
+TURING = [  # n_h, n_kv, hd, S, window, kv dtype: E2B's group of 8 at hd 256, E4B's 4 at hd 512
+    (8, 1, 256, 37, 16, torch.bfloat16),
+    (8, 2, 512, 21, None, torch.int8),
+    (4, 1, 64, 45, None, torch.float8_e4m3fn),
+]
+
+
+@pytest.mark.parametrize("case", TURING, ids=lambda c: f"h{c[0]}kv{c[1]}d{c[2]}S{c[3]}w{c[4]}-{_name(c[5])}")
+def test_turing_launch_bf16_queries_through_fp16_dots(case):
+    """What an sm_75 launch computes (assume_gpu((7, 5))): bf16 q, K and V converted to fp16 for
+    FMA dots, the head group unpadded, the head dim in chunks of 32, 16-key tiles. The dots are
+    fp16 here, so the interpreter runs them right even for bf16 queries."""
+    n_h, n_kv, hd, S, window, kv_dtype = case
+    gen = torch.Generator().manual_seed(10)
+    k, v, ks, vs, slots = _filled_slabs(S, n_kv, hd, kv_dtype, gen)
+    k_pos = torch.arange(S, device=DEVICE)
+    q = (torch.randn(3, n_h, hd, generator=gen) * hd ** -0.5).bfloat16().to(DEVICE)
+    q_pos = torch.arange(S - 3, S, device=DEVICE)
+    with assume_gpu((7, 5)):
+        for splits in (1, 3):
+            got = decode_attention(q[2], k, v, slots, k_pos, q_pos[2:], 1.0, window, ks, vs, num_splits=splits)
+            want = decode_attention_ref(q[2], k, v, slots, k_pos, q_pos[2:], 1.0, window, ks, vs)
+            assert_close(got.float(), want.float(), *TOL[torch.bfloat16], f"decode, {splits} splits")
+        got = extend_attention(q, k, v, slots, k_pos, q_pos, 1.0, window, ks, vs)
+    want = extend_attention_ref(q, k, v, slots, k_pos, q_pos, 1.0, window, ks, vs)
+    assert_close(got.float(), want.float(), *TOL[torch.bfloat16], "extend")
 
 
 # --- extend --------------------------------------------------------------------------------------
