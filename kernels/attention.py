@@ -23,8 +23,9 @@ never to the K/V tiles: BLOCK_H·BLOCK_N multiplies instead of BLOCK_N·hd. Belo
 go into the dots as fp16 (no bf16 MMA or bf16 conversions there; q, k and v are RMS-normed, so
 fp16's range holds them; 8-bit values are exact in fp16 too).
 Decode split-K (flash-decoding): grid (B, n_kv, splits); each split writes a normalized partial
-output and its log2-sum-exp, and `_decode_reduce_kernel` merges them. With one split the first
-kernel writes the output directly (one launch per layer). Each program handles all n_h/n_kv query
+output and its log2-sum-exp, bumps a per-(sequence, KV head) counter, and the split that finishes
+last merges all partials and resets the counter: one launch per layer, split or not (a separate
+reduce kernel would add a launch per layer to every decode step). Each program handles all n_h/n_kv query
 heads of one KV head, so a K/V tile is read once per group: decode reads each visible key's
 K and V bytes once per step. `decode_splits` sizes the split count from the GPU's SM count.
 
@@ -158,13 +159,13 @@ if triton is not None:
 
     @triton.jit
     def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, slots_ptr, kpos_ptr, qpos_ptr, indptr_ptr,
-                             out_ptr, mid_o_ptr, mid_lse_ptr, single_len, qk_scale, window, n_h,
+                             out_ptr, mid_o_ptr, mid_lse_ptr, count_ptr, single_len, qk_scale, window, n_h, n_kv,
                              stride_qb, stride_qh, stride_ob, stride_oh,
                              stride_kt, stride_kh, stride_vt, stride_vh,
                              stride_kst, stride_ksh, stride_vst, stride_vsh,
                              GROUP: tl.constexpr, HD: tl.constexpr, BLOCK_H: tl.constexpr,
                              BLOCK_D: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_N: tl.constexpr,
-                             NUM_SPLITS: tl.constexpr,
+                             NUM_SPLITS: tl.constexpr, BLOCK_LSE: tl.constexpr,
                              HAS_INDPTR: tl.constexpr, HAS_WINDOW: tl.constexpr, SCALED: tl.constexpr,
                              FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_F16: tl.constexpr):
         b = tl.program_id(0)
@@ -217,34 +218,32 @@ if triton is not None:
             tl.store(mid_o_ptr + row[:, None] * HD + offs_d[None, :], o, mask=mask_o)
             lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
             tl.store(mid_lse_ptr + row, lse, mask=mask_h)
-
-    @triton.jit
-    def _decode_reduce_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, n_h, stride_ob, stride_oh,
-                              HD: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                              BLOCK_S: tl.constexpr, BLOCK_LSE: tl.constexpr):
-        """out[b, h] = sum_s w_s o_s / sum_s w_s, w_s = 2^(lse_s - max lse). The partial outputs are
-        read BLOCK_S splits at a time, so the split count (up to a few hundred on a big GPU) does
-        not grow the register tile [BLOCK_S, BLOCK_D]."""
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        base = (b * n_h + h) * NUM_SPLITS
-        offs_all = tl.arange(0, BLOCK_LSE)
-        m = tl.max(tl.load(mid_lse_ptr + base + offs_all, mask=offs_all < NUM_SPLITS, other=float("-inf")), axis=0)
-        m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: all weights 0
-        offs_d = tl.arange(0, BLOCK_D)
-        mask_d = offs_d < HD
-        o = tl.zeros([BLOCK_D], dtype=tl.float32)
-        den = 0.0
-        for s0 in range(0, NUM_SPLITS, BLOCK_S):
-            offs_s = s0 + tl.arange(0, BLOCK_S)
-            mask_s = offs_s < NUM_SPLITS
-            w = tl.math.exp2(tl.load(mid_lse_ptr + base + offs_s, mask=mask_s, other=float("-inf")) - m)
-            part = tl.load(mid_o_ptr + (base + offs_s)[:, None] * HD + offs_d[None, :],
-                           mask=mask_s[:, None] & mask_d[None, :], other=0.0)
-            o += tl.sum(w[:, None] * part, axis=0)
-            den += tl.sum(w, axis=0)
-        o = o / tl.where(den == 0.0, 1.0, den)
-        tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=mask_d)
+            # The last split of (b, kv head) to finish merges all of them (no reduce launch): every
+            # thread's partial stores come before the barrier, the counter's acq_rel atomic orders
+            # them before the last program's reads (through L2: .cg), which reset the counter.
+            tl.debug_barrier()
+            counter = count_ptr + b * n_kv + kv_head
+            done = tl.atomic_add(counter, 1, sem="acq_rel")
+            if done == NUM_SPLITS - 1:
+                base = (b * n_h + heads) * NUM_SPLITS                    # [BLOCK_H]
+                offs_s = tl.arange(0, BLOCK_LSE)
+                lses = tl.load(mid_lse_ptr + base[:, None] + offs_s[None, :], cache_modifier=".cg",
+                               mask=mask_h[:, None] & (offs_s[None, :] < NUM_SPLITS), other=float("-inf"))
+                m = tl.max(lses, axis=1)
+                m = tl.where(m == float("-inf"), 0.0, m)                 # every split empty: weights 0
+                o = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+                den = tl.zeros([BLOCK_H], dtype=tl.float32)
+                for s in range(NUM_SPLITS):
+                    w = tl.math.exp2(tl.load(mid_lse_ptr + base + s, cache_modifier=".cg", mask=mask_h,
+                                             other=float("-inf")) - m)
+                    part = tl.load(mid_o_ptr + (base + s)[:, None] * HD + offs_d[None, :], cache_modifier=".cg",
+                                   mask=mask_o, other=0.0)
+                    o += w[:, None] * part
+                    den += w
+                o = o / tl.where(den == 0.0, 1.0, den)[:, None]
+                tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                         o.to(out_ptr.dtype.element_ty), mask=mask_o)
+                tl.atomic_xchg(counter, 0, sem="relaxed")                 # ready for the next launch
 
     @triton.jit
     def _extend_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, slots_ptr, kpos_ptr, qpos_ptr, out_ptr,
@@ -368,7 +367,7 @@ def extend_tiles(hd: int, q_dtype: torch.dtype, arch: tuple[int, int]) -> Tiles:
 
 
 SPLIT_MIN_KEYS = 64  # keys per split at least: its partial output (group x hd fp32, written and read
-# back by the reduce) stays under a quarter of the K/V bytes it reads at hd 256..512 in bf16
+# back by the merging split) stays under a quarter of the K/V bytes it reads at hd 256..512 in bf16
 
 
 def decode_splits(keys: int, rows: int, n_kv: int, sms: int) -> int:
@@ -378,6 +377,20 @@ def decode_splits(keys: int, rows: int, n_kv: int, sms: int) -> int:
     kernel, is fixed for a captured (B, T, capacity)."""
     want = -(-2 * sms // max(1, rows * n_kv))
     return max(1, min(want, keys // SPLIT_MIN_KEYS))
+
+
+_COUNTERS: dict = {}
+
+
+def _split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """int32 zeros [>= n], one per (sequence, KV head), shared by every decode_attention launch on
+    `device` (each launch's last split leaves them at zero again). Made once per device and size:
+    a CUDA graph's warm-up run allocates it before the capture."""
+    key = (str(device), n)
+    buf = _COUNTERS.get(key)
+    if buf is None:
+        buf = _COUNTERS[key] = torch.zeros(max(n, 1), dtype=torch.int32, device=device)
+    return buf
 
 
 def decode_attention(q: torch.Tensor, k_slab: torch.Tensor, v_slab: torch.Tensor, slots: torch.Tensor,
@@ -417,20 +430,17 @@ def decode_attention(q: torch.Tensor, k_slab: torch.Tensor, v_slab: torch.Tensor
     if num_splits > 1:
         mid_o = torch.empty((B, n_h, num_splits, hd), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((B, n_h, num_splits), dtype=torch.float32, device=q.device)
+        counts = _split_counters(q.device, B * n_kv)
     else:
         mid_o = mid_lse = out  # unused
+        counts = slots
     _decode_split_kernel[(B, n_kv, num_splits)](
         q3, k_slab, v_slab, ks, vs, slots, k_pos, q_pos, slot_indptr if slot_indptr is not None else slots,
-        out, mid_o, mid_lse, slots.numel(), float(scale) * _LOG2E, int(window or 0), n_h,
+        out, mid_o, mid_lse, counts, slots.numel(), float(scale) * _LOG2E, int(window or 0), n_h, n_kv,
         q3.stride(0), q3.stride(1), out.stride(0), out.stride(1), *strides,
         GROUP=group, HD=hd, BLOCK_H=tiles.rows, BLOCK_D=block_d, BLOCK_DK=tiles.block_dk, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, HAS_INDPTR=slot_indptr is not None, HAS_WINDOW=window is not None, SCALED=scaled,
+        NUM_SPLITS=num_splits, BLOCK_LSE=triton.next_power_of_2(num_splits), HAS_INDPTR=slot_indptr is not None, HAS_WINDOW=window is not None, SCALED=scaled,
         FP8=k_slab.dtype == torch.uint8, DOT_PRECISION=precision, DOT_F16=dot16, num_warps=tiles.num_warps)
-    if num_splits > 1:
-        _decode_reduce_kernel[(B, n_h)](
-            mid_o, mid_lse, out, n_h, out.stride(0), out.stride(1),
-            HD=hd, BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=min(16, triton.next_power_of_2(num_splits)),
-            BLOCK_LSE=triton.next_power_of_2(num_splits), num_warps=4 if hd <= 256 else 8)
     return out[0] if single else out
 
 

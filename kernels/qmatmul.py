@@ -239,7 +239,7 @@ if triton is not None:
     def _gemv_kernel(x_ptr, q_ptr, h_ptr, s_ptr, d_ptr, y_ptr, e_ptr, M, N, K, one, stride_xm, stride_ym,
                      stride_em, q_stride, h_stride, s_stride, d_stride,
                      FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr,
-                     GELU_MUL: tl.constexpr):
+                     GELU_MUL: tl.constexpr, GLU: tl.constexpr):
         """y[M, N] = x[M, K] @ W^T, M <= BLOCK_M; program i owns W rows i*BLOCK_N .. (module doc).
         Plane pointers are typed for their loads: q int32 (Q8_0: int8), h int32, s int32 (Q6_K:
         int16), d int32 (Q4_K/Q5_K: d|dmin) or fp16; strides in those elements."""
@@ -267,12 +267,21 @@ if triton is not None:
                              q_stride, h_stride, s_stride, d_stride, FMT, BLOCK_M, BLOCK_N, True)
         y = tl.sum(acc, axis=2)                                 # [BM, BN]: the one cross-lane reduction
         ms = tl.arange(0, BLOCK_M)[:, None]
-        ymask = (ms < M) & (rows[None, :] < N)
-        if GELU_MUL:
-            # epilogue: gelu_tanh(y) * e (Gemma-4's per-layer-input gate), fp32 math.
-            e = tl.load(e_ptr + ms * stride_em + rows[None, :], mask=ymask, other=0.0).to(tl.float32)
-            y = _gelu_tanh(y) * e
-        tl.store(y_ptr + ms * stride_ym + rows[None, :], y.to(y_ptr.dtype.element_ty), mask=ymask)
+        if GLU:
+            # epilogue: W's rows interleave gate and up (2i, 2i + 1): out[i] = gelu_tanh(g_i) * u_i,
+            # N / 2 outputs (Gemma's MLP activation without a round trip through memory).
+            g, u = tl.split(tl.reshape(y, [BLOCK_M, BLOCK_N // 2, 2]))
+            half = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            omask = (ms < M) & (half[None, :] < N // 2)
+            tl.store(y_ptr + ms * stride_ym + half[None, :], (_gelu_tanh(g) * u).to(y_ptr.dtype.element_ty),
+                     mask=omask)
+        else:
+            ymask = (ms < M) & (rows[None, :] < N)
+            if GELU_MUL:
+                # epilogue: gelu_tanh(y) * e (Gemma-4's per-layer-input gate), fp32 math.
+                e = tl.load(e_ptr + ms * stride_em + rows[None, :], mask=ymask, other=0.0).to(tl.float32)
+                y = _gelu_tanh(y) * e
+            tl.store(y_ptr + ms * stride_ym + rows[None, :], y.to(y_ptr.dtype.element_ty), mask=ymask)
 
 
     @triton.jit
@@ -420,16 +429,28 @@ def _gelu_mul_torch(y: torch.Tensor, e: torch.Tensor, out_dtype) -> torch.Tensor
     return (torch.nn.functional.gelu(y.float(), approximate="tanh") * e.float()).to(out_dtype)
 
 
+def _glu_torch(y: torch.Tensor, out_dtype) -> torch.Tensor:
+    """Interleaved rows (gate 2i, up 2i + 1) -> gelu_tanh(gate) * up, fp32 math."""
+    return _gelu_mul_torch(y[..., 0::2], y[..., 1::2], out_dtype)
+
+
+def _check_glu(fn: str, glu: bool, gelu_mul, w: PackedQuant) -> None:
+    if glu and (gelu_mul is not None or w.shape[0] % 2):
+        _fail(f"{fn}: glu needs an even number of interleaved gate/up rows and no gelu_mul")
+
+
 def qmatmul(x: torch.Tensor, w: PackedQuant, out_dtype: torch.dtype | None = None,
-            gelu_mul: torch.Tensor | None = None) -> torch.Tensor:
+            gelu_mul: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
     """y [..., n_out] = x [..., n_in] @ W^T for a repacked W (kernels.qpack.PackedQuant). x:
     float16/bfloat16/float32 (any leading shape; rows made contiguous). Output in `out_dtype`: x's
     dtype (default) or float32. `gelu_mul` [..., n_out] (row strides free): y = gelu_tanh(x W^T) *
-    gelu_mul instead, in the GEMV's epilogue (fp32 math; Gemma-4's per-layer-input gate).
-    Raises ValueError on bad inputs."""
+    gelu_mul instead, in the GEMV's epilogue (fp32 math; Gemma-4's per-layer-input gate). `glu`: W's
+    rows interleave gate and up (`interleave_rows`), and y [..., n_out / 2] = gelu_tanh(gate) * up
+    (Gemma's MLP activation in the epilogue). Raises ValueError on bad inputs."""
     _check_packed("qmatmul", w)
     out_dtype = _check_x("qmatmul", x, w, out_dtype)
     _check_gelu_mul("qmatmul", gelu_mul, x, w.shape[0])
+    _check_glu("qmatmul", glu, gelu_mul, w)
     check_device("qmatmul", x.device, triton)
     n_out, n_in = w.shape
     lead = x.shape[:-1]
@@ -437,10 +458,11 @@ def qmatmul(x: torch.Tensor, w: PackedQuant, out_dtype: torch.dtype | None = Non
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    y = torch.empty((m, n_out), dtype=out_dtype, device=x.device)
+    n_y = n_out // 2 if glu else n_out
     if m == 0:
-        return y.reshape(*lead, n_out)
+        return torch.empty((*lead, n_y), dtype=out_dtype, device=x.device)
     if m <= DECODE_MAX_M:
+        y = torch.empty((m, n_y), dtype=out_dtype, device=x.device)
         (q, h, s, d), strides = _typed_planes(w)
         e2 = None if gelu_mul is None else gelu_mul.reshape(-1, n_out)   # a view when rows collapse
         for m0 in range(0, m, GEMV_MAX_M):
@@ -450,9 +472,10 @@ def qmatmul(x: torch.Tensor, w: PackedQuant, out_dtype: torch.dtype | None = Non
                 x2[m0:], q, h, s, d, y[m0:], y if e2 is None else e2[m0:], mc, n_out, n_in, _ONE,
                 x2.stride(0), y.stride(0), 0 if e2 is None else e2.stride(0), *strides,
                 FMT=w.ggml_type, BLOCK_M=block_m, BLOCK_N=block_n, EVEN_K=n_in % 256 == 0,
-                GELU_MUL=e2 is not None, num_warps=warps)
-        return y.reshape(*lead, n_out)
+                GELU_MUL=e2 is not None, GLU=glu, num_warps=warps)
+        return y.reshape(*lead, n_y)
     # Prefill: dequantize row chunks to scratch in x's dtype, the dense GEMM does the product.
+    y = torch.empty((m, n_out), dtype=x.dtype if glu else out_dtype, device=x.device)
     chunk = max(16, PREFILL_SCRATCH_VALUES // n_in)
     scratch = torch.empty((min(chunk, n_out), n_in), dtype=x.dtype, device=x.device)
     for r0 in range(0, n_out, chunk):
@@ -461,7 +484,9 @@ def qmatmul(x: torch.Tensor, w: PackedQuant, out_dtype: torch.dtype | None = Non
         y[:, r0:r1] = x2 @ wd.T        # x's dtype, cast on copy when out_dtype is float32
     if gelu_mul is not None:           # prefill: torch ops after the GEMM (one chunk, not per token)
         y = _gelu_mul_torch(y, gelu_mul.reshape(-1, n_out), out_dtype)
-    return y.reshape(*lead, n_out)
+    elif glu:
+        y = _glu_torch(y, out_dtype)
+    return y.reshape(*lead, n_y)
 
 
 def qdequantize_packed(w: PackedQuant, dtype: torch.dtype | None = None, out: torch.Tensor | None = None
@@ -502,16 +527,17 @@ def gemv_launch_info(launch) -> dict | None:
 # -------------------------------------------------------------------------------- torch refs
 
 def qmatmul_ref(x: torch.Tensor, w: PackedQuant, out_dtype: torch.dtype | None = None,
-                gelu_mul: torch.Tensor | None = None) -> torch.Tensor:
+                gelu_mul: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
     """``qmatmul`` in plain torch: float32 W and float32 product (and epilogue), cast to
     ``out_dtype``. Dequantizes at most PREFILL_SCRATCH_VALUES weights at a time (the vocab matrix
     is ~400M)."""
     _check_packed("qmatmul_ref", w)
     out_dtype = _check_x("qmatmul_ref", x, w, out_dtype)
     _check_gelu_mul("qmatmul_ref", gelu_mul, x, w.shape[0])
+    _check_glu("qmatmul_ref", glu, gelu_mul, w)
     n_out, n_in = w.shape
     x2 = x.reshape(-1, n_in).to(torch.float32)
-    y = torch.empty((x2.shape[0], n_out), dtype=torch.float32 if gelu_mul is not None else out_dtype,
+    y = torch.empty((x2.shape[0], n_out), dtype=torch.float32 if gelu_mul is not None or glu else out_dtype,
                     device=x.device)
     chunk = max(1, PREFILL_SCRATCH_VALUES // n_in)
     for r0 in range(0, n_out, chunk):
@@ -519,4 +545,6 @@ def qmatmul_ref(x: torch.Tensor, w: PackedQuant, out_dtype: torch.dtype | None =
         y[:, r0:r1] = x2 @ dequantize_packed_ref(w.row_slice(r0, r1)).T
     if gelu_mul is not None:
         y = _gelu_mul_torch(y, gelu_mul.reshape(-1, n_out), out_dtype)
+    elif glu:
+        return _glu_torch(y, out_dtype).reshape(*x.shape[:-1], n_out // 2)
     return y.reshape(*x.shape[:-1], n_out)

@@ -97,6 +97,14 @@ class PackedQuant:
         mv = (lambda p: None if p is None else p.to(device))
         return replace(self, q=mv(self.q), h=mv(self.h), s=mv(self.s), d=mv(self.d))
 
+    def interleave_rows(self) -> "PackedQuant":
+        """Rows [gate (n/2); up (n/2)] -> (gate_0, up_0, gate_1, up_1, ...): the layout of the GEMV's
+        GLU epilogue, which needs each gate row and its up row in the same program."""
+        n = self.shape[0]
+        assert n % 2 == 0, "interleave_rows needs an even number of rows"
+        mix = (lambda p: None if p is None else torch.stack([p[:n // 2], p[n // 2:]], 1).reshape(n, -1))
+        return replace(self, q=mix(self.q), h=mix(self.h), s=mix(self.s), d=mix(self.d))
+
     @staticmethod
     def cat(ps: list["PackedQuant"]) -> "PackedQuant":
         """Rows of matrices of one type and input width stacked (q/k/v or gate/up fused at load)."""

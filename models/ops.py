@@ -110,8 +110,11 @@ def gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def gated_mlp(m: torch.Tensor, w: dict, b: str) -> torch.Tensor:
-    """down(gelu_tanh(gate m) * up m) for layer prefix `b` (gate/up possibly fused)."""
+    """down(gelu_tanh(gate m) * up m) for layer prefix `b` (gate/up possibly fused; a quantized
+    gate/up with interleaved rows does gate, up and the activation in one GEMV, `glu`)."""
     fused = w.get(b + "ffn_gate_up.weight")
+    if getattr(fused, "interleaved", False):
+        return linear(fused.glu(m), w[b + "ffn_down.weight"])
     if fused is not None:
         gate, up = linear(m, fused).chunk(2, dim=-1)
     else:

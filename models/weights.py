@@ -61,6 +61,7 @@ class QuantWeight:
         from kernels.qpack import pack
 
         self.ggml_type, self.shape = int(ggml_type), tuple(shape)
+        self.interleaved = False  # rows (gate_0, up_0, gate_1, ...): multiplied through `glu`
         if packed is not None:
             self.raw, self.packed = None, packed
         elif lookup:
@@ -89,6 +90,21 @@ class QuantWeight:
         if self.packed is None:
             raise ValueError(f"QuantWeight {self.shape}: a lookup table cannot be multiplied")
         return qmatmul(x, self.packed, gelu_mul=gelu_mul)
+
+    def glu(self, x: torch.Tensor) -> torch.Tensor:
+        """gelu_tanh(x G^T) * (x U^T) [..., n_out / 2] for an interleaved gate/up matrix (`interleave`):
+        the GEMV's GLU epilogue, one launch for Gemma's gate, up and activation."""
+        from kernels.qmatmul import qmatmul
+
+        if not self.interleaved:
+            raise ValueError(f"QuantWeight {self.shape}: glu needs interleaved gate/up rows")
+        return qmatmul(x, self.packed, glu=True)
+
+    def interleave(self) -> "QuantWeight":
+        """A stacked [gate; up] matrix with its rows interleaved for `glu`."""
+        w = QuantWeight(None, self.ggml_type, self.shape, packed=self.packed.interleave_rows())
+        w.interleaved = True
+        return w
 
     @classmethod
     def cat(cls, ws: list["QuantWeight"]) -> "QuantWeight":
@@ -232,5 +248,7 @@ def fuse_projections(weights: dict) -> None:
             ws = [weights.pop(n) for n in names]
             if isinstance(ws[0], HalfWeight):
                 weights[b + fused] = HalfWeight(torch.cat([w.w for w in ws]))
+            elif fused == "ffn_gate_up.weight":  # gate/up interleaved: the GEMV's GLU epilogue
+                weights[b + fused] = QuantWeight.cat(ws).interleave()
             else:
                 weights[b + fused] = QuantWeight.cat(ws)

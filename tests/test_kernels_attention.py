@@ -395,3 +395,24 @@ def test_extend_matches_decode_rows():
     for t in range(T):
         dec = decode_attention(q[t], k, v, slots, k_pos, q_pos[t:t + 1], 1.0, 16, ks, vs, num_splits=2)
         assert_close(ext[t], dec, *TOL[torch.float32], f"row {t}")
+
+
+def test_split_merge_leaves_counters_at_zero():
+    """The last split of each (sequence, KV head) merges the partials and resets its counter, so
+    back-to-back split launches (every layer of a decode step, graph replays) stay correct."""
+    from kernels import attention as att
+
+    g = torch.Generator().manual_seed(4)
+    n_h, n_kv, hd, cap, B = 4, 2, 32, 96, 3
+    k, v = (torch.randn(cap, n_kv, hd, generator=g) for _ in range(2))
+    lens = [40, 7, 90]
+    slots = torch.cat([torch.randperm(cap, generator=g)[:n] for n in lens])
+    k_pos = torch.cat([torch.arange(n) for n in lens])
+    indptr = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    q_pos = torch.tensor([n - 1 for n in lens])
+    for step in range(3):
+        q = torch.randn(B, n_h, hd, generator=g)
+        want = att.decode_attention_ref(q, k, v, slots, k_pos, q_pos, 0.2, slot_indptr=indptr)
+        got = att.decode_attention(q, k, v, slots, k_pos, q_pos, 0.2, slot_indptr=indptr, num_splits=5)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert int(att._split_counters(q.device, B * n_kv).abs().sum()) == 0, step

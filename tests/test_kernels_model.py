@@ -31,9 +31,10 @@ from tiny_models import TinySpec, quantize_gguf, write_tiny_gemma4  # noqa: E402
 SPEC = TinySpec(n_layer=4, pattern=[True, False, True, False], n_kv_shared=2, ple_width=64, n_head=4,
                 n_kv_head=2, sliding_window=6)
 # Every kernel of the CUDA decode/prefill path. (kv_store is not among them: with the triton
-# backend the attention prologue stores K/V itself.)
+# backend the attention prologue stores K/V itself; nor gelu_tanh_mul: the GELU·mul of the MLP and
+# of the per-layer-input gate are GEMV epilogues.)
 KERNELS = {"_gemv_kernel", "_qkv_norm_rope_store_kernel", "_rms_norm_rope_kernel", "_add_rms_norm_kernel",
-           "_gelu_tanh_mul_kernel", "_softcap_kernel", "_qdequant_kernel", "_decode_split_kernel",
+           "_softcap_kernel", "_qdequant_kernel", "_decode_split_kernel",
            "_extend_kernel"}
 
 

@@ -283,3 +283,21 @@ def test_gelu_mul_epilogue(t, m):
     assert_close_bound(got, want, bound, 1e-5, "gelu_mul kernel")
     with pytest.raises(ValueError, match="gelu_mul must be"):
         qmatmul(x.to(DEVICE), p.to(DEVICE), gelu_mul=e[:, :5].to(DEVICE))
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 19], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("t", [GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q8_0], ids=lambda t: t.name)
+def test_glu_epilogue(t, m):
+    """gate/up stacked and row-interleaved: the GEMV's GLU epilogue gives gelu_tanh(x G^T) * (x U^T)
+    ([.., n/2] out, Gemma's MLP activation); the prefill path does it after the GEMM."""
+    f, n_in = 19, 512 if block_size(t)[0] == 256 else 288
+    (wg, pg), (wu, pu) = packed_weight(t, f, n_in, seed=5), packed_weight(t, f, n_in, seed=6)
+    p = PackedQuant.cat([pg, pu]).interleave_rows()
+    x = random_x((m, n_in), torch.float32, seed=m) * 30
+    G, U = dequantize(wg, t, (f, n_in)), dequantize(wu, t, (f, n_in))
+    want = torch.nn.functional.gelu(x @ G.T, approximate="tanh") * (x @ U.T)
+    bound = (x.abs() @ G.abs().T) * (x.abs() @ U.abs().T) * 1.2 + 1e-6
+    got = qmatmul(x.to(DEVICE), p.to(DEVICE), glu=True).cpu()
+    assert got.shape == (m, f)
+    assert_close_bound(qmatmul_ref(x, p, glu=True), want, bound, 1e-5, "glu ref")
+    assert_close_bound(got, want, bound, 1e-5, "glu kernel")
