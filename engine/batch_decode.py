@@ -16,7 +16,8 @@ A step for n sequences (n <= 4) of T rows each (T = 1 decode, T = 1 + K draft-ve
     rewritten by every replay (no copy out). N = B * T.
 Attention reads the tables: the torch reference gathers K/V by slot ([B, C] at once) and runs a
 masked SDPA; the triton path calls `kernels.attention.decode_attention` with one query row per
-(sequence, t) and a constant `num_splits` (a compile-time constant, so the captured grid is fixed).
+(sequence, t) and a `num_splits` fixed per captured shape (the grid of a graph never changes;
+the kernel reads the split count from its grid, so one compiled kernel serves every count).
 Table entries past a sequence's length hold slot 0 (a valid address) at position POS_PAD, which
 no query can see (q_pos - POS_PAD < 0).
 

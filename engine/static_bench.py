@@ -62,14 +62,27 @@ def _run_as_on_gpu(fn, *args):
 # ------------------------------------------------------------------------- launches of the engine
 
 def engine_specs(variant: str, kv_formats=KV_FORMATS, batches=(1, 2, 4), verify_rows: int = 3,
-                 prefill: int = 2048) -> dict:
+                 prefill: int = 2048, arch: str | None = None) -> dict:
     """{KernelSpec: [run labels]} of every Triton launch the engine makes for `variant` in a decode
     step at each batch size, a verify step (B = 1, `verify_rows` rows) and a `prefill`-token chunk,
-    for each KV format. Labels: "e2b decode B=2 bf16", "e2b verify T=3 fp16", "e2b prefill 2048 ..."."""
+    for each KV format, as built for a GPU of `arch` ("sm_75"...; default kernels.arch.REFERENCE;
+    formats the arch refuses, fp8 KV below sm_80, are left out). Labels: "e2b decode B=2 bf16",
+    "e2b verify T=3 fp16", "e2b prefill 2048 ..."."""
+    import contextlib
+
+    from kernels.arch import assume_gpu, fp8_kv_supported
     from kernels.compile_check import spec_of
 
     from .dry_run import decode_step, dry_model, prefill_chunk
 
+    cap = (int(arch[3:-1]), int(arch[-1])) if arch else None
+    with assume_gpu(cap) if cap else contextlib.nullcontext():
+        return _engine_specs(variant, [kv for kv in kv_formats if not cap or fp8_kv_supported(cap) or "fp8" not in kv],
+                             batches, verify_rows, prefill, spec_of, decode_step, dry_model, prefill_chunk)
+
+
+def _engine_specs(variant, kv_formats, batches, verify_rows, prefill, spec_of, decode_step, dry_model,
+                  prefill_chunk) -> dict:
     model = dry_model(variant)
     out: dict = {}
     for kv in kv_formats:
@@ -264,17 +277,28 @@ def static_table(o: dict) -> str:
 
 def compile_engine_kernels(variants=("e2b", "e4b"), archs=("sm_75", "sm_80", "sm_86", "sm_89"),
                            kv_formats=KV_FORMATS, jobs: int = 2, cache_dir="default"):
-    """Record every launch `engine_specs` lists for each variant (one worker each) and compile the
-    distinct specs for every arch in a `gpu_pool(jobs)`: ({KernelSpec: [run labels]},
-    {(KernelSpec, arch): CompileResult})."""
+    """Record every launch `engine_specs` lists for each variant as built for each arch (launch
+    parameters differ only between FMA-dot archs, below sm_80, and the rest: recorded once for each
+    class, as sm_75 and sm_86) and compile each arch's distinct specs in a `gpu_pool(jobs)`:
+    ({KernelSpec: [run labels]}, {(KernelSpec, arch): CompileResult})."""
     from kernels.compile_check import compile_specs, gpu_pool
 
+    def rec_arch(a: str) -> str:
+        return "sm_75" if int(a[3:]) < 80 else "sm_86"
+
     specs: dict = {}
+    per_class: dict = {}
     with gpu_pool(jobs) as pool:
-        for fut in [pool.submit(engine_specs, v, tuple(kv_formats)) for v in variants]:
+        futs = {(c, v): pool.submit(engine_specs, v, tuple(kv_formats), arch=c)
+                for c in dict.fromkeys(map(rec_arch, archs)) for v in variants}
+        for (c, _), fut in futs.items():
             for spec, labels in fut.result().items():
-                specs.setdefault(spec, []).extend(labels)
-        results = compile_specs(specs, archs, cache_dir=cache_dir, pool=pool)
+                per_class.setdefault(c, set()).add(spec)
+                have = specs.setdefault(spec, [])
+                have.extend(lab for lab in labels if lab not in have)
+        results: dict = {}
+        for a in archs:
+            results.update(compile_specs(sorted(per_class[rec_arch(a)], key=str), [a], cache_dir=cache_dir, pool=pool))
     return specs, results
 
 

@@ -165,7 +165,6 @@ if triton is not None:
                              stride_kst, stride_ksh, stride_vst, stride_vsh,
                              GROUP: tl.constexpr, HD: tl.constexpr, BLOCK_H: tl.constexpr,
                              BLOCK_D: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_N: tl.constexpr,
-                             NUM_SPLITS: tl.constexpr, BLOCK_LSE: tl.constexpr,
                              HAS_INDPTR: tl.constexpr, HAS_WINDOW: tl.constexpr, SCALED: tl.constexpr,
                              FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_F16: tl.constexpr):
         b = tl.program_id(0)
@@ -178,7 +177,8 @@ if triton is not None:
             seq_start = 0
             seq_len = single_len
         # Splits get whole BLOCK_N tiles; trailing splits of a short sequence may get nothing.
-        chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        n_splits = tl.num_programs(2)  # a run-time value: one compiled kernel serves every split count
+        chunk = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
         lo = split * chunk
         hi = tl.minimum(lo + chunk, seq_len)
 
@@ -209,12 +209,12 @@ if triton is not None:
 
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         mask_o = mask_h[:, None] & mask_d[None, :]
-        if NUM_SPLITS == 1:
+        if n_splits == 1:
             tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                      o.to(out_ptr.dtype.element_ty), mask=mask_o)
         else:
-            # mid_o [B, n_h, NUM_SPLITS, HD] fp32, mid_lse [B, n_h, NUM_SPLITS] fp32 (log2 domain).
-            row = (b * n_h + heads) * NUM_SPLITS + split
+            # mid_o [B, n_h, n_splits, HD] fp32, mid_lse [B, n_h, n_splits] fp32 (log2 domain).
+            row = (b * n_h + heads) * n_splits + split
             tl.store(mid_o_ptr + row[:, None] * HD + offs_d[None, :], o, mask=mask_o)
             lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
             tl.store(mid_lse_ptr + row, lse, mask=mask_h)
@@ -224,16 +224,16 @@ if triton is not None:
             tl.debug_barrier()
             counter = count_ptr + b * n_kv + kv_head
             done = tl.atomic_add(counter, 1, sem="acq_rel")
-            if done == NUM_SPLITS - 1:
-                base = (b * n_h + heads) * NUM_SPLITS                    # [BLOCK_H]
-                offs_s = tl.arange(0, BLOCK_LSE)
-                lses = tl.load(mid_lse_ptr + base[:, None] + offs_s[None, :], cache_modifier=".cg",
-                               mask=mask_h[:, None] & (offs_s[None, :] < NUM_SPLITS), other=float("-inf"))
-                m = tl.max(lses, axis=1)
+            if done == n_splits - 1:
+                base = (b * n_h + heads) * n_splits                      # [BLOCK_H]
+                m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+                for s in range(n_splits):
+                    m = tl.maximum(m, tl.load(mid_lse_ptr + base + s, cache_modifier=".cg", mask=mask_h,
+                                              other=float("-inf")))
                 m = tl.where(m == float("-inf"), 0.0, m)                 # every split empty: weights 0
                 o = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
                 den = tl.zeros([BLOCK_H], dtype=tl.float32)
-                for s in range(NUM_SPLITS):
+                for s in range(n_splits):
                     w = tl.math.exp2(tl.load(mid_lse_ptr + base + s, cache_modifier=".cg", mask=mask_h,
                                              other=float("-inf")) - m)
                     part = tl.load(mid_o_ptr + (base + s)[:, None] * HD + offs_d[None, :], cache_modifier=".cg",
@@ -439,7 +439,7 @@ def decode_attention(q: torch.Tensor, k_slab: torch.Tensor, v_slab: torch.Tensor
         out, mid_o, mid_lse, counts, slots.numel(), float(scale) * _LOG2E, int(window or 0), n_h, n_kv,
         q3.stride(0), q3.stride(1), out.stride(0), out.stride(1), *strides,
         GROUP=group, HD=hd, BLOCK_H=tiles.rows, BLOCK_D=block_d, BLOCK_DK=tiles.block_dk, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, BLOCK_LSE=triton.next_power_of_2(num_splits), HAS_INDPTR=slot_indptr is not None, HAS_WINDOW=window is not None, SCALED=scaled,
+        HAS_INDPTR=slot_indptr is not None, HAS_WINDOW=window is not None, SCALED=scaled,
         FP8=k_slab.dtype == torch.uint8, DOT_PRECISION=precision, DOT_F16=dot16, num_warps=tiles.num_warps)
     return out[0] if single else out
 

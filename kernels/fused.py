@@ -309,9 +309,9 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight, eps: float, scale=Non
     block_d = triton.next_power_of_2(D)
     block_r = max(1, min(_ELEMS // block_d, triton.next_power_of_2(R)))
     # x, y, the normed y and h live in registers at once: <= 16 fp32 values of each per thread
-    # (4 warps for 16 x 256 spilled on sm_80).
+    # (4 warps for 16 x 256 spilled on sm_80; 8 warps for a 2560-wide E4B row spilled on sm_86).
     elems = block_r * block_d
-    warps = 4 if elems <= 1024 else (8 if elems <= 4096 else 16)
+    warps = 4 if elems <= 1024 else (8 if elems <= 2048 else 16)
     _add_rms_norm_kernel[(triton.cdiv(R, block_r),)](
         x2, y2, weight if weight is not None else x2, scale if scale is not None else x2,
         next_weight if next_weight is not None else x2, out, normed if next_norm else out, R,
