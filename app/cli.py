@@ -28,6 +28,9 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--data-dir", metavar="DIR",
                    help="where conversations are kept (default: $EDGEGEM_DATA_DIR or the XDG data dir)")
     _engine_args(a)
+    a.add_argument("--kv-disk-budget", default="4GiB", metavar="SIZE",
+                   help="disk kept for conversations' KV under <data-dir>/kv/ (least recently used go first; "
+                        "0 turns saving off)")
     # A chat should go on when it outgrows the context: the app drops the oldest turns by default.
     a.set_defaults(context_overflow="truncate")
 
@@ -50,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--exact", action="store_true",
                    help="float32 weights (reference numerics) instead of the faster float16 CPU format")
     _engine_args(r)
+    _kv_session_arg(r)
 
     i = sub.add_parser("info", help="architecture, layer plan, tensor types and sizes, memory plan")
     i.add_argument("model", nargs="?", help="GGUF file (or use --synthetic)")
@@ -96,6 +100,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--thinking", action="store_true", help="let the model think first (Gemma-4)")
     _sampling_args(c, temperature=0.7)
     _engine_args(c)
+    _kv_session_arg(c)
     cli_tools.add_commands(sub)
     return p
 
@@ -135,6 +140,22 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="stop drafting when the draft's top probability falls below this")
 
 
+def _kv_session_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-session", metavar="FILE",
+                   help="a KV file: if it exists and fits this model, its KV serves the prompt's common prefix "
+                        "(only the rest is prefilled); after each answer the KV of prompt + answer is saved to it")
+
+
+def _kv_note(timings: dict, client=None) -> None:
+    """One stderr line when a --kv-session file could not be used (the prompt was prefilled), and
+    one per KV file that could not be written."""
+    if timings and timings.get("kv_session_error"):
+        print(f"edgegem: KV session not used, prefilled instead: {timings['kv_session_error']}", file=sys.stderr)
+    if client is not None:
+        for msg in client.kv_errors():
+            print(f"edgegem: {msg}", file=sys.stderr)
+
+
 def _engine_options(a):
     from engine.api import EngineOptions
     if a.spec_algo == "mtp" and not a.spec_draft_model:
@@ -155,6 +176,10 @@ def _draft_path(name):
         return None
     from engine.api import resolve_model
     return str(resolve_model(name))
+
+
+def _kv_path(a):
+    return str(Path(a.kv_session).expanduser()) if getattr(a, "kv_session", None) else None
 
 
 def _device(a) -> str:
@@ -213,21 +238,24 @@ def cmd_run(a) -> int:
     from engine import api
     lm = api.open_model(api.resolve_model(a.model), exact=a.exact, device=_device(a),
                         embed_weights=a.embed_weights)
-    gen = api.GenerationParams(_params(a))
+    gen = api.GenerationParams(_params(a), kv_session=_kv_path(a))
     client = api.start_client(lm, _engine_options(a))
     try:
         out = api.run_prompt(client, lm, a.prompt, gen, raw=a.raw, system=a.system,
                              on_text=None if a.json else _emit)
         out["speculative"] = client.status().get("speculative")
     finally:
-        client.close()
+        client.close()  # waits for the KV file to be written
+    _kv_note(out["timings"], client)
     if a.json:
         print(json.dumps(out, ensure_ascii=False))
     else:
         t = out["timings"]
         sys.stdout.write("\n")
-        print(f"[{t['prompt_tokens']} prompt tokens at {t['prefill_tok_s']:.1f} tok/s, "
-              f"{t['output_tokens']} generated at {t['decode_tok_s']:.1f} tok/s]", file=sys.stderr)
+        restored = f", {t['restored_tokens']} restored from {Path(a.kv_session).name}" if t.get("restored_tokens") else ""
+        print(f"[{t['prompt_tokens']} prompt tokens ({t['prefilled_tokens']} prefilled{restored}) at "
+              f"{t['prefill_tok_s']:.1f} tok/s, {t['output_tokens']} generated at {t['decode_tok_s']:.1f} tok/s]",
+              file=sys.stderr)
     return 0
 
 
@@ -378,7 +406,7 @@ def cmd_chat(a) -> int:
     print("Type a message and press Enter; an empty line or Ctrl-D quits.\n")
     lm = api.open_model(path, exact=False, device=_device(a), embed_weights=a.embed_weights)
     client = api.start_client(lm, _engine_options(a))
-    gen = api.GenerationParams(_params(a), thinking=a.thinking)
+    gen = api.GenerationParams(_params(a), thinking=a.thinking, kv_session=_kv_path(a))
     history = [{"role": "system", "content": a.system}] if a.system else []
     try:
         while True:
@@ -397,10 +425,13 @@ def cmd_chat(a) -> int:
                 _emit(ev.text)
                 if ev.finished and ev.error:
                     print(f"\n[error: {ev.error}]", file=sys.stderr)
+                if ev.finished:
+                    _kv_note(ev.stats)
             history.append({"role": "assistant", "content": reply})
             sys.stdout.write("\n\n")
     finally:
         client.close()
+        _kv_note({}, client)
     return 0
 
 

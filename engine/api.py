@@ -127,6 +127,9 @@ class EngineOptions:
     spec_draft_model: Optional[str] = None  # --spec-algo mtp: the Gemma-4 assistant GGUF
     spec_tokens: int = 2
     spec_p_min: float = 0.0
+    kv_save: str = "answer"  # KV files (--kv-session): after each answer; the app: "evict"
+    kv_dir: Optional[str] = None  # the app's folder of per-conversation KV files
+    kv_disk_budget: int = 4 << 30  # --kv-disk-budget: that folder's cap
 
 
 # Without an explicit budget the CPU plan would hand the full pool most of the host's RAM; a chat
@@ -164,7 +167,8 @@ def engine_config(lm: LoadedModel, opts: EngineOptions) -> EngineConfig:
     return EngineConfig(max_running_requests=opts.max_running_requests, prefill_chunk=chunk,
                         fast_prefill=opts.fast_prefill, cache_type=opts.cache_type, kv_cache_dtype=kv,
                         swa_kv_cache_dtype=swa, full_tokens=full, window_tokens=window,
-                        attention_backend=opts.attention_backend)
+                        attention_backend=opts.attention_backend, kv_save=opts.kv_save, kv_dir=opts.kv_dir,
+                        kv_disk_budget=opts.kv_disk_budget)
 
 
 def load_draft(path: str, lm: LoadedModel, spec_tokens: int = 2, p_min: float = 0.0):

@@ -11,6 +11,7 @@ import abc
 import queue
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 from .request import StreamEvent
@@ -23,6 +24,7 @@ class GenerationParams:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     thinking: bool = False
     stop_strings: tuple[str, ...] = ()
+    kv_session: Optional[str] = None  # a KV file: serves the prompt's common prefix, saved after
 
 
 class EngineClient(abc.ABC):
@@ -48,11 +50,15 @@ class EngineClient(abc.ABC):
 
 class LocalClient(EngineClient):
     def __init__(self, loaded, config: Optional[EngineConfig] = None, context_overflow: str = "error",
-                 spec=None):
+                 spec=None, model_id: Optional[str] = None):
         if context_overflow not in ("error", "truncate"):
             raise ValueError(f"--context-overflow must be error or truncate, not {context_overflow!r}")
         self.loaded, self.context_overflow = loaded, context_overflow
-        self.engine = Engine(loaded.model, loaded.tokenizer, config, spec=spec)
+        if model_id is None:  # what a KV file must have been written for
+            from .kv_file import model_identity
+            path = getattr(loaded, "path", None)
+            model_id = model_identity(path) if path is not None and Path(path).exists() else ""
+        self.engine = Engine(loaded.model, loaded.tokenizer, config, spec=spec, model_id=model_id)
         self._commands: "queue.Queue[tuple]" = queue.Queue()
         self._events: dict[int, queue.Queue] = {}
         self._prompts: dict[int, list[int]] = {}
@@ -123,6 +129,40 @@ class LocalClient(EngineClient):
         if isinstance(out, Exception):
             raise out
 
+    def call(self, fn):
+        """Run fn(engine) on the engine thread and return its result (or raise its error)."""
+        reply: "queue.Queue[Any]" = queue.Queue()
+        self._commands.put(("call", fn, reply))
+        ok, out = reply.get()
+        if not ok:
+            raise out
+        return out
+
+    def kv_disk_usage(self) -> Optional[tuple[int, int]]:
+        """(files, bytes) of the managed KV folder, None without one."""
+        disk = self.engine.sessions.disk
+        return disk.usage() if disk is not None else None
+
+    def clear_kv_disk(self) -> int:
+        """Delete every file of the managed KV folder (pending saves first); returns how many."""
+        def clear(engine):
+            engine.sessions.dirty.clear()
+            engine.sessions.flush()
+            return engine.sessions.disk.clear() if engine.sessions.disk is not None else 0
+        return self.call(clear)
+
+    def kv_errors(self) -> list[str]:
+        """KV files that could not be written since the last call (one line each)."""
+        errors = self.engine.sessions.errors
+        out = []
+        while errors:
+            out.append(errors.popleft())
+        return out
+
+    def forget_kv(self, path: str) -> None:
+        """A deleted conversation: drop its pending save and delete its KV file."""
+        self.call(lambda engine: engine.sessions.forget(path))
+
     def close(self) -> None:
         self._closed.set()
         self._commands.put(("wake",))
@@ -134,7 +174,7 @@ class LocalClient(EngineClient):
         if kind == "add":
             _, ids, params, reply = cmd
             try:
-                req = self.engine.add(ids, params.sampling, params.stop_strings)
+                req = self.engine.add(ids, params.sampling, params.stop_strings, kv_session=params.kv_session)
                 self._events[req.id] = req.events
                 self._prompts[req.id] = req.prompt_ids
                 reply.put(req.id)
@@ -142,6 +182,11 @@ class LocalClient(EngineClient):
                 reply.put(e)
         elif kind == "abort":
             self.engine.abort(cmd[1])
+        elif kind == "call":
+            try:
+                cmd[2].put((True, cmd[1](self.engine)))
+            except Exception as e:  # noqa: BLE001
+                cmd[2].put((False, e))
         elif kind == "rebuild":
             try:
                 self.engine.rebuild(**cmd[1])
@@ -167,3 +212,4 @@ class LocalClient(EngineClient):
             self._status = self.engine.status()
         for req in list(self.engine.running) + list(self.engine.waiting):
             self.engine._finish(req, "abort")
+        self.engine.close()  # conversations' KV still only in the cache go to disk

@@ -52,6 +52,7 @@ class RadixCache:
 
     def __init__(self, pools: HybridKVPool, window: Optional[int]):
         self.pools, self.window = pools, window
+        self.before_evict = None  # called once before KV would be let go (KV files save there)
         self.has_window = bool(pools.window.layers) and bool(window)
         self.root = _Node(torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long),
                           torch.empty(0, dtype=torch.long))
@@ -85,6 +86,16 @@ class RadixCache:
         need = self._window_positions(m)
         nodes = self._lock_upto(nodes, m)
         return PrefixMatch(m, full[:m], need, win[need] if m else need, nodes)
+
+    def lookup(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(full slots [m], window slots [m], -1 where absent) of the longest cached prefix of
+        `tokens`, whether or not a query could be served from it; nothing is locked (KV files read
+        the slots at once, on the engine thread)."""
+        nodes, m = self._walk(tokens)
+        if not nodes:
+            e = torch.empty(0, dtype=torch.long)
+            return e, e.clone()
+        return torch.cat([n.full for n in nodes])[:m], torch.cat([n.win for n in nodes])[:m]
 
     def _window_positions(self, m: int) -> torch.Tensor:
         if not self.has_window or m == 0:
@@ -159,6 +170,9 @@ class RadixCache:
     def evict(self, full_tokens: int = 0, window_tokens: int = 0) -> None:
         """Free unlocked cached KV, least recently used first, until each pool has the free slots
         asked for (or nothing evictable is left)."""
+        if self.before_evict is not None and (self.pools.full.n_free < full_tokens
+                                              or self.pools.window.n_free < window_tokens):
+            self.before_evict()
         for n in sorted((n for n in self._nodes() if n.lock == 0), key=lambda n: n.last_used):
             if self.pools.window.n_free >= window_tokens:
                 break
@@ -188,6 +202,10 @@ class NaiveCache(RadixCache):
     def match(self, tokens: list[int]) -> PrefixMatch:
         e = torch.empty(0, dtype=torch.long)
         return PrefixMatch(0, e, e, e, [])
+
+    def lookup(self, tokens):
+        e = torch.empty(0, dtype=torch.long)
+        return e, e.clone()
 
     def insert(self, tokens, full_slots, win_slots):
         none = torch.zeros(len(tokens), dtype=torch.bool)

@@ -56,6 +56,10 @@ class Request:
     t_done: Optional[float] = None
     abort_requested: bool = False
     h: object = None  # speculative decoding: the target's post-norm state at the last KV position
+    kv_session: Optional[str] = None  # a KV file (engine/kv_sessions.py): restored before, saved after
+    restored_len: int = 0  # prompt tokens whose KV came from that file
+    kv_error: Optional[str] = None  # why the file was not used (one line)
+    kv_checked: bool = False
 
     def __post_init__(self):
         if not self.prompt_ids:
@@ -78,6 +82,7 @@ class Request:
         decode_s = (self.t_done or time.perf_counter()) - (self.t_first or self.t_submit)
         n_out = len(self.output_ids)
         return {"prompt_tokens": self.n_prompt, "cached_tokens": self.cached_len,
+                "restored_tokens": self.restored_len, "kv_session_error": self.kv_error,
                 "prefilled_tokens": self.n_prompt - self.cached_len, "output_tokens": n_out,
                 "prefill_s": prefill_s, "decode_s": decode_s,
                 "prefill_tok_s": (self.n_prompt - self.cached_len) / prefill_s if prefill_s > 0 else 0.0,

@@ -19,6 +19,7 @@ from .attention_backend import get_attention_backend
 from .batch_decode import BUCKETS, BatchDecoder
 from .kv_format import resolve_format
 from .kv_pool import HybridKVPool, KVPoolFull
+from .kv_sessions import KVDisk, KVSessions
 from .prefix_cache import make_prefix_cache
 from .request import Request, RequestState, StreamEvent
 from .runner import ModelRunner
@@ -47,6 +48,9 @@ class EngineConfig:
     window_margin: int = 64
     batched_decode: Optional[bool] = None  # None: on when the model is on CUDA (works on the CPU too)
     cuda_graphs: bool = True  # capture the batched decode per (batch, verify width) on CUDA + triton
+    kv_save: str = "answer"  # KV files: save after each answer, or "evict": when leaving the cache
+    kv_dir: Optional[str] = None  # a managed folder of KV files, capped by kv_disk_budget
+    kv_disk_budget: int = 4 << 30
 
     def __post_init__(self):
         if self.max_running_requests < 1 or self.prefill_chunk < 1 or self.full_tokens < 1:
@@ -55,7 +59,7 @@ class EngineConfig:
 
 class Engine:
     def __init__(self, model, tokenizer=None, config: Optional[EngineConfig] = None,
-                 spec: Optional[SpecConfig] = None):
+                 spec: Optional[SpecConfig] = None, model_id: str = ""):
         self.model, self.tokenizer, self.config = model, tokenizer, config or EngineConfig()
         if spec is not None:
             check_draft(spec.draft, model.cfg)
@@ -67,6 +71,9 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[int, Request] = {}
+        c = self.config
+        self.sessions = KVSessions(self, c.kv_save, KVDisk(c.kv_dir, c.kv_disk_budget) if c.kv_dir else None,
+                                   model_id)
         self._build_pools()
 
     # --- pools ------------------------------------------------------------------------------
@@ -79,6 +86,8 @@ class Engine:
                                   resolve_format(c.kv_cache_dtype, dev), resolve_format(c.swa_kv_cache_dtype, dev),
                                   dev, share_kv=c.share_kv)
         self.cache = make_prefix_cache(c.cache_type, self.pools, self.window)
+        if c.kv_save == "evict":  # a conversation's KV goes to disk before the cache lets it go
+            self.cache.before_evict = self.sessions.save_dirty
         batched = c.batched_decode if c.batched_decode is not None else self.model.device.type == "cuda"
         # Its graphs hold the slab addresses, so it is rebuilt with the pools.
         self.decoder = BatchDecoder(self.model, self.pools, self.attention_backend, c.cuda_graphs) \
@@ -92,6 +101,8 @@ class Engine:
             if not hasattr(self.config, k):
                 raise ValueError(f"unknown engine setting {k}")
             setattr(self.config, k, v)
+        self.sessions.save_dirty()
+        self.sessions.flush()
         self.cache.clear()
         self._build_pools()
 
@@ -101,12 +112,13 @@ class Engine:
         return min(n, self.pools.full.capacity) if self.pools.full.layers else n
 
     # --- requests ----------------------------------------------------------------------------
-    def add(self, prompt_ids: list[int], params: SamplingParams, stop_strings=()) -> Request:
+    def add(self, prompt_ids: list[int], params: SamplingParams, stop_strings=(),
+            kv_session: Optional[str] = None) -> Request:
         limit = self.context_limit
         if len(prompt_ids) >= limit:
             raise ContextOverflowError(
                 f"prompt of {len(prompt_ids)} tokens does not fit the {limit}-token context")
-        req = Request(list(prompt_ids), params, tuple(stop_strings))
+        req = Request(list(prompt_ids), params, tuple(stop_strings), kv_session=kv_session)
         if self.tokenizer is not None:
             req.detok = self.tokenizer.stream_decoder()
         self.requests[req.id] = req
@@ -149,6 +161,9 @@ class Engine:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
+            if req.kv_session and not req.kv_checked:  # its KV file serves the common prefix
+                req.kv_checked = True
+                self.sessions.restore(req)
             match = self.cache.match(req.prompt_ids)
             need = req.n_prompt - match.length + 1
             if self.pools.full.layers and self.pools.full.n_free < need:
@@ -314,6 +329,7 @@ class Engine:
             n = len(req.kv)
             if reason != "error" and n:
                 self._hand_to_cache(req, n)  # the next turn reuses the conversation
+                self.sessions.finished(req, n)
             req.kv.release()
         self.cache.release(req.locked)
         req.locked = []
@@ -339,6 +355,10 @@ class Engine:
         if dev.type != "cuda":
             return None
         return {"allocated": torch.cuda.memory_allocated(dev), "peak": torch.cuda.max_memory_allocated(dev)}
+
+    def close(self) -> None:
+        """Save conversations' KV not on disk yet and wait for the writer."""
+        self.sessions.close()
 
     def run_to_completion(self) -> None:
         while self.has_work:

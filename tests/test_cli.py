@@ -91,3 +91,25 @@ def test_run_on_demo_model_by_default():
     r = edgegem("run", "--prompt", "The capital of France is", "--raw", "--max-tokens", "4", "--json")
     out = json.loads(r.stdout.splitlines()[-1])
     assert len(out["ids"]) == 4 and out["prompt_ids"][0] == 2
+
+
+def test_run_kv_session_restores_the_prompt_and_refuses_a_damaged_file(tiny, tmp_path):
+    """`run --kv-session F` twice: the second run reads the prompt's KV from F (restored_tokens) and
+    prefills one token, with the same answer; a damaged F is one stderr line and a normal prefill."""
+    f = tmp_path / "s.safetensors"
+    args = ("run", "--model", tiny, "--prompt", "the cat sat on the mat and", "--max-tokens", "5", "--json",
+            "--kv-session", f)
+    first = edgegem(*args)
+    a = json.loads(first.stdout.strip().splitlines()[-1])
+    assert f.exists() and a["timings"]["restored_tokens"] == 0 and first.stderr == ""
+    b = json.loads(edgegem(*args).stdout.strip().splitlines()[-1])
+    n = len(a["prompt_ids"])
+    assert b["timings"]["restored_tokens"] == n - 1 and b["timings"]["prefilled_tokens"] == 1
+    assert b["ids"] == a["ids"]
+    data = bytearray(f.read_bytes())
+    data[-64] ^= 0x01
+    f.write_bytes(bytes(data))
+    r = edgegem(*args)
+    c = json.loads(r.stdout.strip().splitlines()[-1])
+    assert c["ids"] == a["ids"] and c["timings"]["restored_tokens"] == 0
+    assert r.stderr.count("\n") == 1 and "checksum" in r.stderr and r.stderr.startswith("edgegem: KV session")
