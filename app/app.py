@@ -131,5 +131,7 @@ PALETTE = [
     ("Import conversation", "Add a conversation from an exported JSON file", "import"),
     ("Search conversations", "Ctrl+F", "search"),
     ("Settings", "Sampling, system prompt, engine flags (Ctrl+S)", "settings"),
+    ("Measure KV formats (kv-check)", "What each KV cache format costs on this model: KL divergence, top-1",
+     "kv_check"),
     ("Help", "Key bindings (F1)", "help"),
 ]

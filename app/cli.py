@@ -1,5 +1,5 @@
 """`edgegem` command line. With no command (or `app`) it opens the full-screen chat; `run` prints
-one reply to stdout for scripts; `chat` is a plain line chat; score, tokenize, info, bench.
+one reply to stdout for scripts; `chat` is a plain line chat; score, tokenize, info, bench, kv-check.
 
 Bad input ends in one line on stderr and exit code 2; `--debug` shows the traceback.
 """
@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from . import cli_tools
+from . import cli_kvcheck, cli_tools
 
 EXIT_BAD_INPUT = 2
 
@@ -102,6 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     _engine_args(c)
     _kv_session_arg(c)
     cli_tools.add_commands(sub)
+    cli_kvcheck.add_command(sub)
     return p
 
 
@@ -438,6 +439,7 @@ def cmd_chat(a) -> int:
 COMMANDS = {"app": cmd_app, "score": cmd_score, "tokenize": cmd_tokenize, "run": cmd_run, "info": cmd_info,
             "bench": cmd_bench, "chat": cmd_chat}
 COMMANDS.update(cli_tools.COMMANDS)
+COMMANDS.update(cli_kvcheck.COMMANDS)
 
 
 def _with_default_command(argv: list[str]) -> list[str]:

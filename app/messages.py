@@ -33,3 +33,19 @@ class GenerationDone(Message):
                  stats: Optional[dict]) -> None:
         super().__init__()
         self.gen_id, self.text, self.reason, self.error, self.stats = gen_id, text, reason, error, stats or {}
+
+
+class KVCheckProgress(Message):
+    """kv-check's worker: fraction 0..1 of the chunks measured."""
+
+    def __init__(self, fraction: float, text: str) -> None:
+        super().__init__()
+        self.fraction, self.text = fraction, text
+
+
+class KVCheckDone(Message):
+    """kv-check's worker ended: figures (engine/kv_check.py's dict), or an error, or cancelled."""
+
+    def __init__(self, result: Optional[dict], error: Optional[str] = None, cancelled: bool = False) -> None:
+        super().__init__()
+        self.result, self.error, self.cancelled = result, error, cancelled

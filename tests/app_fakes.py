@@ -88,16 +88,46 @@ INFO = {"model": "Fake Gemma 4", "file": "fake-q4_k_m.gguf", "path": "/models/fa
                  "max context: 4096 tokens"]}
 
 
+# what engine/kv_check.py returns (the figures of the README's 270M table)
+KV_RESULT = {"reference": "fp32", "reference_bytes_per_token": 6144, "device": "cpu", "tokens": 1024, "chunk": 64,
+             "sliding_window": 512, "activations": "float32", "seconds": 95.0, "skipped": {},
+             "text": "Pride and Prejudice, ch. I-III (built in)", "measured": "2026-12-01 10:00",
+             "model": {"name": "Fake Gemma 4", "file": "fake-q4_k_m.gguf", "path": "/models/fake-q4_k_m.gguf",
+                       "size": 1000, "arch": "gemma4"},
+             "formats": {"bf16": {"mean_kld": 2.59e-5, "p99_kld": 2.2e-4, "max_kld": 8.08e-4,
+                                  "top1_agreement": 0.998, "bytes_per_token": 3072},
+                         "int8_per_token_head": {"mean_kld": 4.76e-3, "p99_kld": 3.48e-2, "max_kld": 6.25e-2,
+                                                 "top1_agreement": 0.951, "bytes_per_token": 1560}}}
+
+
 class FakeBackend:
-    """Loads instantly (or waits at `hold`), or fails with `error`; counts loads for reload tests."""
+    """Loads instantly (or waits at `hold`), or fails with `error`; counts loads for reload tests.
+    `kv_check` plays back KV_RESULT in 4 progress steps (holding after the first at `kv_hold` until
+    told to stop) and keeps it per data dir for `kv_check_cached`."""
 
     def __init__(self, client: Optional[FakeClient] = None, error: Optional[Exception] = None,
                  options: EngineOptions = EngineOptions(), hold: Optional[threading.Event] = None,
-                 info: Optional[dict] = None):
+                 info: Optional[dict] = None, kv_hold: Optional[threading.Event] = None):
         self.client, self.error, self.options, self.hold = client or FakeClient(), error, options, hold
         self.info = {**INFO, **(info or {})}
         self.model = "fake-q4_k_m.gguf"
         self.loads = 0
+        self.kv_hold, self.kv_saved = kv_hold, {}
+
+    def kv_check(self, session, data_dir, progress, should_stop, **kw) -> dict:
+        for step in range(4):
+            if step == 1 and self.kv_hold is not None:
+                end = time.monotonic() + 10  # never hang a failing test
+                while not should_stop() and not self.kv_hold.wait(0.01) and time.monotonic() < end:
+                    pass
+            if should_stop():
+                raise RuntimeError("kv-check cancelled")
+            progress((step + 1) / 4, f"{256 * (step + 1)}/1024 tokens, 3 KV formats")
+        self.kv_saved[str(data_dir)] = dict(KV_RESULT)
+        return dict(KV_RESULT)
+
+    def kv_check_cached(self, session, data_dir) -> Optional[dict]:
+        return self.kv_saved.get(str(data_dir))
 
     def with_options(self, **changes) -> "FakeBackend":
         b = FakeBackend(FakeClient(), self.error, replace(self.options, **changes))

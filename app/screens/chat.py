@@ -24,6 +24,7 @@ from app.backend import GenerationParams, SamplingParams, split_thinking
 from app.messages import GenerationDone
 from app.screens.dialogs import ConfirmScreen, HelpScreen, TextPrompt
 from app.store import DEFAULT_TITLE
+from app.screens.kv_check import KVCheckScreen
 from app.screens.settings import DEFAULT_SETTINGS, SettingsResult, SettingsScreen
 from app.widgets.chat_input import ChatInput
 from app.widgets.message_view import MessageView, code_blocks
@@ -213,7 +214,16 @@ class ChatScreen(Screen[None]):
                 self.app.confirm_reload(result.engine)
             else:
                 self.notify("Settings saved for this conversation.")
-        self.app.push_screen(SettingsScreen(self.settings, self.app.engine_flags()), done)
+        self.app.push_screen(SettingsScreen(self.settings, self.app.engine_flags(), self._kv_figures()), done)
+
+    def _kv_figures(self) -> Optional[dict]:
+        cached = getattr(self.app.backend, "kv_check_cached", None)
+        return cached(self.session, self.store.data_dir) if cached else None
+
+    def action_kv_check(self) -> None:
+        """Measure the KV formats on this model (modal: the chat waits, app/screens/kv_check.py)."""
+        if not self._busy():
+            self.app.push_screen(KVCheckScreen(self.app.backend, self.session, self.store.data_dir))
 
     def action_toggle_thinking(self) -> None:
         on_ = not self.settings["thinking"]

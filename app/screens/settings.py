@@ -10,6 +10,8 @@ from textual.containers import Grid, Horizontal, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, Static, Switch, TextArea
 
+from app.screens.kv_check import figure_lines
+
 # Per-conversation defaults: llama.cpp-like chat sampling.
 DEFAULT_SETTINGS = {"system": "", "temperature": 0.7, "top_p": 0.95, "top_k": 64, "min_p": 0.0,
                     "repetition_penalty": 1.0, "max_tokens": 1024, "thinking": False}
@@ -44,10 +46,11 @@ def parse_settings(raw: dict) -> dict:
 class SettingsScreen(ModalScreen["SettingsResult | None"]):
     BINDINGS = [("escape", "dismiss(None)", "Cancel"), ("ctrl+s", "save", "Save")]
 
-    def __init__(self, settings: dict, engine: dict) -> None:
+    def __init__(self, settings: dict, engine: dict, kv_check: Optional[dict] = None) -> None:
         super().__init__()
         self.settings = {**DEFAULT_SETTINGS, **settings}
         self.engine = engine  # kv_cache_dtype, gpu_memory_budget, spec_draft_model
+        self.kv_check = kv_check  # this model's kv-check figures (engine/kv_check.py), once measured
 
     def compose(self) -> ComposeResult:
         s = self.settings
@@ -66,6 +69,9 @@ class SettingsScreen(ModalScreen["SettingsResult | None"]):
                 yield Label("KV cache format")
                 yield Select([(f, f) for f in KV_FORMATS], value=self.engine.get("kv_cache_dtype") or "auto",
                              allow_blank=False, id="kv_cache_dtype", compact=True)
+                if self.kv_check:  # measured by the palette's "Measure KV formats" or `edgegem kv-check`
+                    yield Label("KV format cost")
+                    yield Static("\n".join(figure_lines(self.kv_check)), id="kv-figures", markup=False)
                 yield Label("Memory budget")
                 yield Input(self.engine.get("gpu_memory_budget") or "", placeholder="default, or e.g. 8GiB",
                             id="gpu_memory_budget", compact=True)

@@ -5,7 +5,7 @@ _edgegem() {
         case "${COMP_WORDS[i]}" in -*) ;; *) cmd="${COMP_WORDS[i]}"; break ;; esac
     done
     if [[ -z "$cmd" ]]; then
-        COMPREPLY=($(compgen -W "app score tokenize run info bench chat doctor pull models import -h --help --debug --version" -- "$cur"))
+        COMPREPLY=($(compgen -W "app score tokenize run info bench chat doctor pull models import kv-check -h --help --debug --version" -- "$cur"))
         return
     fi
     case "$cmd:$prev" in
@@ -120,6 +120,12 @@ _edgegem() {
         models:--gpu-memory-budget) COMPREPLY=(); return ;;
         models:--device) COMPREPLY=($(compgen -W "auto cuda cpu" -- "$cur")); return ;;
         import:--data-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
+        kv-check:--model) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        kv-check:--text) COMPREPLY=(); return ;;
+        kv-check:--tokens) COMPREPLY=(); return ;;
+        kv-check:--chunk) COMPREPLY=(); return ;;
+        kv-check:--device) COMPREPLY=($(compgen -W "auto cpu cuda" -- "$cur")); return ;;
+        kv-check:--data-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
     esac
     case "$cmd" in
         app) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --data-dir --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min" -- "$cur")); else COMPREPLY=(); fi ;;
@@ -133,6 +139,7 @@ _edgegem() {
         pull) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --draft --no-draft --revision --data-dir --models-dir" -- "$cur")); else COMPREPLY=(); fi ;;
         models) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --data-dir --models-dir --gpu-memory-budget --device --json" -- "$cur")); else COMPREPLY=(); fi ;;
         import) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --data-dir" -- "$cur")); else COMPREPLY=(); fi ;;
+        kv-check) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --text --tokens --chunk --device --data-dir --json" -- "$cur")); else COMPREPLY=(); fi ;;
     esac
 }
 complete -o filenames -F _edgegem edgegem
