@@ -26,6 +26,7 @@ _edgegem() {
         app:--spec-draft-model) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         app:--spec-tokens) COMPREPLY=(); return ;;
         app:--spec-p-min) COMPREPLY=(); return ;;
+        app:--kv-disk-budget) COMPREPLY=(); return ;;
         score:--model) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         score:--tokens) COMPREPLY=(); return ;;
         score:--out) COMPREPLY=($(compgen -f -- "$cur")); return ;;
@@ -57,6 +58,7 @@ _edgegem() {
         run:--spec-draft-model) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         run:--spec-tokens) COMPREPLY=(); return ;;
         run:--spec-p-min) COMPREPLY=(); return ;;
+        run:--kv-session) COMPREPLY=(); return ;;
         info:--synthetic) COMPREPLY=($(compgen -W "e2b e4b" -- "$cur")); return ;;
         info:--gpu-memory-budget) COMPREPLY=(); return ;;
         info:--kv-cache-dtype) COMPREPLY=($(compgen -W "auto bf16 fp16 fp32 int8_per_token_head fp8_per_token_head" -- "$cur")); return ;;
@@ -109,6 +111,7 @@ _edgegem() {
         chat:--spec-draft-model) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         chat:--spec-tokens) COMPREPLY=(); return ;;
         chat:--spec-p-min) COMPREPLY=(); return ;;
+        chat:--kv-session) COMPREPLY=(); return ;;
         doctor:--data-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
         doctor:--models-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
         pull:--draft) COMPREPLY=(); return ;;
@@ -128,13 +131,13 @@ _edgegem() {
         kv-check:--data-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
     esac
     case "$cmd" in
-        app) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --data-dir --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min" -- "$cur")); else COMPREPLY=(); fi ;;
+        app) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --data-dir --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min --kv-disk-budget" -- "$cur")); else COMPREPLY=(); fi ;;
         score) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --tokens --out" -- "$cur")); else COMPREPLY=(); fi ;;
         tokenize) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --text" -- "$cur")); else COMPREPLY=(); fi ;;
-        run) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --prompt --system --max-tokens --temperature --top-k --top-p --min-p --repetition-penalty --presence-penalty --seed --raw --json --exact --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min" -- "$cur")); else COMPREPLY=(); fi ;;
+        run) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --prompt --system --max-tokens --temperature --top-k --top-p --min-p --repetition-penalty --presence-penalty --seed --raw --json --exact --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min --kv-session" -- "$cur")); else COMPREPLY=(); fi ;;
         info) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --synthetic --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --prefill-chunk --max-running-requests --spec-draft-model --device --json" -- "$cur")); else COMPREPLY=($(compgen -f -- "$cur")); fi ;;
         bench) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --synthetic --device --prompt-tokens --decode-tokens --threads --no-llama-cpp --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --fast-prefill --prompt-lengths --contexts --decode-steps --peak-bandwidth --static --arch --spec-draft-model --spec-tokens --json" -- "$cur")); else COMPREPLY=(); fi ;;
-        chat) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --system --thinking --max-tokens --temperature --top-k --top-p --min-p --repetition-penalty --presence-penalty --seed --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min" -- "$cur")); else COMPREPLY=(); fi ;;
+        chat) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --system --thinking --max-tokens --temperature --top-k --top-p --min-p --repetition-penalty --presence-penalty --seed --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min --kv-session" -- "$cur")); else COMPREPLY=(); fi ;;
         doctor) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --data-dir --models-dir --json" -- "$cur")); else COMPREPLY=(); fi ;;
         pull) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --draft --no-draft --revision --data-dir --models-dir" -- "$cur")); else COMPREPLY=(); fi ;;
         models) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --data-dir --models-dir --gpu-memory-budget --device --json" -- "$cur")); else COMPREPLY=(); fi ;;
