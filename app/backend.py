@@ -57,6 +57,8 @@ class EngineBackend:
                 "file": path.name, "path": str(path), "arch": lm.arch, "demo": self.model is None,
                 "device": device, "context_limit": status.get("context_limit"),
                 "draft": self.options.spec_draft_model,
+                # per-conversation KV files (engine/kv_sessions.py), None when off
+                "kv_dir": self.options.kv_dir, "kv_disk_budget": self.options.kv_disk_budget,
                 "budget_bytes": plan.budget if plan is not None else None,
                 "plan": plan_lines(plan, status)}
         info["model"] = info["model"] or path.stem

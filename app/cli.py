@@ -392,7 +392,12 @@ def cmd_app(a) -> int:
         store = Store(Path(a.data_dir).expanduser() if a.data_dir else None)
     except sqlite3.Error as e:
         raise OSError(f"cannot open the conversation database: {e}") from None
-    backend = EngineBackend(a.model, _engine_options(a), a.device)
+    from dataclasses import replace
+
+    from engine.memory_plan import parse_size
+    budget = parse_size(a.kv_disk_budget) if a.kv_disk_budget not in ("0", "") else 0
+    kv = {"kv_save": "evict", "kv_dir": str(store.data_dir / "kv"), "kv_disk_budget": budget} if budget else {}
+    backend = EngineBackend(a.model, replace(_engine_options(a), **kv), a.device)
     return EdgegemApp(backend, store).run() or 0
 
 

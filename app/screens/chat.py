@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Optional
 
 from textual import on
@@ -178,6 +179,7 @@ class ChatScreen(Screen[None]):
 
         def done(yes: bool) -> None:
             if yes:
+                self._forget_kv(self.conversation_id)
                 self.store.delete(self.conversation_id)
                 convs = self.store.conversations()
                 self.load_conversation(convs[0].id if convs else self._new().id)
@@ -214,7 +216,30 @@ class ChatScreen(Screen[None]):
                 self.app.confirm_reload(result.engine)
             else:
                 self.notify("Settings saved for this conversation.")
-        self.app.push_screen(SettingsScreen(self.settings, self.app.engine_flags(), self._kv_figures()), done)
+        self.app.push_screen(SettingsScreen(self.settings, self.app.engine_flags(), self._kv_figures(),
+                                            self._kv_disk(), self._clear_kv_disk), done)
+
+    # --- conversations' KV on disk (engine/kv_sessions.py) ---------------------------------------
+    def _kv_session(self, conversation_id: int) -> Optional[str]:
+        """The KV file of a conversation under <data-dir>/kv/, None when KV files are off."""
+        folder = self.session.info.get("kv_dir")
+        return str(Path(folder) / f"{conversation_id}.safetensors") if folder else None
+
+    def _forget_kv(self, conversation_id: int) -> None:
+        path, forget = self._kv_session(conversation_id), getattr(self.client, "forget_kv", None)
+        if path and forget is not None:
+            forget(path)
+
+    def _kv_disk(self) -> Optional[dict]:
+        usage = getattr(self.client, "kv_disk_usage", None)
+        got = usage() if usage is not None and self.session.info.get("kv_dir") else None
+        if got is None:
+            return None
+        return {"files": got[0], "bytes": got[1], "budget": self.session.info.get("kv_disk_budget")}
+
+    def _clear_kv_disk(self) -> Optional[dict]:
+        self.client.clear_kv_disk()
+        return self._kv_disk()
 
     def _kv_figures(self) -> Optional[dict]:
         cached = getattr(self.app.backend, "kv_check_cached", None)
@@ -314,7 +339,7 @@ class ChatScreen(Screen[None]):
         await self.query_one("#messages", VerticalScroll).mount(view)
         view.start_stream()
         self.gen = Generation(self.conversation_id, view)
-        params = sampling_params(self.settings)
+        params = replace(sampling_params(self.settings), kv_session=self._kv_session(self.conversation_id))
         msgs = self.prompt_messages()
         self.run_worker(lambda: self._work(self.gen, msgs, params), thread=True, group="generate")
 

@@ -3,7 +3,7 @@ engine flags that need a model reload (KV format, memory budget, draft model; as
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from textual.app import ComposeResult
 from textual.containers import Grid, Horizontal, VerticalScroll
@@ -43,11 +43,21 @@ def parse_settings(raw: dict) -> dict:
     return out
 
 
+def kv_disk_line(d: dict) -> str:
+    mib = d.get("bytes", 0) / 2**20
+    budget = d.get("budget")
+    cap = f" of {budget / 2**30:.1f} GiB" if budget else ""
+    return f"{d.get('files', 0)} conversations, {mib:.1f} MiB{cap}"
+
+
 class SettingsScreen(ModalScreen["SettingsResult | None"]):
     BINDINGS = [("escape", "dismiss(None)", "Cancel"), ("ctrl+s", "save", "Save")]
 
-    def __init__(self, settings: dict, engine: dict, kv_check: Optional[dict] = None) -> None:
+    def __init__(self, settings: dict, engine: dict, kv_check: Optional[dict] = None,
+                 kv_disk: Optional[dict] = None, clear_kv_disk: Optional[Callable[[], Optional[dict]]] = None) -> None:
         super().__init__()
+        self.kv_disk = kv_disk  # conversations' KV files: files, bytes, budget (None: off)
+        self.clear_kv_disk = clear_kv_disk
         self.settings = {**DEFAULT_SETTINGS, **settings}
         self.engine = engine  # kv_cache_dtype, gpu_memory_budget, spec_draft_model
         self.kv_check = kv_check  # this model's kv-check figures (engine/kv_check.py), once measured
@@ -72,6 +82,11 @@ class SettingsScreen(ModalScreen["SettingsResult | None"]):
                 if self.kv_check:  # measured by the palette's "Measure KV formats" or `edgegem kv-check`
                     yield Label("KV format cost")
                     yield Static("\n".join(figure_lines(self.kv_check)), id="kv-figures", markup=False)
+                if self.kv_disk is not None:
+                    yield Label("KV on disk")
+                    with Horizontal(classes="kv-disk"):
+                        yield Static(kv_disk_line(self.kv_disk), id="kv-disk", markup=False)
+                        yield Button("Clear", id="clear-kv", compact=True)
                 yield Label("Memory budget")
                 yield Input(self.engine.get("gpu_memory_budget") or "", placeholder="default, or e.g. 8GiB",
                             id="gpu_memory_budget", compact=True)
@@ -84,6 +99,11 @@ class SettingsScreen(ModalScreen["SettingsResult | None"]):
                 yield Button("Cancel", id="cancel")
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
+        if event.button.id == "clear-kv":
+            if self.clear_kv_disk is not None:
+                self.kv_disk = self.clear_kv_disk() or self.kv_disk
+                self.query_one("#kv-disk", Static).update(kv_disk_line(self.kv_disk))
+            return
         if event.button.id == "save":
             self.action_save()
         else:

@@ -43,6 +43,10 @@ class StatusPanel(Static):
         if last:
             lines.append(f"prefill {last.get('prefill_tok_s', 0.0):.1f} tok/s ({last.get('prefilled_tokens', 0)} tokens)")
             lines.append(f"decode  {last.get('decode_tok_s', 0.0):.1f} tok/s ({last.get('output_tokens', 0)} tokens)")
+            if last.get("restored_tokens"):
+                lines.append(f"disk    restored {last['restored_tokens']} tokens from disk")
+            elif last.get("kv_session_error"):
+                lines.append("disk    KV file not used (prefilled)")
         spec = status.get("speculative")
         if spec is None and info.get("arch") == "gemma4":
             lines.append("draft   off (no assistant model)")
