@@ -92,6 +92,11 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--spec-draft-model", metavar="PATH",
                    help="assistant GGUF: decode tok/s with and without it, acceptance, verify cost")
     b.add_argument("--spec-tokens", type=int, default=2)
+    g = b.add_argument_group("KV files (--kv-resume)")
+    g.add_argument("--kv-resume", action="store_true",
+                   help="reopening a conversation from its KV file against prefilling it, and file size per "
+                        "token per KV format")
+    g.add_argument("--kv-lengths", default="2048,8192,32000", metavar="N,N,...", help="conversation lengths")
     b.add_argument("--json", action="store_true")
 
     c = sub.add_parser("chat", help="plain line-by-line chat in the terminal (no full-screen app)")
@@ -344,6 +349,16 @@ def cmd_bench(a) -> int:
             raise ValueError("--static needs --synthetic e2b or e4b")
         from engine.static_bench import static_report
         out = static_report(a.synthetic, a.arch, kv=a.kv_cache_dtype)
+    elif a.kv_resume:  # restore from a KV file vs cold prefill, through the engine
+        from engine import api
+        from engine.kv_bench import kv_resume_bench
+        if a.threads:
+            import torch
+            torch.set_num_threads(a.threads)
+        dev = "cuda" if a.device == "cuda" else "cpu"
+        lm = api.open_model(api.resolve_model(a.model), exact=False, device=dev)
+        out = kv_resume_bench(lm, _int_list(a.kv_lengths, "--kv-lengths"), a.kv_cache_dtype,
+                              progress=lambda s: print(s, file=sys.stderr))
     elif a.spec_draft_model:  # with vs without the assistant draft, through the engine
         from engine import api
         from engine.bench import spec_bench

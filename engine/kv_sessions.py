@@ -13,10 +13,12 @@ Failures never reach the chat: a file that cannot be used is one line on the req
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
 import threading
+import weakref
 from collections import deque
 from pathlib import Path
 from typing import Optional
@@ -27,6 +29,15 @@ from .kv_file import KVFileError
 log = logging.getLogger("edgegem")
 
 POLICIES = ("answer", "evict")
+_live: "weakref.WeakSet[KVSessions]" = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_all() -> None:
+    """An interpreter exiting without engine.close() still finishes the files being written (the
+    writer is a daemon thread: killed mid-write it would leave only a temporary file)."""
+    for s in list(_live):
+        s.flush()
 
 
 class KVDisk:
@@ -91,6 +102,7 @@ class KVSessions:
         self.saved = 0  # files written
         self._queue: "queue.Queue" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
+        _live.add(self)
 
     # --- the engine thread -----------------------------------------------------------------------
     def layout(self) -> dict:
