@@ -280,3 +280,17 @@ def test_gemma3_270m_round_trip(gemma3_270m_path, tmp_path):
     assert r2.restored_len == len(r1.all_ids) - 1 and r2.output_ids == want.output_ids
     layout = a.sessions.layout()
     assert layout["window_pool"]["layers"] and layout["full"]["layers"]
+
+
+def test_kv_resume_bench_reports_every_length_and_format(tiny):
+    from engine.kv_bench import kv_resume_bench
+
+    out = kv_resume_bench(tiny, lengths=(24, 40))
+    assert [r["tokens"] for r in out["rows"]] == [24, 40]
+    for r in out["rows"]:
+        assert r["prefilled_on_resume"] == 16 and r["cold_prefill_s"] > 0 and r["resume_s"] > 0
+        assert r["speedup"] == pytest.approx(r["cold_prefill_s"] / r["resume_s"])
+    sizes = {s["format"]: s["bytes_per_token"] for s in out["file_sizes"]}
+    assert set(sizes) == set(FORMATS)
+    assert sizes["bf16"] < sizes["fp32"] and sizes["int8_per_token_head"] < sizes["bf16"]
+    assert "speedup" in out["table"]
