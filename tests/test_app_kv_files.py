@@ -102,3 +102,29 @@ async def test_settings_show_the_disk_use_and_clear_it(tmp_path, tiny_path):
         await pilot.pause()
         assert str(app.screen.query_one("#kv-disk").render()).startswith("0 conversations, 0.0 MiB")
     assert not list((data / "kv").glob("*.safetensors"))
+
+
+async def test_a_full_disk_while_saving_keeps_the_chat_and_the_database(tmp_path, tiny_path, monkeypatch):
+    import errno
+
+    from engine import kv_file
+
+    def enospc(snap, path, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(kv_file, "write", enospc)
+    data = tmp_path / "data"
+    app = _app(data, tiny_path)
+    async with app.run_test(size=SIZE) as pilot:
+        chat = await open_chat(pilot)
+        await say(pilot, "the cat")
+        app.session.client.call(lambda engine: engine.sessions.save_dirty())
+        app.session.client.call(lambda engine: engine.sessions.flush())
+        assert app.session.client.kv_errors() == [f"KV file {chat.conversation_id}.safetensors not saved: "
+                                                  "No space left on device"]
+        await say(pilot, "and the dog")  # the chat goes on
+        conv = chat.conversation_id
+    store = Store(data)
+    assert [(m.role, m.status) for m in store.messages(conv)] == [("user", "done"), ("assistant", "done")] * 2
+    store.close()
+    assert not list((data / "kv").iterdir())

@@ -294,3 +294,17 @@ def test_kv_resume_bench_reports_every_length_and_format(tiny):
     assert set(sizes) == set(FORMATS)
     assert sizes["bf16"] < sizes["fp32"] and sizes["int8_per_token_head"] < sizes["bf16"]
     assert "speedup" in out["table"]
+
+
+def test_a_file_of_another_format_version_is_refused(tiny, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    f = tmp_path / "c.safetensors"
+    r1 = _ask(_engine(tiny), _prompt(21), f)
+    with safe_open(str(f), framework="pt") as h:
+        meta, tensors = h.metadata(), {k: h.get_tensor(k) for k in h.keys()}
+    save_file(tensors, str(f), metadata={**meta, "edgegem_kv": "2"})
+    r = _ask(_engine(tiny), r1.all_ids + [90], f)
+    assert r.kv_error == "c.safetensors: KV file format version 2, this edgegem reads version 1"
+    assert r.restored_len == 0
