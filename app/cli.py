@@ -473,6 +473,9 @@ def _with_default_command(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(_with_default_command(sys.argv[1:] if argv is None else list(argv)))
     try:
+        from engine import failpoints
+        if failpoints.CONFIG_ERROR:
+            raise ValueError(failpoints.CONFIG_ERROR)
         return COMMANDS[args.cmd](args)
     except KeyboardInterrupt:
         return 130

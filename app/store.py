@@ -24,6 +24,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine import failpoints
+
 FORMAT = "edgegem.conversation"
 FORMAT_VERSION = 1
 ROLES = ("system", "user", "assistant")
@@ -156,6 +158,8 @@ class Store:
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
+                if failpoints.ACTIVE:
+                    failpoints.maybe_fail("store.write")
                 yield self._db
                 self._db.execute("COMMIT")
             except BaseException:

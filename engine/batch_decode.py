@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from . import failpoints
 from .kv_pool import HybridKVPool
 from .sequence_kv import SequenceKV
 
@@ -147,6 +148,8 @@ class BatchDecoder:
         are padding."""
         n = len(kvs)
         assert n == len(tokens) and all(1 <= len(t) <= T for t in tokens)
+        if failpoints.ACTIVE:
+            failpoints.maybe_fail("forward.oom")
         B = bucket_of(n)
         st = self._static(B, T, max(len(kv) for kv in kvs),
                           max((len(kv.win_slots) for kv in kvs), default=0))

@@ -207,8 +207,7 @@ class LocalClient(EngineClient):
                 try:
                     self.engine.step()
                 except Exception as e:  # noqa: BLE001 - one bad step must not kill the app
-                    for req in list(self.engine.running) + list(self.engine.waiting):
-                        self.engine._finish(req, "error", f"{type(e).__name__}: {e}")
+                    self.engine.recover(e)
             self._status = self.engine.status()
         for req in list(self.engine.running) + list(self.engine.waiting):
             self.engine._finish(req, "abort")

@@ -28,6 +28,8 @@ from typing import Optional
 
 import torch
 
+from . import failpoints
+
 FORMAT_VERSION = "1"
 _ID_BYTES = 1 << 20  # model identity: size + the first and last MiB of the file(s)
 
@@ -134,6 +136,8 @@ def write(snap: KVSnapshot, path, before_rename=None) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
+        if failpoints.ACTIVE:
+            failpoints.maybe_fail("kv.write")
         save_file(snap.tensors, str(tmp), metadata=snap.metadata)
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())

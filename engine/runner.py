@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from . import failpoints
 from .sequence_kv import SequenceKV
 
 
@@ -32,6 +33,8 @@ class ModelRunner:
         pos = pos_host.to(model.device)
         kv.begin(pos_host)
         try:
+            if failpoints.ACTIVE:
+                failpoints.maybe_fail("forward.oom")
             x, pl = model.embed(ids)
             for i in range(self.first_shared):
                 x = model.layer(i, x, pos, None if pl is None else pl[:, i], kv)

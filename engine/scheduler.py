@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from . import failpoints
 from .attention_backend import get_attention_backend
 from .batch_decode import BUCKETS, BatchDecoder
 from .kv_format import resolve_format
@@ -136,7 +137,10 @@ class Engine:
 
     # --- one step ----------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Admit, run one prefill chunk or decode token per running request, post-process."""
+        """Admit, run one prefill chunk or decode token per running request, post-process.
+        An exception leaves the engine consistent for `recover` (the client calls it)."""
+        if failpoints.ACTIVE:
+            failpoints.maybe_fail("step.error")
         self._admit()
         budget = self.config.prefill_chunk
         touched, decoding = [], []
@@ -190,8 +194,9 @@ class Engine:
         hidden = self.spec is not None and last_of_prompt  # the draft's first h
         try:
             self._reserve(len(tokens))
-            logits = self.runner.forward(req.kv, tokens, req.computed_len, want_logits=last_of_prompt,
-                                         return_hidden=hidden)
+            logits = self._retry_oom(lambda: self.runner.forward(req.kv, tokens, req.computed_len,
+                                                                 want_logits=last_of_prompt, return_hidden=hidden),
+                                     lambda: req.kv.truncate(req.computed_len))
         except KVPoolFull as e:
             self._finish(req, "error", str(e))
             return
@@ -236,7 +241,8 @@ class Engine:
             return
         T = 1 + self.spec.tokens if self.spec is not None else 1
         try:
-            logits, ys = self.decoder.forward([r.kv for r, _ in batch], [t for _, t in batch], T)
+            logits, ys = self._retry_oom(
+                lambda: self.decoder.forward([r.kv for r, _ in batch], [t for _, t in batch], T))
         finally:
             for req, _ in batch:
                 req.kv.end()
@@ -262,8 +268,9 @@ class Engine:
         tokens = [last] + drafts
         try:
             self._reserve(len(tokens))
-            logits, ys = self.runner.forward(req.kv, tokens, start, want_logits=True, all_rows=True,
-                                             return_hidden=True)
+            logits, ys = self._retry_oom(lambda: self.runner.forward(req.kv, tokens, start, want_logits=True,
+                                                                     all_rows=True, return_hidden=True),
+                                         lambda: req.kv.truncate(start))
         except KVPoolFull as e:
             self._finish(req, "error", str(e))
             return
@@ -283,6 +290,61 @@ class Engine:
             self._accept_token(req, tok)
             if req.state == RequestState.FINISHED:
                 break
+
+    # --- failures ------------------------------------------------------------------------------
+    def _retry_oom(self, forward, undo=None):
+        """Run a model forward; on a CUDA out-of-memory error give the allocator's cached blocks
+        back and try once more (`undo` first drops the slots the failed forward took)."""
+        try:
+            return forward()
+        except torch.OutOfMemoryError:
+            if self.model.device.type != "cuda":
+                raise
+            if undo is not None:
+                undo()
+            torch.cuda.empty_cache()
+            return forward()
+
+    def recover(self, exc: BaseException) -> str:
+        """After a step raised: end the running requests with a one-line reason (their KV slots go
+        back to the pools; waiting requests stay queued) and return the reason."""
+        if isinstance(exc, torch.OutOfMemoryError):
+            reason = ("out of memory in a model forward: lower --gpu-memory-budget (or the context, or use "
+                      "int8_per_token_head KV) and try again")
+            if self.model.device.type == "cuda":
+                torch.cuda.empty_cache()
+        else:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            reason = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+        for req in list(self.running):
+            if req.kv is not None and len(req.kv) > req.computed_len:
+                req.kv.truncate(req.computed_len)  # a forward that began and failed
+            self._finish(req, "error", reason)
+        return reason
+
+    def check(self) -> None:
+        """Consistency of pools and prefix cache (AssertionError naming what is wrong): every slot
+        is free, cached, or held by a running sequence, exactly once; idle: no lock is held."""
+        for pool, cached_of, held_of in ((self.pools.full, lambda n: n.full, lambda kv: kv.full_slots[kv.full_owned]),
+                                         (self.pools.window, lambda n: n.win[n.win >= 0],
+                                          lambda kv: kv.win_slots[kv.win_owned])):
+            if not pool.layers:
+                continue
+            seen = list(pool._free)
+            for node in self.cache._nodes():
+                seen += cached_of(node).tolist()
+            for req in self.running:
+                if req.kv is not None:
+                    seen += held_of(req.kv).tolist()
+            dup = len(seen) - len(set(seen))
+            assert dup == 0, f"{pool.name} pool: {dup} slots counted twice"
+            assert sorted(seen) == list(range(pool.capacity)), \
+                f"{pool.name} pool: {pool.capacity - len(set(seen))} slots leaked"
+        for node in self.cache._nodes():
+            assert len(node.tokens) == len(node.full) == len(node.win), "prefix-cache node of mixed lengths"
+            assert node.lock >= 0, "negative prefix-cache lock"
+            if not self.running:
+                assert node.lock == 0, "prefix-cache node locked with nothing running"
 
     # --- after a forward ---------------------------------------------------------------------
     @property

@@ -1,0 +1,142 @@
+"""Failpoints (engine/failpoints.py) and recovery: an injected out-of-memory or step error ends the
+requests in flight with one line, every KV slot goes back, the prefix cache stays consistent, and
+the next request's output equals a run without the failure."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from engine import failpoints
+from engine.api import EngineOptions, GenerationParams, SamplingParams, open_model, start_client
+from tiny_models import TinySpec, write_tiny_gemma4
+
+GREEDY = GenerationParams(SamplingParams(max_tokens=10))
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return write_tiny_gemma4(tmp_path_factory.mktemp("fp") / "tiny.gguf", TinySpec(), seed=7)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_path):
+    return open_model(tiny_path, exact=False)
+
+
+@pytest.fixture(autouse=True)
+def disarm():
+    yield
+    failpoints.configure(None)
+
+
+def _ask(client, prompt: str):
+    rid = client.submit([{"role": "user", "content": prompt}], GREEDY)
+    events = list(client.stream(rid, timeout=120))
+    return events[-1], [t for ev in events for t in ev.token_ids]
+
+
+def _idle_free(client):
+    """Free slots per pool once idle, with the prefix cache emptied: the pools' baseline."""
+    def look(engine):
+        engine.check()
+        engine.cache.clear()
+        return engine.pools.full.n_free, engine.pools.window.n_free, engine.pools.full.capacity, \
+            engine.pools.window.capacity
+    full, win, full_cap, win_cap = client.call(look)
+    return (full, win) == (full_cap, win_cap)
+
+
+def test_parse_and_firing_once():
+    assert failpoints.parse("forward.oom@3, kv.write@1,forward.oom@5") == {"forward.oom": {3, 5}, "kv.write": {1}}
+    for bad in ("forward.oom", "nope@1", "step.error@0", "step.error@x"):
+        with pytest.raises(ValueError, match="EDGEGEM_FAILPOINTS: bad entry"):
+            failpoints.parse(bad)
+    failpoints.configure("step.error@2")
+    assert failpoints.ACTIVE and [failpoints.hit("step.error") for _ in range(4)] == [False, True, False, False]
+    failpoints.configure(None)
+    assert not failpoints.ACTIVE
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("forward.oom@1", "out of memory in a model forward: lower --gpu-memory-budget"),  # prefill
+    ("forward.oom@4", "out of memory in a model forward"),  # decode
+    ("step.error@3", "RuntimeError: injected failure (failpoint step.error)"),
+])
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_failed_step_ends_the_request_in_one_line_and_leaks_nothing(tiny, spec, words, batched):
+    client = start_client(tiny, EngineOptions(max_running_requests=2))
+    client.engine.config.batched_decode = batched
+    client.call(lambda e: e._build_pools())
+    try:
+        _, want = _ask(client, "the cat sat")
+        assert _idle_free(client)
+        failpoints.configure(spec)
+        last, _ = _ask(client, "the cat sat")
+        assert last.finish_reason == "error" and words in last.error and "\n" not in last.error
+        assert failpoints.fired[spec.split("@")[0]] == 1
+        assert _idle_free(client)  # every slot back, the cache consistent (engine.check)
+        last, got = _ask(client, "the cat sat")
+        assert last.finish_reason in ("stop", "length") and got == want
+    finally:
+        client.close()
+
+
+def test_a_failed_step_leaves_waiting_requests_to_run(tiny):
+    client = start_client(tiny, EngineOptions(max_running_requests=1))
+    try:
+        _, want_a = _ask(client, "the cat sat")
+        _, want_b = _ask(client, "a dog ran")
+        failpoints.configure("forward.oom@2")  # request a's first decode forward
+        a = client.submit([{"role": "user", "content": "the cat sat"}], GREEDY)
+        b = client.submit([{"role": "user", "content": "a dog ran"}], GREEDY)
+        ev_a = list(client.stream(a, timeout=120))
+        ev_b = list(client.stream(b, timeout=120))
+        assert ev_a[-1].finish_reason == "error"
+        assert ev_b[-1].finish_reason in ("stop", "length") and [t for e in ev_b for t in e.token_ids] == want_b
+        assert _idle_free(client)
+    finally:
+        client.close()
+
+
+def test_kv_write_failpoint_loses_only_the_file(tiny, tmp_path):
+    client = start_client(tiny)
+    f = tmp_path / "s.safetensors"
+    try:
+        failpoints.configure("kv.write@1")
+        rid = client.submit([{"role": "user", "content": "the cat"}],
+                            GenerationParams(SamplingParams(max_tokens=4), kv_session=str(f)))
+        assert list(client.stream(rid, timeout=120))[-1].finish_reason in ("stop", "length")
+        client.call(lambda e: e.sessions.flush())
+        assert client.kv_errors() == ["KV file s.safetensors not saved: No space left on device"]
+        assert not f.exists() and not list(tmp_path.iterdir())
+        rid = client.submit([{"role": "user", "content": "the cat"}],
+                            GenerationParams(SamplingParams(max_tokens=4), kv_session=str(f)))
+        list(client.stream(rid, timeout=120))
+        client.call(lambda e: e.sessions.flush())
+        assert f.exists()
+    finally:
+        client.close()
+
+
+def test_chat_prints_the_error_and_answers_the_next_prompt(tiny_path):
+    """`edgegem chat` with two prompts on stdin and forward.oom@3: the first answer ends in the
+    error line, the second is a normal answer, exit status 0."""
+    env = {**os.environ, "EDGEGEM_FAILPOINTS": "forward.oom@3"}
+    r = subprocess.run([sys.executable, "-m", "app.cli", "chat", "--model", str(tiny_path), "--temperature", "0",
+                        "--max-tokens", "6", "--device", "cpu"], input="the cat\na dog\n", capture_output=True,
+                       text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("[error: out of memory in a model forward") == 1
+    answers = r.stdout.split("model> ")[1:]
+    assert len(answers) == 2 and answers[1].strip()
+
+
+def test_a_malformed_failpoint_spec_is_one_line(tiny_path):
+    env = {**os.environ, "EDGEGEM_FAILPOINTS": "forward.oom"}
+    r = subprocess.run([sys.executable, "-m", "app.cli", "tokenize", "--model", str(tiny_path), "--text", "x"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("edgegem: error: EDGEGEM_FAILPOINTS: bad entry")
+    assert r.stderr.count("\n") == 1
