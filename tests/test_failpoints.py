@@ -140,3 +140,62 @@ def test_a_malformed_failpoint_spec_is_one_line(tiny_path):
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2 and r.stderr.startswith("edgegem: error: EDGEGEM_FAILPOINTS: bad entry")
     assert r.stderr.count("\n") == 1
+
+
+# --- the app ---------------------------------------------------------------------------------------
+async def test_app_out_of_memory_shows_the_error_on_the_message_and_goes_on(tmp_path, tiny_path):
+    from app.app import EdgegemApp
+    from app.backend import EngineBackend
+    from app.store import Store
+    from app.widgets.message_view import MessageView
+    from tests.test_app import SIZE, open_chat, say
+
+    app = EdgegemApp(EngineBackend(str(tiny_path), EngineOptions(), device="cpu"), Store(tmp_path / "d"),
+                     plan_seconds=0.0, default_settings={"temperature": 0.0, "max_tokens": 6})
+    async with app.run_test(size=SIZE) as pilot:
+        chat = await open_chat(pilot)
+        await say(pilot, "the cat")
+        failpoints.configure("forward.oom@2")
+        await say(pilot, "a dog")
+        views = list(chat.query(MessageView))
+        assert views[-1].status == "error" and views[-1].error.startswith("out of memory in a model forward")
+        assert "out of memory" in str(views[-1].query_one(".role").render())
+        await say(pilot, "a bird")  # the next message works
+        stored = app.store.messages(chat.conversation_id)
+        assert [(m.role, m.status) for m in stored] == [("user", "done"), ("assistant", "done"),
+                                                         ("user", "done"), ("assistant", "error"),
+                                                         ("user", "done"), ("assistant", "done")]
+        assert stored[3].stats["error"].startswith("out of memory")
+        assert app.session.client.call(lambda e: e.check()) is None
+
+
+async def test_app_store_write_failure_keeps_the_conversation(tmp_path):
+    from app.app import EdgegemApp
+    from app.store import Store
+    from app.widgets.message_view import MessageView
+    from tests.app_fakes import FakeBackend, FakeClient
+    from tests.test_app import SIZE, open_chat, say, until
+
+    app = EdgegemApp(FakeBackend(FakeClient()), Store(tmp_path / "d"), plan_seconds=0.0)
+    async with app.run_test(size=SIZE) as pilot:
+        chat = await open_chat(pilot)
+        await say(pilot, "first")
+        # the next write is the second user message: refused, the text stays in the input
+        failpoints.configure("store.write@1")  # counting from now
+        chat.query_one("#input").text = "second"
+        await pilot.press("enter")
+        await until(pilot, lambda: failpoints.fired["store.write"] == 1)
+        await pilot.pause()
+        assert chat.query_one("#input").text == "second" and chat.gen is None
+        # now the answer's write fails: shown with the reason, kept for this session
+        failpoints.configure("store.write@2")  # the user message is write 1
+        await pilot.press("enter")
+        await until(pilot, lambda: chat.gen is None and chat.messages[-1].role == "assistant")
+        last = list(chat.query(MessageView))[-1]
+        assert last.error == "not saved: the conversation database could not be written"
+        await say(pilot, "third")  # and the next message works
+        stored = app.store.messages(chat.conversation_id)
+        assert [m.content for m in stored if m.role == "user"] == ["first", "second", "third"]
+        assert sum(m.role == "assistant" for m in stored) == 2
+        msgs, _ = app.backend.client.submitted[-1]
+        assert [m["role"] for m in msgs] == ["user", "assistant", "user", "assistant", "user"]

@@ -9,6 +9,7 @@ or stopped answer is committed the moment it ends.
 from __future__ import annotations
 
 import itertools
+import sqlite3
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -24,7 +25,7 @@ from textual.widgets import Footer, Static
 from app.backend import GenerationParams, SamplingParams, split_thinking
 from app.messages import GenerationDone
 from app.screens.dialogs import ConfirmScreen, HelpScreen, TextPrompt
-from app.store import DEFAULT_TITLE
+from app.store import DEFAULT_TITLE, Message
 from app.screens.kv_check import KVCheckScreen
 from app.screens.settings import DEFAULT_SETTINGS, SettingsResult, SettingsScreen
 from app.widgets.chat_input import ChatInput
@@ -130,7 +131,7 @@ class ChatScreen(Screen[None]):
         box.remove_children()
         if self.session.info.get("demo"):
             box.mount(Static(DEMO_NOTE, classes="notice", markup=False))
-        box.mount_all([MessageView(m.role, m.content, m.thinking, m.status, m.id)
+        box.mount_all([MessageView(m.role, m.content, m.thinking, m.status, m.id, (m.stats or {}).get("error"))
                        for m in self.messages if m.role != "system"])
         box.scroll_end(animate=False)
         last = next((m.stats for m in reversed(self.messages) if m.role == "assistant" and m.stats), None)
@@ -167,7 +168,7 @@ class ChatScreen(Screen[None]):
     def action_rename(self) -> None:
         def done(title: Optional[str]) -> None:
             if title:
-                self.store.rename(self.conversation_id, title)
+                self._saved(lambda: self.store.rename(self.conversation_id, title), "the title")
                 self.sub_title = self.store.get(self.conversation_id).title
                 self.query_one(Sidebar).reload(self.conversation_id)
         self.app.push_screen(TextPrompt("Rename conversation", self.store.get(self.conversation_id).title), done)
@@ -179,8 +180,10 @@ class ChatScreen(Screen[None]):
 
         def done(yes: bool) -> None:
             if yes:
-                self._forget_kv(self.conversation_id)
-                self.store.delete(self.conversation_id)
+                cid = self.conversation_id
+                if self._saved(lambda: self.store.delete(cid) or True, "the deletion") is None:
+                    return
+                self._forget_kv(cid)
                 convs = self.store.conversations()
                 self.load_conversation(convs[0].id if convs else self._new().id)
                 self.notify(f"Deleted “{title}”.")
@@ -211,7 +214,9 @@ class ChatScreen(Screen[None]):
         def done(result: Optional[SettingsResult]) -> None:
             if result is None:
                 return
-            self.store.update_settings(self.conversation_id, result.conversation)
+            if self._saved(lambda: self.store.update_settings(self.conversation_id, result.conversation) or True,
+                           "the settings") is None:
+                return
             if result.engine:
                 self.app.confirm_reload(result.engine)
             else:
@@ -252,7 +257,9 @@ class ChatScreen(Screen[None]):
 
     def action_toggle_thinking(self) -> None:
         on_ = not self.settings["thinking"]
-        self.store.update_settings(self.conversation_id, {"thinking": on_})
+        if self._saved(lambda: self.store.update_settings(self.conversation_id, {"thinking": on_}) or True,
+                       "the setting") is None:
+            return
         self.notify(f"Thinking {'on' if on_ else 'off'} for this conversation.")
 
     # --- copying -----------------------------------------------------------------------------
@@ -280,9 +287,11 @@ class ChatScreen(Screen[None]):
             return
         conv = self.store.get(self.conversation_id)
         if not self.messages and conv.title == DEFAULT_TITLE:
-            self.store.rename(conv.id, self.store.title_from(event.text))
+            self._saved(lambda: self.store.rename(conv.id, self.store.title_from(event.text)), "the title")
             self.sub_title = self.store.get(conv.id).title
-        m = self.store.add_message(conv.id, "user", event.text)
+        m = self._saved(lambda: self.store.add_message(conv.id, "user", event.text), "your message")
+        if m is None:
+            return  # the text stays in the input: send it again when the disk has room
         self.messages.append(m)
         self.query_one(ChatInput).clear()
         await self.query_one("#messages", VerticalScroll).mount(MessageView("user", m.content, message_id=m.id))
@@ -294,7 +303,8 @@ class ChatScreen(Screen[None]):
         if not self.messages or self.messages[-1].role != role:
             return None
         m = self.messages.pop()
-        self.store.delete_message(m.id)
+        if m.id:  # 0: an answer the database could not take
+            self._saved(lambda: self.store.delete_message(m.id), "the change")
         views = [v for v in self.query(MessageView) if v.message_id == m.id]
         for v in views:
             v.remove()
@@ -382,11 +392,16 @@ class ChatScreen(Screen[None]):
         thought, answer = split_thinking(msg.text)
         status = "error" if msg.error else "stopped" if msg.reason == "abort" else "done"
         stats = {**msg.stats, "finish_reason": msg.reason, **({"error": msg.error} if msg.error else {})}
-        m = self.store.add_message(g.conversation_id, "assistant", answer, thinking=thought or "",
-                                   status=status, stats=stats)
+        m = self._saved(lambda: self.store.add_message(g.conversation_id, "assistant", answer,
+                                                       thinking=thought or "", status=status, stats=stats),
+                        "the answer")
+        error = msg.error
+        if m is None:  # shown and kept for this session's next prompt, but not in the database
+            m = Message(0, g.conversation_id, "assistant", answer, thought or "", status, time.time(), stats)
+            error = "not saved: the conversation database could not be written"
         self.messages.append(m)
         self.gen = None
-        await g.view.finish(thought, answer, status, m.id)
+        await g.view.finish(thought, answer, status, m.id or None, error)
         if msg.stats:
             self.last_stats = msg.stats
         if msg.error:
@@ -394,6 +409,14 @@ class ChatScreen(Screen[None]):
         self.query_one("#messages", VerticalScroll).scroll_end(animate=False)
         self.query_one(Sidebar).reload(self.conversation_id)
         self.refresh_status()
+
+    def _saved(self, write, what: str):
+        """A store write; a failing one (disk full, database locked) is a notice, not a crash."""
+        try:
+            return write()
+        except (sqlite3.Error, OSError) as e:
+            self.notify(f"Could not save {what}: {one_line(e)}", title="Not saved", severity="error", timeout=10)
+            return None
 
     # --- status --------------------------------------------------------------------------------
     def context_tokens(self) -> int:

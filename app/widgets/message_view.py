@@ -42,10 +42,10 @@ class TimedMarkdown(Markdown):
 
 class MessageView(Vertical):
     def __init__(self, role: str, content: str = "", thinking: str = "", status: str = "done",
-                 message_id: Optional[int] = None) -> None:
+                 message_id: Optional[int] = None, error: Optional[str] = None) -> None:
         super().__init__(classes=f"message {role}")
         self.role, self.content, self.thinking, self.status = role, content, thinking, status
-        self.message_id = message_id
+        self.message_id, self.error = message_id, error  # error: the one-line reason shown on it
         self._stream = None
 
     def compose(self) -> ComposeResult:
@@ -57,6 +57,8 @@ class MessageView(Vertical):
 
     def _header(self) -> str:
         extra = {"stopped": "  (stopped)", "error": "  (error)", "streaming": "  …"}.get(self.status, "")
+        if self.error:
+            extra = f"  ({self.error})"
         return ROLE_LABEL.get(self.role, self.role) + extra
 
     # --- streaming ---------------------------------------------------------------------------
@@ -84,10 +86,11 @@ class MessageView(Vertical):
     def render_cost_s(self) -> float:
         return self.query_one(".body", TimedMarkdown).last_append_s
 
-    async def finish(self, thought: Optional[str], answer: str, status: str, message_id: Optional[int]) -> None:
+    async def finish(self, thought: Optional[str], answer: str, status: str, message_id: Optional[int],
+                     error: Optional[str] = None) -> None:
         if self._stream is not None:
             await self._stream.stop()
             self._stream = None
         await self.show(thought, answer)
-        self.status, self.message_id = status, message_id
+        self.status, self.message_id, self.error = status, message_id, error
         self.query_one(".role", Label).update(self._header())
