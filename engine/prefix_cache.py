@@ -28,11 +28,16 @@ class _Node:
     children: dict = field(default_factory=dict)  # first token -> node
     lock: int = 0
     last_used: int = 0
+    holders: list = field(default_factory=list)  # the locked-node lists (PrefixMatch.nodes) holding it
 
     def split(self, k: int) -> "_Node":
-        """Cut this node after k tokens; returns the new upper part (self keeps the tail)."""
+        """Cut this node after k tokens; returns the new upper part (self keeps the tail). Whoever
+        holds this node now holds the upper part too: it joins their lists, so their release
+        unlocks both."""
         upper = _Node(self.tokens[:k], self.full[:k], self.win[:k], self.parent, {int(self.tokens[k]): self},
-                      self.lock, self.last_used)
+                      self.lock, self.last_used, list(self.holders))
+        for held in self.holders:
+            held.append(upper)
         self.parent.children[int(self.tokens[0])] = upper
         self.tokens, self.full, self.win, self.parent = self.tokens[k:], self.full[k:], self.win[k:], upper
         return upper
@@ -119,15 +124,17 @@ class RadixCache:
             if total >= m:
                 break
             n.lock += 1
+            n.holders.append(out)
             n.last_used = now
             out.append(n)
             total += len(n.tokens)
         return out
 
     def release(self, nodes: list[_Node]) -> None:
-        for n in nodes:
+        for n in list(nodes):
             n.lock -= 1
             assert n.lock >= 0
+            n.holders = [h for h in n.holders if h is not nodes]
 
     # --- insertion ---------------------------------------------------------------------------
     def insert(self, tokens: list[int], full_slots: torch.Tensor, win_slots: torch.Tensor):

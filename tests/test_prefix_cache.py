@@ -107,3 +107,20 @@ def test_engine_evicts_old_prefixes_under_pressure(tiny):
         assert eng.pools.full.n_used == eng.cache.cached_tokens() <= 60
     eng.cache.clear()
     assert eng.pools.full.n_used == 0 and eng.pools.window.n_used == 0
+
+
+def test_splitting_a_locked_node_is_released_with_it():
+    """A match that ends inside a node another holder locked splits it: the upper part is locked
+    for that holder too, and its release unlocks both (no lock left once everyone released)."""
+    pools = _pools()
+    cache = RadixCache(pools, None)
+    toks = list(range(300, 320))
+    _offer(cache, pools, toks)
+    held = cache.match(toks + [1])  # locks the whole node
+    other = cache.match(toks[:9] + [5, 6])  # splits it after 9 tokens
+    assert other.length == 9
+    cache.release(other.nodes)
+    cache.release(held.nodes)
+    assert all(n.lock == 0 and not n.holders for n in cache._nodes())
+    cache.evict(full_tokens=pools.full.capacity)
+    assert pools.full.n_free == pools.full.capacity
