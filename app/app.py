@@ -6,12 +6,15 @@ readable screen, never a traceback.
 """
 from __future__ import annotations
 
+import asyncio
+import signal
 from pathlib import Path
 from typing import Iterable, Optional
 
 from textual.app import App, SystemCommand
 from textual.screen import Screen
 
+from app.backend import exiting_on_signal
 from app.messages import LoadFailed, Loaded, LoadProgress
 from app.screens.chat import ChatScreen, one_line
 from app.screens.dialogs import ConfirmScreen, LoadErrorScreen
@@ -38,7 +41,19 @@ class EdgegemApp(App[int]):
 
     # --- loading -------------------------------------------------------------------------------
     def on_mount(self) -> None:
+        self._signals = []
+        try:  # SIGTERM / SIGINT (kill, not a key): close like Ctrl+Q, exit 143 / 130
+            loop = asyncio.get_running_loop()
+            for sig, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
+                loop.add_signal_handler(sig, self._on_signal, code)
+                self._signals.append(sig)
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass  # not the main thread, or a platform without loop signal handlers
         self.start_load()
+
+    def _on_signal(self, code: int) -> None:
+        exiting_on_signal()  # end within ~2 s (a KV file still being written is dropped)
+        self.exit(return_code=code)
 
     def start_load(self, conversation_id: Optional[int] = None) -> None:
         self._resume = conversation_id
@@ -112,6 +127,9 @@ class EdgegemApp(App[int]):
                 yield SystemCommand(title, help_, getattr(screen, f"action_{action}"))
 
     def on_unmount(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in getattr(self, "_signals", []):
+            loop.remove_signal_handler(sig)
         if self.session is not None:
             self.session.client.close()
         self.store.close()

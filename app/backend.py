@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 from engine.api import EngineOptions, GenerationParams, SamplingParams, split_thinking
 
 __all__ = ["EngineBackend", "EngineOptions", "GenerationParams", "SamplingParams", "Session", "size",
-           "split_thinking", "plan_lines", "kv_pools"]
+           "split_thinking", "plan_lines", "kv_pools", "exiting_on_signal"]
 
 # progress(fraction 0..1, one-line description)
 Progress = Callable[[float, str], None]
@@ -81,6 +81,12 @@ class EngineBackend:
 
         path = session.info.get("path")
         return load_result(path, session.info.get("device") or "cpu", data_dir) if path else None
+
+
+def exiting_on_signal(timeout: float = 1.0) -> None:
+    """SIGTERM/SIGINT: closing engines wait at most `timeout` s for their KV files to be written."""
+    from engine import kv_sessions
+    kv_sessions.EXIT_TIMEOUT = timeout
 
 
 def size(n: Optional[int]) -> str:

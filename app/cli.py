@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from . import cli_kvcheck, cli_tools
@@ -413,7 +415,9 @@ def cmd_app(a) -> int:
     budget = parse_size(a.kv_disk_budget) if a.kv_disk_budget not in ("0", "") else 0
     kv = {"kv_save": "evict", "kv_dir": str(store.data_dir / "kv"), "kv_disk_budget": budget} if budget else {}
     backend = EngineBackend(a.model, replace(_engine_options(a), **kv), a.device)
-    return EdgegemApp(backend, store).run() or 0
+    app = EdgegemApp(backend, store)
+    app.run()
+    return app.return_code or 0
 
 
 def cmd_chat(a) -> int:
@@ -470,21 +474,51 @@ def _with_default_command(argv: list[str]) -> list[str]:
     return debug + ["app"] + [t for t in argv if t != "--debug"]
 
 
+class Terminated(BaseException):
+    """SIGTERM: unwinds like Ctrl-C (clients closed, files finished) and exits with 143."""
+
+
+def _on_signal(signum, frame) -> None:
+    from engine import kv_sessions
+    kv_sessions.EXIT_TIMEOUT = 1.0  # end within ~2 s: a KV file still being written is dropped
+    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(_with_default_command(sys.argv[1:] if argv is None else list(argv)))
+    if args.cmd != "app" and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_signal)  # the app handles both in its event loop
+        signal.signal(signal.SIGINT, _on_signal)
     try:
         from engine import failpoints
         if failpoints.CONFIG_ERROR:
             raise ValueError(failpoints.CONFIG_ERROR)
-        return COMMANDS[args.cmd](args)
+        code = COMMANDS[args.cmd](args)
     except KeyboardInterrupt:
-        return 130
+        code = 130
+    except Terminated:
+        code = 143
     except (ValueError, OSError, RuntimeError, KeyError) as e:
         if args.debug:
             raise
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"edgegem: error: {msg}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if code in (130, 143):  # a signal: clients are closed and files finished; skip the slow teardown
+        _fast_exit(code)
+    return code
+
+
+def _fast_exit(code: int) -> None:
+    """End now (interpreter teardown with torch loaded takes seconds on a busy machine; a signal
+    must end the process within ~2 s). Everything that matters was closed before this."""
+    import os
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 if __name__ == "__main__":

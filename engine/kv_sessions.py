@@ -18,6 +18,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import weakref
 from collections import deque
 from pathlib import Path
@@ -32,12 +33,17 @@ POLICIES = ("answer", "evict")
 _live: "weakref.WeakSet[KVSessions]" = weakref.WeakSet()
 
 
+# Set by a SIGTERM/SIGINT handler: closing engines wait at most this long for their KV files (an
+# unfinished one stays a temporary file, removed at the next start), so the process ends promptly.
+EXIT_TIMEOUT: Optional[float] = None
+
+
 @atexit.register
 def _flush_all() -> None:
     """An interpreter exiting without engine.close() still finishes the files being written (the
     writer is a daemon thread: killed mid-write it would leave only a temporary file)."""
     for s in list(_live):
-        s.flush()
+        s.flush(EXIT_TIMEOUT)
 
 
 class KVDisk:
@@ -182,15 +188,24 @@ class KVSessions:
             finally:
                 self._queue.task_done()
 
-    def flush(self) -> None:
-        """Wait until every queued file is written (or failed)."""
-        if self._thread is not None:
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every queued file is written (or failed), at most `timeout` seconds; True if
+        nothing is left."""
+        if self._thread is None:
+            return True
+        if timeout is None:
             self._queue.join()
+            return True
+        end = time.monotonic() + timeout
+        while self._queue.unfinished_tasks and time.monotonic() < end:
+            time.sleep(0.01)
+        return not self._queue.unfinished_tasks
 
     def close(self) -> None:
         """Save what is dirty, write everything queued, stop the writer."""
         self.save_dirty()
-        self.flush()
+        if not self.flush(EXIT_TIMEOUT):
+            return  # exiting on a signal: the daemon writer goes with the process
         if self._thread is not None and self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(timeout=30)
