@@ -112,6 +112,8 @@ def plan_lines(plan, status: dict) -> list[str]:
         used = sum(c["device_bytes"] for c in rest) + kv_bytes
         lines.append(f"budget {size(plan.budget)} on {plan.device}: {size(used)} used on the device, "
                      f"{size(sum(c['host_bytes'] for c in rest))} in host memory")
+        if plan.fitted:  # "fitted to the budget: prefill chunk 2048 -> 512, ..."
+            lines.append(plan.fitted)
         for c in rest:
             where = [f"device {size(c['device_bytes'])}"] if c["device_bytes"] else []
             where += [f"host {size(c['host_bytes'])}"] if c["host_bytes"] else []

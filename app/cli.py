@@ -61,8 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("model", nargs="?", help="GGUF file (or use --synthetic)")
     i.add_argument("--synthetic", choices=["e2b", "e4b"], help="a synthetic Gemma-4 E2B/E4B Q4_K_M layout")
     _memory_args(i, swa_default="bf16")
-    i.add_argument("--prefill-chunk", type=int, help="tokens per prefill step (default 2048 on cuda, 512 on cpu)")
-    i.add_argument("--max-running-requests", type=int, default=4)
+    _fit_args(i)
     i.add_argument("--spec-draft-model", metavar="PATH", help="draft (assistant) GGUF kept on the device")
     i.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="target of the plan")
     i.add_argument("--json", action="store_true")
@@ -126,11 +125,20 @@ def _memory_args(g, swa_default: str = "auto") -> None:
                    help="host: token/per-layer embedding tables stay in host memory (tied head stays on the device)")
 
 
+def _fit_args(g) -> None:
+    """Left unset, the memory plan lowers these to fit the budget (chunk halved down to 256, then
+    requests down to 1) and says so; a value given is kept, and a refusal names the flag to lower."""
+    g.add_argument("--max-running-requests", type=int, metavar="N",
+                   help="requests decoded together (default 4, fewer when the budget needs it)")
+    g.add_argument("--prefill-chunk", type=int, metavar="N",
+                   help="prompt tokens per step (default 2048 on cuda, 512 on cpu; halved down to 256 when the "
+                        "budget needs it)")
+
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     _memory_args(g)
-    g.add_argument("--max-running-requests", type=int, default=4)
-    g.add_argument("--prefill-chunk", type=int, help="prompt tokens per step (default 2048 on cuda, 512 on cpu)")
+    _fit_args(g)
     g.add_argument("--fast-prefill", choices=["on", "off"], default="on",
                    help="prompt tokens but the last skip the KV-shared layers")
     g.add_argument("--cache-type", choices=["radix", "naive"], default="radix", help="prefix cache")
@@ -175,6 +183,15 @@ def _engine_options(a):
                          context_overflow=a.context_overflow, attention_backend=a.attention_backend,
                          spec_draft_model=None if a.spec_algo == "none" else a.spec_draft_model,
                          spec_tokens=a.spec_tokens, spec_p_min=a.spec_p_min)
+
+
+def _start_client(lm, opts):
+    """api.start_client, saying on stderr in one line what the memory plan lowered to fit the budget."""
+    from engine import api
+    plan = api.engine_plan(lm, opts)[0]
+    if plan is not None and plan.fitted:
+        print(f"edgegem: {plan.fitted}", file=sys.stderr)
+    return api.start_client(lm, opts)
 
 
 def _draft_path(name):
@@ -247,7 +264,7 @@ def cmd_run(a) -> int:
     lm = api.open_model(api.resolve_model(a.model), exact=a.exact, device=_device(a),
                         embed_weights=a.embed_weights)
     gen = api.GenerationParams(_params(a), kv_session=_kv_path(a))
-    client = api.start_client(lm, _engine_options(a))
+    client = _start_client(lm, _engine_options(a))
     try:
         out = api.run_prompt(client, lm, a.prompt, gen, raw=a.raw, system=a.system,
                              on_text=None if a.json else _emit)
@@ -314,6 +331,8 @@ def _print_plan(p: dict) -> None:
     print(f"  memory plan for {p['model']} on {p['device']}: budget {fmt_size(p['budget'])} ({p['budget_source']}), "
           f"embed weights on {o['embed_weights']}, prefill chunk {o['prefill_chunk']}, "
           f"{o['max_running']} running requests")
+    if p.get("fitted"):
+        print(f"    {p['fitted']}")
     print(f"    {'component':28s} {'device':>10s} {'host':>10s}  detail")
     for c in p["components"]:
         print(f"    {c['name']:28s} {fmt_size(c['device_bytes']):>10s} {fmt_size(c['host_bytes']):>10s}  {c['detail']}")
@@ -430,7 +449,7 @@ def cmd_chat(a) -> int:
               "Load a Gemma-4 GGUF with --model PATH for real answers.")
     print("Type a message and press Enter; an empty line or Ctrl-D quits.\n")
     lm = api.open_model(path, exact=False, device=_device(a), embed_weights=a.embed_weights)
-    client = api.start_client(lm, _engine_options(a))
+    client = _start_client(lm, _engine_options(a))
     gen = api.GenerationParams(_params(a), thinking=a.thinking, kv_session=_kv_path(a))
     history = [{"role": "system", "content": a.system}] if a.system else []
     try:

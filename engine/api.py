@@ -118,7 +118,9 @@ class EngineOptions:
     kv_cache_dtype: str = "auto"
     swa_kv_cache_dtype: str = "auto"
     embed_weights: str = "host"
-    max_running_requests: int = 4
+    # None: the defaults (4; 2048 on cuda, 512 on cpu), lowered by the memory plan to fit the budget;
+    # a value given is kept as is (engine/memory_plan.py, fit_steps)
+    max_running_requests: Optional[int] = None
     prefill_chunk: Optional[int] = None
     fast_prefill: bool = True
     cache_type: str = "radix"
@@ -139,32 +141,39 @@ CPU_DEFAULT_FULL_TOKENS = 65536
 
 def engine_plan(lm: LoadedModel, opts: EngineOptions):
     """The memory plan (engine/memory_plan.MemoryPlan) for a loaded GGUF model under `opts`, with
-    the KV formats and prefill chunk it assumed; plan is None for an HF folder (no tensor table)."""
+    the KV formats and prefill chunk it assumed (the fitted one when the plan lowered it); plan is
+    None for an HF folder (no tensor table)."""
     from .kv_format import resolve_format
-    from .memory_plan import PlanOptions, default_budget, parse_size, plan_memory
+    from .memory_plan import PlanOptions, default_budget, default_chunk, parse_size, plan_memory
 
     device = lm.model.device.type
     kv = resolve_format(opts.kv_cache_dtype, device).name
     swa = resolve_format(opts.swa_kv_cache_dtype, device).name
-    chunk = opts.prefill_chunk or (2048 if device == "cuda" else 512)
+    chunk = opts.prefill_chunk or default_chunk(device)
     plan = None
     if isinstance(getattr(lm.source, "tensors", None), dict):  # a GGUF: plan from its tensor table
         budget = parse_size(opts.gpu_memory_budget) if opts.gpu_memory_budget else default_budget(device)[0]
         plan = plan_memory(lm.source, PlanOptions(budget=budget, device=device, kv_format=kv, swa_format=swa,
-                                                  embed_weights=opts.embed_weights, prefill_chunk=chunk,
+                                                  embed_weights=opts.embed_weights, prefill_chunk=opts.prefill_chunk,
                                                   max_running=opts.max_running_requests), lm.config)
+        chunk = plan.options["prefill_chunk"]
     return plan, kv, swa, chunk
 
 
 def engine_config(lm: LoadedModel, opts: EngineOptions) -> EngineConfig:
-    """Pool sizes from the memory plan for the model's device and the chosen formats."""
+    """Pool sizes, prefill chunk and running requests from the memory plan (as fitted to the
+    budget) for the model's device and the chosen formats."""
+    from .memory_plan import DEFAULT_RUNNING
+
     plan, kv, swa, chunk = engine_plan(lm, opts)
     full, window = min(lm.config.context_length, CPU_DEFAULT_FULL_TOKENS), None
+    running = opts.max_running_requests or DEFAULT_RUNNING
     if plan is not None:
         full, window = plan.kv["full"]["tokens"] or 1, plan.kv["window"]["tokens"] or 1
+        running = plan.options["max_running"]
         if lm.model.device.type == "cpu" and not opts.gpu_memory_budget:
             full = min(full, CPU_DEFAULT_FULL_TOKENS)
-    return EngineConfig(max_running_requests=opts.max_running_requests, prefill_chunk=chunk,
+    return EngineConfig(max_running_requests=running, prefill_chunk=chunk,
                         fast_prefill=opts.fast_prefill, cache_type=opts.cache_type, kv_cache_dtype=kv,
                         swa_kv_cache_dtype=swa, full_tokens=full, window_tokens=window,
                         attention_backend=opts.attention_backend, kv_save=opts.kv_save, kv_dir=opts.kv_dir,

@@ -15,8 +15,14 @@ Order of placement inside the budget (device memory on CUDA, host memory with --
      verification), and `prefix_windows` more windows per request for cached prefixes;
   6. the full pool: everything left. One request can use it all, so the longest context is
      min(model context, full pool tokens).
-A budget that cannot hold 1-5 plus a `min_context`-token full pool raises BudgetTooSmall, whose
-one-line message names the shortfall and the flags (each checked by re-planning) that would fit.
+When the defaults do not fit (1-5 plus a `min_context`-token full pool), the planner fits the
+settings the user left unset, like llama.cpp's `--fit`: it halves the prefill chunk (down to
+MIN_FIT_CHUNK), and if even that is not enough lowers the running requests (down to 1), taking at
+each count the largest chunk that fits; the plan's `fitted` line says what changed. A value the
+user gave (`prefill_chunk`, `max_running` not None) is kept as given. Only when the smallest
+settings do not fit either does it raise BudgetTooSmall, whose one-line message names the
+shortfall and the flags (each checked by re-planning) that would fit, the user's own
+--prefill-chunk / --max-running-requests among them.
 """
 from __future__ import annotations
 
@@ -32,6 +38,12 @@ _UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": MiB, "mib":
           "g": GiB, "gib": GiB, "gb": 10**9, "t": 2**40, "tib": 2**40, "tb": 10**12}
 KEY_TILE = 2048  # keys per attention tile of a prefill chunk on full layers (online softmax)
 KNOWN_MODELS = {(35, 1536): "E2B", (42, 2560): "E4B", (30, 2816): "26B-A4B", (60, 5376): "31B"}
+DEFAULT_RUNNING = 4  # requests decoded together when the user does not say
+# The fit's floor for the chunk (issue 14). Every prefill step reads all device weights once: for
+# E4B Q4_K_M 2.8 GiB, ~10 ms at 300 GB/s, against ~0.4 ms of matmul per token (8 GFLOP at 20
+# TFLOPS; estimates, not measured), so at 256 tokens ~10% of a step is weight reads, and the share
+# doubles with each further halving.
+MIN_FIT_CHUNK = 256
 
 
 class BudgetTooSmall(ValueError):
@@ -67,8 +79,8 @@ class PlanOptions:
     kv_format: str = "auto"  # full pool
     swa_format: str = "bf16"  # window pool
     embed_weights: str = "host"  # "host" | "device"
-    prefill_chunk: Optional[int] = None  # None: 2048 on CUDA, 512 on the CPU
-    max_running: int = 4
+    prefill_chunk: Optional[int] = None  # None: 2048 on CUDA, 512 on the CPU, halved to fit the budget
+    max_running: Optional[int] = None  # None: DEFAULT_RUNNING, lowered to fit the budget
     draft: Any = None  # path of a draft GGUF, or an opened layout
     runtime_reserve: int = 300 * MiB
     spec_margin: int = 8  # draft tokens verified per request and step
@@ -78,13 +90,21 @@ class PlanOptions:
 
     @property
     def chunk(self) -> int:
-        return self.prefill_chunk or (2048 if self.device == "cuda" else 512)
+        return self.prefill_chunk if self.prefill_chunk is not None else default_chunk(self.device)
+
+    @property
+    def running(self) -> int:
+        return self.max_running if self.max_running is not None else DEFAULT_RUNNING
 
     @property
     def step_tokens(self) -> int:
         """Most rows one forward step carries: a prefill chunk plus every running request's decode
         row and its draft tokens (a scheduler may mix them)."""
-        return self.chunk + self.max_running * (1 + self.spec_margin)
+        return self.chunk + self.running * (1 + self.spec_margin)
+
+
+def default_chunk(device: str) -> int:
+    return 2048 if device == "cuda" else 512
 
 
 def host_available() -> int:
@@ -114,7 +134,7 @@ def activation_workspace(cfg, opt: PlanOptions) -> dict[str, int]:
     q_w = max(_at(cfg.n_head, i) * _at(cfg.head_dim, i) for i in range(L))
     qkv_w = max((_at(cfg.n_head, i) + 2 * _at(cfg.n_kv_head, i)) * _at(cfg.head_dim, i) for i in range(L))
     ff = max(_at(cfg.ffn_width, i) for i in range(L))
-    rows = opt.max_running * (1 + opt.spec_margin)
+    rows = opt.running * (1 + opt.spec_margin)
     return {
         # residual stream, normed input, sublayer output, PLE branch: 4 rows of d
         "hidden": 4 * T * d * a,
@@ -179,6 +199,7 @@ class MemoryPlan:
     kv: dict = field(default_factory=dict)  # "full"/"window": format, unit_bytes, layers, tokens, bytes
     context_length: int = 0
     max_context: int = 0
+    fitted: str = ""  # "fitted to the budget: prefill chunk 2048 -> 512, ..." when the fit lowered a default
 
     @property
     def device_total(self) -> int:
@@ -193,26 +214,66 @@ class MemoryPlan:
                 "unused_bytes": self.budget - self.device_total}
 
 
+class _Short(Exception):
+    """`_place` ran out of budget: `needed` bytes for the weights, workspace and min_context pool."""
+
+    def __init__(self, needed: int):
+        self.needed = needed
+
+
 def plan_memory(layout, opt: PlanOptions = PlanOptions(), cfg=None, _suggest: bool = True) -> MemoryPlan:
-    """Plan one model layout (a GGUFFile or a synthetic layout) under the options' budget."""
+    """Plan one model layout (a GGUFFile or a synthetic layout) under the options' budget, fitting
+    the prefill chunk and running requests the user left unset (module docstring)."""
     if opt.embed_weights not in ("host", "device"):
         raise ValueError(f"--embed-weights must be host or device, not {opt.embed_weights!r}")
-    if opt.chunk <= 0 or opt.max_running <= 0:
+    if opt.chunk <= 0 or opt.running <= 0:
         raise ValueError("--prefill-chunk and --max-running-requests must be positive")
     cfg = cfg or _config(layout)
     budget, source = (opt.budget, "--gpu-memory-budget") if opt.budget is not None else default_budget(opt.device)
+    sizes = {n: layout.tensor(n).n_bytes for n in _read_tensors(layout, cfg)}  # once: ~15 ms for E4B
+    for tried in fit_steps(opt):
+        try:
+            plan = _place(layout, tried, cfg, budget, source, dict(sizes))
+        except _Short as short:
+            needed = short.needed
+            continue
+        plan.fitted = fitted_note(opt, tried)
+        return plan
+    raise _too_small(layout, cfg, opt, tried, needed, budget, _suggest)
+
+
+def fit_steps(opt: PlanOptions) -> list[PlanOptions]:
+    """The settings plan_memory tries, in order: the options as given first, then for each running
+    count from the default down to 1 every chunk from the default halving down to MIN_FIT_CHUNK,
+    so requests are given up only when no chunk fits. Values the user set are never changed."""
+    chunks = [opt.chunk]
+    if opt.prefill_chunk is None:
+        while chunks[-1] // 2 >= MIN_FIT_CHUNK:
+            chunks.append(chunks[-1] // 2)
+    runs = [opt.running] if opt.max_running is not None else range(opt.running, 0, -1)
+    return [replace(opt, prefill_chunk=c, max_running=r) for r in runs for c in chunks]
+
+
+def fitted_note(asked: PlanOptions, got: PlanOptions) -> str:
+    """One line naming what the fit lowered ("" when the options fit as asked)."""
+    changes = [f"{what} {a} -> {b}" for what, a, b in (("prefill chunk", asked.chunk, got.chunk),
+                                                       ("running requests", asked.running, got.running)) if a != b]
+    return "fitted to the budget: " + ", ".join(changes) if changes else ""
+
+
+def _place(layout, opt: PlanOptions, cfg, budget: int, source: str, sizes: dict[str, int]) -> MemoryPlan:
+    """Place every component for exactly these options (`sizes`: bytes of each weight the model
+    reads, consumed); _Short when the budget cannot hold them."""
     full_fmt, win_fmt = resolve_format(opt.kv_format, opt.device), resolve_format(opt.swa_format, opt.device)
     host_embed, tied = opt.embed_weights == "host", "output.weight" not in layout
     name = _model_label(layout, cfg)
     plan = MemoryPlan(name, opt.device, budget, source, {**asdict(replace(opt, draft=str(opt.draft) if opt.draft
-                      is not None else None)), "prefill_chunk": opt.chunk, "step_tokens": opt.step_tokens},
-                      context_length=cfg.context_length)
+                      is not None else None)), "prefill_chunk": opt.chunk, "max_running": opt.running,
+                      "step_tokens": opt.step_tokens}, context_length=cfg.context_length)
 
     def add(what, dev, host=0, detail=""):
         plan.components.append({"name": what, "device_bytes": int(dev), "host_bytes": int(host), "detail": detail})
 
-    read = _read_tensors(layout, cfg)
-    sizes = {n: layout.tensor(n).n_bytes for n in read}
     emb, head = sizes.pop("token_embd.weight", 0), sizes.pop("output.weight", 0)
     ple = sizes.pop("per_layer_token_embd.weight", 0)
     blk = sum(v for n, v in sizes.items() if n.startswith("blk."))
@@ -239,14 +300,14 @@ def plan_memory(layout, opt: PlanOptions = PlanOptions(), cfg=None, _suggest: bo
     W = cfg.sliding_window or 0
     win_unit = pool_unit_bytes(cfg, win_fmt, sliding=True, share_kv=opt.share_kv)
     full_unit = pool_unit_bytes(cfg, full_fmt, sliding=False, share_kv=opt.share_kv)
-    win_tokens = (opt.max_running * (W + opt.chunk + opt.spec_margin + opt.prefix_windows * W)
+    win_tokens = (opt.running * (W + opt.chunk + opt.spec_margin + opt.prefix_windows * W)
                   if win_unit else 0)
     add("window KV pool", win_tokens * win_unit, 0, f"{win_fmt.name}, {win_unit} B/token, {win_tokens} tokens")
 
     fixed = plan.device_total
     needed = fixed + full_unit * min(opt.min_context, cfg.context_length)
     if needed > budget:
-        raise _too_small(layout, cfg, opt, name, needed, budget, _suggest)
+        raise _Short(needed)
     full_tokens = (budget - fixed) // full_unit if full_unit else 0
     add("full KV pool", full_tokens * full_unit, 0, f"{full_fmt.name}, {full_unit} B/token, {full_tokens} tokens")
     for key, fmt, unit, toks, sliding in (("full", full_fmt, full_unit, full_tokens, False),
@@ -258,9 +319,13 @@ def plan_memory(layout, opt: PlanOptions = PlanOptions(), cfg=None, _suggest: bo
     return plan
 
 
-def _too_small(layout, cfg, opt, name, needed, budget, suggest) -> BudgetTooSmall:
-    what = f"the {name} weights, workspace and a {min(opt.min_context, cfg.context_length)}-token KV cache"
-    msg = f"budget {fmt_size(budget)} is {fmt_size(needed - budget)} short of the {fmt_size(needed)} {what} need"
+def _too_small(layout, cfg, opt, smallest, needed, budget, suggest) -> BudgetTooSmall:
+    """`opt`: the options as asked; `smallest`: the last settings the fit tried, which `needed` is for."""
+    what = (f"the {_model_label(layout, cfg)} weights, workspace and a "
+            f"{min(opt.min_context, cfg.context_length)}-token KV cache")
+    at = f"prefill chunk {smallest.chunk}, {smallest.running} running request{'s' if smallest.running > 1 else ''}"
+    msg = (f"budget {fmt_size(budget)} is {fmt_size(needed - budget)} short of the {fmt_size(needed)} {what} "
+           f"need at {at}")
     tips: list = []
     if suggest:
         tips = _suggestions(layout, cfg, opt, needed)
@@ -277,15 +342,19 @@ def _fits(layout, cfg, opt: PlanOptions) -> bool:
 
 
 def _suggestions(layout, cfg, opt: PlanOptions, needed: int) -> list[tuple[str, dict]]:
-    """Per knob, the mildest change that fits on its own (checked by planning with it); if none
-    does, knobs combined in order; last, the budget that fits as asked."""
+    """Per knob, the mildest change that fits on its own (checked by planning with it, so the fit
+    still lowers what the user left unset); if none does, knobs combined in order; last, the
+    budget that fits as asked. Chunk and running requests are knobs only where the user set them:
+    otherwise the fit has already tried every smaller value."""
     knobs: list[list[tuple[str, dict]]] = []
     if opt.embed_weights == "device":
         knobs.append([("--embed-weights host", {"embed_weights": "host"})])
     if opt.draft is not None:
         knobs.append([("without --spec-draft-model", {"draft": None})])
-    knobs.append([(f"--prefill-chunk {c}", {"prefill_chunk": c}) for c in (1024, 512, 256) if c < opt.chunk])
-    knobs.append([(f"--max-running-requests {r}", {"max_running": r}) for r in (2, 1) if r < opt.max_running])
+    if opt.prefill_chunk is not None:
+        knobs.append([(f"--prefill-chunk {c}", {"prefill_chunk": c}) for c in (1024, 512, 256) if c < opt.chunk])
+    if opt.max_running is not None:
+        knobs.append([(f"--max-running-requests {r}", {"max_running": r}) for r in range(opt.running - 1, 0, -1)])
     for flag, key in (("--kv-cache-dtype", "kv_format"), ("--swa-kv-cache-dtype", "swa_format")):
         if not resolve_format(getattr(opt, key), opt.device).scaled:
             knobs.append([(f"{flag} int8_per_token_head", {key: "int8_per_token_head"})])

@@ -61,6 +61,47 @@ def kv_sharing_plan(is_sliding: Sequence[bool], n_kv_shared: int) -> tuple[tuple
     return tuple(plan)
 
 
+# The only per-layer overrides Gemma-4's transformers attention reads (`config.per_layer_config[i]`).
+HF_LAYER_OVERRIDES = ("head_dim", "num_key_value_heads")
+
+
+def hf_attention_shapes(c: Mapping[str, Any], is_sliding: Sequence[bool]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(head_dim, n_kv_head) per layer from an HF text config in either form (spec §2.8, end).
+
+    Current transformers (5.x) writes the global `head_dim` / `num_key_value_heads` (the sliding
+    layers' values) plus `per_layer_config`: {"03": {"head_dim": 512}, ...}, keys zero-padded layer
+    indices, each holding only the values that differ from the global ones (full layers' head dim;
+    their KV heads too when `attention_k_eq_v`). Older ones wrote `global_head_dim` (transformers'
+    default 512 when the key is absent) and `num_global_key_value_heads` (used only with
+    `attention_k_eq_v`); transformers turns those into the same overrides on load.
+    """
+    L = len(is_sliding)
+    hd = int(c.get("head_dim") or 256)
+    n_kv = int(c.get("num_key_value_heads") or c["num_attention_heads"])
+    if "per_layer_config" in c:
+        overrides: dict[int, Mapping[str, Any]] = {}
+        for key, layer in (c["per_layer_config"] or {}).items():
+            try:
+                i = int(key)
+            except ValueError:
+                raise ConfigError(f"per_layer_config key {key!r} is not a layer index") from None
+            if not 0 <= i < L:
+                raise ConfigError(f"per_layer_config names layer {i} of a {L}-layer model")
+            unknown = sorted(set(layer) - set(HF_LAYER_OVERRIDES))
+            if unknown:  # an override we do not apply would load a different model than transformers
+                raise ConfigError(f"per_layer_config layer {i}: unsupported override {', '.join(unknown)}")
+            overrides[i] = layer
+    else:
+        hd_full = c.get("global_head_dim", 512)
+        full: dict[str, Any] = {"head_dim": hd_full if hd_full is not None else hd}
+        if c.get("attention_k_eq_v") and c.get("num_global_key_value_heads") is not None:
+            full["num_key_value_heads"] = c["num_global_key_value_heads"]
+        overrides = {i: full for i, s in enumerate(is_sliding) if not s}
+    head_dim = tuple(int(overrides.get(i, {}).get("head_dim") or hd) for i in range(L))
+    n_kv_head = tuple(int(overrides.get(i, {}).get("num_key_value_heads") or n_kv) for i in range(L))
+    return head_dim, n_kv_head
+
+
 @dataclass(frozen=True)
 class Gemma4Config:
     n_layer: int
@@ -158,10 +199,11 @@ class Gemma4Config:
         types = c.get("layer_types") or [
             "full_attention" if (i + 1) % 5 == 0 else "sliding_attention" for i in range(L)]
         is_sliding = tuple(t == "sliding_attention" for t in types)
-        hd_s = int(c.get("head_dim", 256))
-        hd_f = int(c.get("global_head_dim") or hd_s)
-        n_kv_s = int(c.get("num_key_value_heads", c["num_attention_heads"]))
-        n_kv_f = int(c.get("num_global_key_value_heads") or n_kv_s) if c.get("attention_k_eq_v") else n_kv_s
+        head_dim, n_kv_head = hf_attention_shapes(c, is_sliding)
+        full_dims = {hd for hd, s in zip(head_dim, is_sliding) if not s}
+        if len(full_dims) > 1:  # one proportional-RoPE table serves every full layer
+            raise ConfigError(f"full-attention layers differ in head dim {sorted(full_dims)}")
+        hd_f = full_dims.pop() if full_dims else head_dim[0]
         n_shared = int(c.get("num_kv_shared_layers", 0) or 0)
         ff = int(c["intermediate_size"])
         ffn = tuple(ff * 2 if c.get("use_double_wide_mlp") and i >= L - n_shared else ff for i in range(L))
@@ -177,14 +219,14 @@ class Gemma4Config:
             d_model=int(c["hidden_size"]),
             vocab_size=int(c.get("vocab_size", 262144)),
             n_head=(int(c["num_attention_heads"]),) * L,
-            n_kv_head=tuple(n_kv_s if s else n_kv_f for s in is_sliding),
-            head_dim=tuple(hd_s if s else hd_f for s in is_sliding),
+            n_kv_head=n_kv_head,
+            head_dim=head_dim,
             is_sliding=is_sliding,
             sliding_window=int(c.get("sliding_window", 512)),
             ffn_width=ffn,
             rope_base=tuple(float(rs.get("rope_theta", 10000.0)) if s else float(rf.get("rope_theta", 1e6))
                             for s in is_sliding),
-            rope_dims=tuple(hd_s if s else hd_f for s in is_sliding),
+            rope_dims=head_dim,
             full_rope_freq_factors=factors,
             rms_eps=float(c.get("rms_norm_eps", 1e-6)),
             final_softcap=float(c["final_logit_softcapping"]) if c.get("final_logit_softcapping") else None,
