@@ -32,6 +32,11 @@ def _app(data: Path, tiny_path, kv: bool = True) -> EdgegemApp:
     return EdgegemApp(backend, Store(data), plan_seconds=0.0, default_settings=SETTINGS)
 
 
+def _save_now(app) -> None:
+    """Write the dirty conversations' KV files now (the app would at eviction or close)."""
+    app.session.client.call(lambda engine: (engine.sessions.save_dirty(), engine.sessions.flush()))
+
+
 async def test_quit_and_reopen_prefills_only_the_new_message(tmp_path, tiny_path):
     # what an app that never quits prefills for turn 2 (its prefix cache still holds turn 1)
     control = _app(tmp_path / "control", tiny_path, kv=False)
@@ -92,8 +97,7 @@ async def test_settings_show_the_disk_use_and_clear_it(tmp_path, tiny_path):
     async with app.run_test(size=SIZE) as pilot:
         chat = await open_chat(pilot)
         await say(pilot, "the cat")
-        app.session.client.call(lambda engine: engine.sessions.save_dirty())
-        app.session.client.call(lambda engine: engine.sessions.flush())
+        _save_now(app)
         await pilot.press("ctrl+s")
         await on_screen(pilot, SettingsScreen)
         shown = str(app.screen.query_one("#kv-disk").render())
@@ -118,8 +122,7 @@ async def test_a_full_disk_while_saving_keeps_the_chat_and_the_database(tmp_path
     async with app.run_test(size=SIZE) as pilot:
         chat = await open_chat(pilot)
         await say(pilot, "the cat")
-        app.session.client.call(lambda engine: engine.sessions.save_dirty())
-        app.session.client.call(lambda engine: engine.sessions.flush())
+        _save_now(app)
         assert app.session.client.kv_errors() == [f"KV file {chat.conversation_id}.safetensors not saved: "
                                                   "No space left on device"]
         await say(pilot, "and the dog")  # the chat goes on
