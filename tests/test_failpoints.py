@@ -199,3 +199,36 @@ async def test_app_store_write_failure_keeps_the_conversation(tmp_path):
         assert sum(m.role == "assistant" for m in stored) == 2
         msgs, _ = app.backend.client.submitted[-1]
         assert [m["role"] for m in msgs] == ["user", "assistant", "user", "assistant", "user"]
+
+
+def test_cuda_out_of_memory_is_retried_once_after_emptying_the_cache(tiny, monkeypatch):
+    """On CUDA the engine gives the allocator's cached blocks back and runs the forward again once
+    (after undoing the slots the failed one took); a second failure reaches the caller."""
+    import torch
+
+    from engine.scheduler import Engine
+
+    eng = Engine(tiny.model)
+    monkeypatch.setattr(eng, "model", type("M", (), {"device": torch.device("cuda")})())
+    emptied, undone, calls = [], [], []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+
+    def flaky(fail_times):
+        def forward():
+            calls.append(1)
+            if len(calls) <= fail_times:
+                raise torch.OutOfMemoryError("CUDA out of memory")
+            return "logits"
+        return forward
+
+    assert eng._retry_oom(flaky(1), lambda: undone.append(1)) == "logits"
+    assert (len(calls), len(emptied), len(undone)) == (2, 1, 1)
+    calls.clear()
+    with pytest.raises(torch.OutOfMemoryError):
+        eng._retry_oom(flaky(2))
+    assert len(calls) == 2
+    monkeypatch.setattr(eng, "model", tiny.model)  # the CPU: no retry
+    calls.clear()
+    with pytest.raises(torch.OutOfMemoryError):
+        eng._retry_oom(flaky(1))
+    assert len(calls) == 1
