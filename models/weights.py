@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .cpu_quant import BLOCK_VALUES, Int4Weight, repackable
+from .cpu_quant import BLOCK_VALUES, Fp16Weight, Int4Weight, cpu_weight, repackable
 
 GEMV_ROWS = 16
 _upcast: dict = {}  # numel -> the reused float32 buffer of HalfWeight's prefill blocks
@@ -156,7 +156,7 @@ def weight_tensors(w) -> tuple[torch.Tensor, ...]:
         return w.tensors
     if isinstance(w, HalfWeight):
         return (w.w,)
-    if isinstance(w, Int4Weight):
+    if isinstance(w, (Int4Weight, Fp16Weight)):
         return w.tensors
     return (w,) if isinstance(w, torch.Tensor) else ()
 
@@ -200,13 +200,14 @@ def _gguf_rows(source, name: str, shape, mapped: bool) -> QuantWeight | None:
 
 
 def repack_cpu(weights: dict, tables: frozenset) -> None:
-    """Every GGUF-row matrix of `weights` (after `fuse_projections`) but the lookup `tables` becomes
-    an Int4Weight, one at a time (the GGUF copy is dropped as each is repacked)."""
+    """Every GGUF-row matrix of `weights` (after `fuse_projections`) but the lookup `tables` takes
+    its CPU runtime form (models/cpu_quant.cpu_weight), one at a time (the GGUF copy is dropped as
+    each is repacked)."""
     for name in list(weights):
         w = weights[name]
         if isinstance(w, QuantWeight) and w.packed is None and name not in tables:
             weights[name] = None
-            weights[name] = Int4Weight(w.raw, w.ggml_type, w.shape)
+            weights[name] = cpu_weight(w.raw, w.ggml_type, w.shape)
             del w
 
 
@@ -242,7 +243,7 @@ def load_weights(source, plan: dict, dtype: torch.dtype = torch.float32, device=
 
     def one(name, shape, where, lookup=False):
         if cpu_quant:
-            q = _gguf_rows(source, name, shape, mapped=name in lookup_only)
+            q = _gguf_rows(source, name, shape, mapped=lookup)
             if q is not None:
                 return q
         if quantized:
@@ -255,7 +256,13 @@ def load_weights(source, plan: dict, dtype: torch.dtype = torch.float32, device=
 
     host = host_embeddings and torch.device(device).type != "cpu"
     for i, (name, shape) in enumerate(plan.items()):
-        if host and name == "per_layer_token_embd.weight":
+        if cpu_quant and name == "token_embd.weight" and name not in lookup_only:
+            # the tied head: repacked for the matmul; lookups read the file's rows through the map
+            out[name] = one(name, shape, "cpu")
+            out["token_embd.host"] = one(name, shape, "cpu", lookup=True)
+            if not isinstance(out[name], QuantWeight):
+                del out["token_embd.host"]
+        elif host and name == "per_layer_token_embd.weight":
             out[name] = one(name, shape, "cpu", lookup=True)
         elif host and name == "token_embd.weight" and "output.weight" not in plan:
             out[name] = one(name, shape, device)  # the tied LM head
@@ -272,7 +279,7 @@ def load_weights(source, plan: dict, dtype: torch.dtype = torch.float32, device=
     if weight_dtype == torch.float16 or quantized or cpu_quant:
         fuse_projections(out)
     if cpu_quant:
-        repack_cpu(out, lookup_only)
+        repack_cpu(out, lookup_only | {"token_embd.host"})
     return out
 
 
