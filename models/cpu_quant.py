@@ -273,73 +273,29 @@ def repackable(ggml_type: int, shape) -> bool:
     return shape is not None and len(shape) == 2 and type_name(int(ggml_type)) in TYPES
 
 
-FP16_CHUNK_VALUES = 1 << 25  # values per fbgemm-packed piece (a 128 MB float32 temporary at load)
+def dequantize_half(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]) -> torch.Tensor:
+    """float16 [out, in] of a GGUF matrix, dequantized BLOCK_VALUES at a time (no float32 copy of
+    the whole matrix at load)."""
+    from .quant import dequantize, row_bytes
 
-
-def fbgemm_fp16() -> bool:
-    """torch's fbgemm float16 linear (`quantized::linear_dynamic_fp16`) is in this build."""
-    try:
-        return hasattr(torch.ops.quantized, "linear_prepack_fp16") and torch.backends.quantized.supported_engines \
-            is not None and "fbgemm" in torch.backends.quantized.supported_engines
-    except (AttributeError, RuntimeError):
-        return False
-
-
-class Fp16Weight:
-    """A [out, in] GGUF matrix of a 5- to 8-bit type (Q6_K, Q5_K, Q5_0, Q8_0) dequantized once into
-    fbgemm's packed float16 (`quantized::linear_prepack_fp16`), multiplied by
-    `quantized::linear_dynamic_fp16`: float32 activations, float16 weights widened in registers.
-    Why not Int4Weight for these: their two int4 planes double the int4pack work (0.36 ns a weight
-    on one AVX2 core), while fbgemm reads 2 bytes a weight at memory speed (0.15 ns; 12288x1536:
-    3.2 ms against int4pack's ~6.5 ms for two planes), and its GEMM serves prefill as it is (no
-    dequantization). Weight error: float16 rounding of each value (2^-11 relative). Packed in
-    pieces of FP16_CHUNK_VALUES rows-worth, so loading a 262144-row head never needs it whole in
-    float32."""
-
-    def __init__(self, raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]):
-        import warnings
-
-        from .quant import dequantize, row_bytes
-
-        self.ggml_type, self.shape = int(ggml_type), tuple(shape)
-        n, k = self.shape
-        blocks = raw.contiguous().view(n, row_bytes(self.ggml_type, k))
-        step = max(1, FP16_CHUNK_VALUES // k)
-        self.pieces, self.bounds = [], []
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for r0 in range(0, n, step):
-                r1 = min(r0 + step, n)
-                w = dequantize(blocks[r0:r1], self.ggml_type, (r1 - r0, k))
-                self.pieces.append(torch.ops.quantized.linear_prepack_fp16(w, None))
-                self.bounds.append((r0, r1))
-        self.nbytes = n * k * 2
-
-    @property
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return ()  # opaque fbgemm objects; `nbytes` says their size
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        n, k = self.shape
-        x2 = x.reshape(-1, k).float()
-        if len(self.pieces) == 1:
-            y = torch.ops.quantized.linear_dynamic_fp16(x2, self.pieces[0])
-        else:
-            y = torch.cat([torch.ops.quantized.linear_dynamic_fp16(x2, p) for p in self.pieces], dim=-1)
-        return y.to(x.dtype).reshape(*x.shape[:-1], n)
-
-    def dense(self, dtype=torch.float32) -> torch.Tensor:
-        """The whole matrix (tests and tools)."""
-        return torch.cat([torch.ops.quantized.linear_unpack_fp16(p)[0] for p in self.pieces]).to(dtype)
+    n, k = shape
+    blocks = raw.contiguous().view(n, row_bytes(int(ggml_type), k))
+    out = torch.empty(n, k, dtype=torch.float16)
+    step = max(1, BLOCK_VALUES // k)
+    for r0 in range(0, n, step):
+        r1 = min(r0 + step, n)
+        out[r0:r1] = dequantize(blocks[r0:r1], int(ggml_type), (r1 - r0, k))
+    return out
 
 
 def cpu_weight(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]):
-    """The CPU runtime form of a GGUF matrix: Int4Weight for 4-bit types, Fp16Weight for the wider
-    ones where fbgemm is in the build (Int4Weight's two planes otherwise)."""
-    if Int4Weight.bits_of(ggml_type) > 4 and fbgemm_fp16():
-        return Fp16Weight(raw, ggml_type, shape)
+    """The CPU runtime form of a GGUF matrix: an Int4Weight for the 4-bit types; for the wider ones
+    (Q6_K, Q5_K, Q5_0, Q8_0) a float16 matrix (the caller wraps it in models.weights.HalfWeight).
+    Why: their two int4 planes double the int4pack work (12288x1536 on one AVX2 core: ~6.5 ms),
+    torch's float16 GEMV reads 2 bytes a weight in 4.6 ms. (fbgemm's float16 linear is faster still,
+    2.9 ms, but its prepack costs ~50 ns a value: half a minute at load for E2B's Q6_K tensors.)
+    Bytes: E2B's Q6_K matrices and tied head are 660M values, 1.3 GB as float16, which keeps
+    its peak RSS near the file's size."""
+    if Int4Weight.bits_of(ggml_type) > 4:
+        return dequantize_half(raw, ggml_type, shape)
     return Int4Weight(raw, ggml_type, shape)

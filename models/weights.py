@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .cpu_quant import BLOCK_VALUES, Fp16Weight, Int4Weight, cpu_weight, repackable
+from .cpu_quant import BLOCK_VALUES, Int4Weight, cpu_weight, repackable
 
 GEMV_ROWS = 16
 _upcast: dict = {}  # numel -> the reused float32 buffer of HalfWeight's prefill blocks
@@ -156,7 +156,7 @@ def weight_tensors(w) -> tuple[torch.Tensor, ...]:
         return w.tensors
     if isinstance(w, HalfWeight):
         return (w.w,)
-    if isinstance(w, (Int4Weight, Fp16Weight)):
+    if isinstance(w, Int4Weight):
         return w.tensors
     return (w,) if isinstance(w, torch.Tensor) else ()
 
@@ -207,8 +207,9 @@ def repack_cpu(weights: dict, tables: frozenset) -> None:
         w = weights[name]
         if isinstance(w, QuantWeight) and w.packed is None and name not in tables:
             weights[name] = None
-            weights[name] = cpu_weight(w.raw, w.ggml_type, w.shape)
-            del w
+            q = cpu_weight(w.raw, w.ggml_type, w.shape)
+            weights[name] = HalfWeight(q) if isinstance(q, torch.Tensor) else q
+            del w, q
 
 
 HOST_TABLES = ("token_embd.weight", "per_layer_token_embd.weight")

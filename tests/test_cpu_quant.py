@@ -18,14 +18,14 @@ from gguf import GGMLQuantizationType as T
 
 import models.cpu_quant as cq
 from engine.synthetic import _random_quant_bytes
-from models.cpu_quant import Fp16Weight, Int4Weight
+from models.cpu_quant import Int4Weight
 from models.quant import dequantize
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_models import TinySpec, quantize_gguf, write_tiny_gemma4  # noqa: E402
 
 WEIGHT_BOUND, GEMV_BOUND, GEMM_BOUND = 5e-3, 8e-3, 5e-3
-FP16_BOUND = 1e-3  # Fp16Weight: float16 values (2^-11), float32 activations
+FP16_BOUND = 1e-3  # the wider types in float16: values and GEMV inputs rounded to 2^-11
 # (rows, in): rows not a multiple of the 32-row pack block (padding), several 256-value super-blocks
 SHAPES = {"Q4_K": (45, 512), "Q5_K": (77, 256), "Q6_K": (45, 768), "Q8_0": (61, 96), "Q5_0": (33, 160),
           "Q4_0": (70, 64)}
@@ -73,16 +73,18 @@ def test_int4_weight_matches_reference(tn, monkeypatch):
 
 
 @pytest.mark.parametrize("tn", ["Q6_K", "Q8_0", "Q5_0", "Q5_K"])
-def test_fp16_weight_matches_reference(tn, monkeypatch):
-    """The wider types' fbgemm float16 form, in several packed pieces (a piece of 32 rows here)."""
-    if not cq.fbgemm_fp16():
-        pytest.skip("no fbgemm in this torch build")
+def test_wider_types_as_float16(tn, monkeypatch):
+    """The 5- to 8-bit types' float16 form (HalfWeight): GEMV in float16, prefill by upcast row
+    blocks (several: a block of 32 rows here)."""
+    from models import weights
+
     raw, ref = _matrix(tn)
     n, k = ref.shape
-    monkeypatch.setattr(cq, "FP16_CHUNK_VALUES", 32 * k)
-    w = Fp16Weight(raw, int(T[tn]), (n, k))
-    assert len(w.pieces) == -(-n // 32)
-    assert _rel(w.dense(), ref) < FP16_BOUND
+    monkeypatch.setattr(cq, "BLOCK_VALUES", 32 * k)
+    monkeypatch.setattr(weights, "BLOCK_VALUES", 32 * k)
+    half = cq.cpu_weight(raw, int(T[tn]), (n, k))
+    assert half.dtype == torch.float16 and _rel(half.float(), ref) < FP16_BOUND
+    w = weights.HalfWeight(half)
     for rows in (1, 70):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
         assert _rel(w.linear(x), x @ ref.t()) < FP16_BOUND
@@ -118,7 +120,8 @@ def test_tiny_model_keeps_greedy_tokens(tiny_q4km):
     exact = load_model(tiny_q4km, with_tokenizer=False).model
     fast = load_model(tiny_q4km, with_tokenizer=False, weight_dtype=torch.float16, cpu_quant=True).model
     assert isinstance(fast.w["blk.0.ffn_gate_up.weight"], Int4Weight)  # Q4_K gate and up, stacked
-    assert any(isinstance(w, Fp16Weight) for w in fast.w.values())  # Q6_K ffn_down, attn_v, head
+    from models.weights import HalfWeight
+    assert isinstance(fast.w["token_embd.weight"], HalfWeight)  # the tied head, Q6_K
     assert not isinstance(fast.w["per_layer_token_embd.weight"], (Int4Weight, torch.Tensor))  # GGUF rows
     prompt = [2, 5, 17, 33, 40, 61, 99, 120, 7, 300]
     assert _greedy(fast, prompt, 12) == _greedy(exact, prompt, 12)
