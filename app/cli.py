@@ -317,6 +317,8 @@ def _int_list(s: str, what: str) -> tuple[int, ...]:
 def cmd_bench(a) -> int:
     if a.model and a.synthetic:
         raise ValueError("give --model or --synthetic, not both")
+    _int_list(a.prompt_lengths, "--prompt-lengths")  # bad lists fail before any work starts
+    _int_list(a.contexts, "--contexts")
     if a.static:  # compiled, not run: kernels per step, bytes per token, GEMV instructions per byte
         if not a.synthetic:
             raise ValueError("--static needs --synthetic e2b or e4b")

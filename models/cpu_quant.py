@@ -1,28 +1,30 @@
-"""CPU runtime weight format: GGUF matrices repacked at load into torch's int4 CPU layout.
+"""CPU runtime weight format: GGUF matrices repacked at load for torch's int4 CPU matmul.
 
 Why: CPU decode reads every weight once per token. Expanded to float16 (the old HalfWeight path)
 E2B's matrices and tables took 14.6 GB of RAM for a 4.0 GB file, and torch has no kernel that
 reads GGUF blocks. `torch._weight_int4pack_mm_for_cpu` (aten, shipped with every CPU build: no
 compiler at install or run time) multiplies bf16 activations by 4-bit weights w = (q - 8)·s + z
-with one (s, z) per group of 32 or 64 inputs. Every GGUF type Gemma files use maps onto it with
-the same q bits (the only rounding: s and z to bf16, a 2^-9 relative step):
-  * 4-bit types (Q4_K, Q4_0): w = s·q - o  ->  one plane, group 32, z = 8s - o.
-  * 5/6/8-bit types (Q5_0, Q5_K, Q8_0 in groups of 32; Q6_K in sub-blocks of 16): q = lo + 16·hi
-    is split into two 4-bit planes laid side by side per group, [lo_g | hi_g + h0], and the
-    input is expanded to [x_g | 16·x_g] (exact in bf16), so one int4 group of 2g sums both planes
-    with the group's one scale: s·Σ(lo - 8)x + 16·s·Σ(hi + h0 - 8)x + 17·z·Σx = Σ(s·q - o)x for
+with one (s, z) per group of 32 or 64 inputs. The 4-bit GGUF types map onto it with the same q
+bits (the only rounding: s and z to bf16, a 2^-9 relative step):
+  * Q4_K, Q4_0: w = s·q - o  ->  one plane, group 32, z = 8s - o.
+The wider types fit too (`Int4Weight` holds and tests them):
+  * 5/6/8-bit (Q5_0, Q5_K, Q8_0 in groups of 32; Q6_K in sub-blocks of 16): q = lo + 16·hi is
+    split into two 4-bit planes laid side by side per group, [lo_g | hi_g + h0], and the input is
+    expanded to [x_g | 16·x_g] (exact in bf16), so one int4 group of 2g sums both planes with the
+    group's one scale: s·Σ(lo - 8)x + 16·s·Σ(hi + h0 - 8)x + 17·z·Σx = Σ(s·q - o)x for
     z = (s·(8 + 16·(8 - h0)) - o) / 17. h0 centres hi in 0..15, so z stays near zero and its bf16
     rounding small. Q6_K's sub-blocks of 16 give groups of 32 (torch has no group of 16).
-Bytes: Q4_K 5 bits/value (4.5 in the file), Q6_K 10 (6.56), Q8_0 10 (8.5).
+  but two planes double the int4pack work, so `cpu_weight` keeps those types in float16 instead.
+Bytes: Q4_K 5 bits a value (4.5 in the file); two-plane types 9 to 10.
 
 Measured on this project's 2-core AVX2 VM (torch 2.13, one thread, best of 7, 2026-12-01;
-12288x1536, the fused gate/up of an E2B layer): decode (1 row) float32 5.7 ms, float16 4.6 ms,
-int4pack 3.5 ms, int8pack (per-row scales only: no lossless mapping) 3.5 ms; bfloat16 GEMMs have
-no fast path without AVX512-BF16 (7 GFLOP/s against float32's ~58 GFLOP/s at 512 rows).
+12288x1536, the fused gate/up of an E2B layer; other agents shared the VM): decode (1 row)
+float32 5.7 ms, float16 4.6 ms, int4pack 3.5 ms (two planes ~6.5), int8pack (per-row scales only:
+no lossless mapping) 3.5 ms, fbgemm float16 2.9 ms; bfloat16 GEMMs have no fast path without
+AVX512-BF16 (7 GFLOP/s against float32's ~58 GFLOP/s at 512 rows), int4pack at 512 rows ~30.
 So: up to GEMV_ROWS rows go through int4pack; more rows (prefill) dequantize row blocks into a
 reused buffer and run the float32 (bf16 where the CPU has AVX512-BF16/AMX) GEMM, never the whole
-matrix per call. Lookups (`rows`) dequantize only the rows asked for, so a tied head is also the
-embedding table.
+matrix per call. `rows` dequantizes only the rows asked for.
 """
 from __future__ import annotations
 
