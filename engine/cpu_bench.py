@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
 import resource
 import tempfile
 import time
@@ -94,7 +95,13 @@ def run_child(kind: str, path: Path, prompt: list[int], n_decode: int, threads: 
     q = ctx.Queue()
     p = ctx.Process(target=_child, args=(kind, str(path), prompt, n_decode, threads, q))
     p.start()
-    r = q.get()
+    while True:  # a child that dies without reporting (killed, out of memory) must not hang us
+        try:
+            r = q.get(timeout=5)
+            break
+        except queue.Empty:
+            if not p.is_alive():
+                raise RuntimeError(f"{kind} run died (exit code {p.exitcode})") from None
     p.join()
     if "error" in r:
         raise RuntimeError(f"{kind} run failed: {r['error']}")

@@ -15,18 +15,15 @@ Trace = Optional[Callable[[str, int, torch.Tensor], None]]  # trace(name, layer,
 
 class NonFiniteError(RuntimeError):
     """inf/NaN activations in a step: `str()` is one line naming the first layer whose output was not
-    finite; `details` lists every layer's output sum (the traceback of `--debug` shows it)."""
+    finite; `details` lists every layer's output sum (a note of the exception: the traceback that
+    `--debug` prints shows it)."""
 
     def __init__(self, layer: int, n_layer: int, details: str):
         super().__init__(f"non-finite activations (inf/NaN) from layer {layer} of {n_layer} on: the file's "
                          f"weights or metadata give values out of range (try --exact for float32 throughout)")
         self.layer, self.details = layer, details
-
-    def __str__(self) -> str:
-        return self.args[0]
-
-    def __repr__(self) -> str:
-        return f"{self.args[0]}\n{self.details}"
+        if hasattr(self, "add_note"):  # Python >= 3.11
+            self.add_note(details)
 
 
 class FiniteWatch:
