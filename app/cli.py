@@ -77,6 +77,13 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--decode-tokens", type=int, default=64, help="CPU-vs-llama.cpp bench: decode steps")
     b.add_argument("--threads", type=int, default=0, help="0: torch's default")
     b.add_argument("--no-llama-cpp", action="store_true", help="skip the llama-cpp-python run")
+    b.add_argument("--engine", action="store_true",
+                   help="--device cpu --synthetic: time edgegem through the engine (as run and the app use it) "
+                        "rather than the model's own loop")
+    b.add_argument("--both", action="store_true",
+                   help="--device cpu --synthetic: the model loop, the engine and the engine without fast prefill")
+    b.add_argument("--keep-gguf", metavar="PATH",
+                   help="--device cpu --synthetic: write the synthetic GGUF here (reused when it exists)")
     g = b.add_argument_group("engine bench (--device cuda or --synthetic)")
     _memory_args(g)
     g.add_argument("--fast-prefill", choices=["on", "off"], default="on")
@@ -365,6 +372,8 @@ def _int_list(s: str, what: str) -> tuple[int, ...]:
 def cmd_bench(a) -> int:
     if a.model and a.synthetic:
         raise ValueError("give --model or --synthetic, not both")
+    _int_list(a.prompt_lengths, "--prompt-lengths")  # bad lists fail before any work starts
+    _int_list(a.contexts, "--contexts")
     if a.static:  # compiled, not run: kernels per step, bytes per token, GEMV instructions per byte
         if not a.synthetic:
             raise ValueError("--static needs --synthetic e2b or e4b")
@@ -386,6 +395,12 @@ def cmd_bench(a) -> int:
         out = spec_bench(api.resolve_model(a.model), Path(a.spec_draft_model), a.prompt_tokens, a.decode_tokens,
                          a.spec_tokens, device=a.device)
         out.pop("ids", None)
+    elif a.device == "cpu" and a.synthetic:  # the synthetic file on disk, each run in its own process
+        from engine.cpu_bench import cpu_side_by_side
+        kinds = ["loop", "engine", "engine-plain"] if a.both else ["engine" if a.engine else "loop"]
+        out = cpu_side_by_side(synthetic=a.synthetic, n_prompt=a.prompt_tokens, n_decode=a.decode_tokens,
+                               threads=a.threads, kinds=([] if a.no_llama_cpp else ["llama.cpp"]) + kinds,
+                               keep=Path(a.keep_gguf) if a.keep_gguf else None)
     elif a.device == "cpu" and not a.synthetic:  # the CPU bench beside llama.cpp, as before
         from engine.bench import cpu_bench
         from engine import api

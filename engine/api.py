@@ -59,8 +59,9 @@ def default_device() -> str:
 
 def open_model(path: Path, exact: bool = True, device: str = "cpu", embed_weights: str = "host",
                progress: Optional[Callable[[int, int, int, int], None]] = None) -> LoadedModel:
-    """CPU: `exact` float32 weights (the reference), else the float16 runtime format, about 3x
-    faster decode on a memory-bound CPU (models/weights.py). CUDA: bf16 activations, GGUF matrices
+    """CPU: `exact` float32 weights (the reference), else the CPU runtime format: GGUF matrices
+    repacked for torch's int4 CPU matmul, lookup tables in the file's bytes (models/cpu_quant.py;
+    RAM about the file's size), other matrices float16 (models/weights.py). CUDA: bf16 activations, GGUF matrices
     kept quantized for the Triton kernels (`exact`: float32 activations). A GPU the Triton kernels
     do not run on (older than sm_75: `gpu_support`) gets the CPU's layout on the device: float32
     activations over float16 matrices (`exact`: float32), the torch path throughout."""
@@ -68,7 +69,8 @@ def open_model(path: Path, exact: bool = True, device: str = "cpu", embed_weight
         return load_model(path, dtype=torch.float32 if exact else torch.bfloat16, device=device, quantized=True,
                           host_embeddings=embed_weights == "host", progress=progress)
     return load_model(path, device=device, weight_dtype=None if exact else torch.float16,
-                      host_embeddings=device != "cpu" and embed_weights == "host", progress=progress)
+                      host_embeddings=device != "cpu" and embed_weights == "host", progress=progress,
+                      cpu_quant=not exact and device == "cpu")
 
 
 def gpu_support(capability: tuple[int, int], triton_installed: bool = True):

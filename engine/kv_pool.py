@@ -27,6 +27,18 @@ def _dims(cfg, layer: int) -> tuple[int, int]:
             hd[layer] if isinstance(hd, (tuple, list)) else hd)
 
 
+def _zeros(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed slab. On the CPU through numpy's calloc: the OS hands out zero pages as slots are
+    first written, so a 65,536-token pool costs RAM only for the tokens used (torch.zeros writes
+    every byte: ~1 GB of E2B's default CPU pools resident at once)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    same_size = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[torch.empty(0, dtype=dtype).element_size()]
+    return torch.from_numpy(np.zeros(shape, dtype=same_size)).view(dtype)
+
+
 class KVPool:
     """Slabs of one attention type. k[layer]: [capacity, n_kv, hd] in the format's value dtype."""
 
@@ -35,9 +47,8 @@ class KVPool:
         self.name, self.fmt, self.capacity, self.device = name, fmt, int(capacity), torch.device(device)
         self.layers = sorted(layer_dims)
         cap = self.capacity if self.layers else 0
-        self.k = {i: torch.zeros((cap, *layer_dims[i]), dtype=fmt.value_dtype, device=self.device)
-                  for i in self.layers}
-        self.v = {i: torch.zeros_like(self.k[i]) for i in self.layers}
+        self.k = {i: _zeros((cap, *layer_dims[i]), fmt.value_dtype, self.device) for i in self.layers}
+        self.v = {i: _zeros(tuple(self.k[i].shape), fmt.value_dtype, self.device) for i in self.layers}
         self.k_scale = self.v_scale = None
         if fmt.scaled:
             self.k_scale = {i: torch.zeros((cap, layer_dims[i][0]), device=self.device) for i in self.layers}

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from models.decoder import FiniteWatch
+
 from . import failpoints
 from .sequence_kv import SequenceKV
 
@@ -32,19 +34,24 @@ class ModelRunner:
         pos_host = torch.arange(start, start + len(tokens))  # CPU int64 [T]: slot bookkeeping, no device sync
         pos = pos_host.to(model.device)
         kv.begin(pos_host)
+        watch = FiniteWatch(model.device, L)  # one check a step (CPU), naming the layer
         try:
             if failpoints.ACTIVE:
                 failpoints.maybe_fail("forward.oom")
             x, pl = model.embed(ids)
             for i in range(self.first_shared):
                 x = model.layer(i, x, pos, None if pl is None else pl[:, i], kv)
+                watch.layer(i, x)
             if self.fast_prefill and not all_rows and self.first_shared < L:
                 if not want_logits:
+                    watch.check()
                     return None  # an intermediate chunk: the shared layers would feed nothing
                 x, pos = x[-1:], pos[-1:]
                 pl = None if pl is None else pl[-1:]
             for i in range(self.first_shared, L):
                 x = model.layer(i, x, pos, None if pl is None else pl[:, i], kv)
+                watch.layer(i, x)
+            watch.check()
             if not want_logits:
                 return None
             y = model.norm(x if all_rows else x[-1:])

@@ -43,8 +43,15 @@ def apply_penalties(logits: torch.Tensor, history: list[int], p: SamplingParams)
     return out
 
 
+TOP_P_CANDIDATES = 256  # top-p first looks among this many best tokens (exact: see logits_to_probs)
+
+
 def logits_to_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """[V] logits -> [V] probabilities after temperature, top-k, top-p and min-p filtering."""
+    """[V] logits -> [V] probabilities after temperature, top-k, top-p and min-p filtering.
+    Top-p keeps the smallest prefix (by probability) whose mass reaches top_p; it is looked for
+    among the TOP_P_CANDIDATES best tokens first, and the whole vocabulary is sorted only when those
+    hold less than top_p of the mass (the answer is the same: the prefix lies inside them). Sorting
+    262,144 probabilities costs ~15 ms a token on a small CPU, the top 256 well under 1 ms."""
     x = logits.float() / max(p.temperature, 1e-6)
     if p.top_k and p.top_k < x.shape[-1]:
         kth = torch.topk(x, p.top_k).values[-1]
@@ -53,7 +60,14 @@ def logits_to_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     if p.min_p > 0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
     if p.top_p < 1.0:
-        sorted_p, idx = probs.sort(descending=True)
+        sorted_p = None
+        if TOP_P_CANDIDATES < probs.shape[-1]:
+            top = probs.topk(TOP_P_CANDIDATES).indices.sort().values  # ties in id order, as sort keeps them
+            order = probs[top].sort(descending=True, stable=True)
+            if float(order.values.sum()) >= p.top_p:
+                sorted_p, idx = order.values, top[order.indices]
+        if sorted_p is None:
+            sorted_p, idx = probs.sort(descending=True, stable=True)
         cum = sorted_p.cumsum(-1)
         before = torch.cat([torch.zeros_like(cum[..., :1]), cum[..., :-1]], -1)  # mass ranked above
         drop = before >= p.top_p  # keep the smallest prefix whose mass reaches top_p (llama.cpp)

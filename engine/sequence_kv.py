@@ -96,9 +96,27 @@ class SequenceKV:
                 slots, positions = self.win_slots, self.win_pos
             else:
                 slots, positions = self.full_slots, torch.arange(len(self))
-            k, v = pool.read(slab, slots, self.dtype)
+            run = self._run_start(pool, slots)
+            if run is None:
+                k, v = pool.read(slab, slots, self.dtype)
+            else:  # consecutive slots (a sequence alone in a fresh pool): views, no gather
+                n = slots.numel()
+                k = pool.fmt.dequantize(pool.k[slab][run:run + n], None, self.dtype)
+                v = pool.fmt.dequantize(pool.v[slab][run:run + n], None, self.dtype)
             self._reads[slab] = (k, v, positions.to(k.device))
         return self._reads[slab]
+
+    def _run_start(self, pool, slots: torch.Tensor) -> Optional[int]:
+        """The first slot when `slots` are consecutive ascending in an unscaled pool, else None:
+        the reference attention then reads slab views instead of gathering the whole KV every
+        step (checked once a step per pool)."""
+        key = ("run", pool.name)
+        if key not in self._reads:
+            n = slots.numel()
+            ok = n > 0 and not pool.fmt.scaled and int(slots[-1]) - int(slots[0]) == n - 1 and \
+                (n < 2 or bool((slots[1:] - slots[:-1] == 1).all()))
+            self._reads[key] = int(slots[0]) if ok else None
+        return self._reads[key]
 
     def attend(self, layer: int, q: torch.Tensor, pos: torch.Tensor, window: Optional[int],
                scale: float) -> torch.Tensor:

@@ -2,6 +2,7 @@
 per-forward RoPE table memo."""
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 import torch
@@ -10,6 +11,41 @@ from .kv_cache import DenseKVCache, KVStore
 from .ops import rms_norm, rope_cos_sin
 
 Trace = Optional[Callable[[str, int, torch.Tensor], None]]  # trace(name, layer, tensor); layer -1 = none
+
+
+class NonFiniteError(RuntimeError):
+    """inf/NaN activations in a step: `str()` is one line naming the first layer whose output was not
+    finite; `details` lists every layer's output sum (a note of the exception: the traceback that
+    `--debug` prints shows it)."""
+
+    def __init__(self, layer: int, n_layer: int, details: str):
+        super().__init__(f"non-finite activations (inf/NaN) from layer {layer} of {n_layer} on: the file's "
+                         f"weights or metadata give values out of range (try --exact for float32 throughout)")
+        self.layer, self.details = layer, details
+        if hasattr(self, "add_note"):  # Python >= 3.11
+            self.add_note(details)
+
+
+class FiniteWatch:
+    """Non-finite activations found once per step, not per matmul: each layer leaves the sum of its
+    output (one small reduction, no sync; inf and NaN survive a sum), and `check()` reads only the
+    last one (one sync a step). Only when that is not finite are the others read, to name the first
+    layer that went bad. Off (no work at all) where the sums would be extra kernels: CUDA."""
+
+    def __init__(self, device: torch.device, n_layer: int):
+        self.sums: Optional[list] = [] if device.type == "cpu" else None
+        self.n_layer = n_layer
+
+    def layer(self, i: int, x: torch.Tensor) -> None:
+        if self.sums is not None:
+            self.sums.append((i, x.sum()))
+
+    def check(self) -> None:
+        if not self.sums or bool(torch.isfinite(self.sums[-1][1])):
+            return
+        values = [(i, float(v)) for i, v in self.sums]
+        first = next(i for i, v in values if not math.isfinite(v))
+        raise NonFiniteError(first, self.n_layer, "\n".join(f"  layer {i}: output sum {v:.6g}" for i, v in values))
 
 
 class DecoderModel:
@@ -99,8 +135,11 @@ class DecoderModel:
         x, pl = self.embed(tokens)
         if trace:
             trace("inp_scaled", -1, x)
+        watch = FiniteWatch(self.device, self.cfg.n_layer)
         for i in range(self.cfg.n_layer):
             x = self.layer(i, x, pos, None if pl is None else pl[:, i], cache, trace)
+            watch.layer(i, x)
+        watch.check()
         if logits_rows is not None:
             x = x[logits_rows]
         y = self.norm(x)

@@ -178,9 +178,9 @@ class Gemma3Model(DecoderModel):
 
 
 def load_gemma3(gguf, dtype=torch.float32, device="cpu", weight_dtype=None, quantized=False,
-                host_embeddings=False, progress=None) -> Gemma3Model:
+                host_embeddings=False, progress=None, cpu_quant=False) -> Gemma3Model:
     gguf.check_architecture(("gemma3",))
     cfg = Gemma3Config.from_gguf(gguf)
     weights = load_weights(gguf, tensor_plan(cfg, set(gguf.tensors)), dtype, device, weight_dtype, quantized,
-                           host_embeddings, progress)
+                           host_embeddings, progress, cpu_quant)
     return Gemma3Model(cfg, weights, dtype=dtype, device=device)

@@ -476,11 +476,11 @@ class Gemma4Model(DecoderModel):
 
 
 def load_gemma4(gguf, dtype=torch.float32, device="cpu", weight_dtype=None, quantized=False,
-                host_embeddings=False, progress=None) -> Gemma4Model:
+                host_embeddings=False, progress=None, cpu_quant=False) -> Gemma4Model:
     """Build a Gemma4Model from a `GGUFFile`: config, shape-checked dequantized weights."""
     gguf.check_architecture(("gemma4",))
     cfg = Gemma4Config.from_gguf(gguf)
     present = set(gguf.tensors)
     weights = load_weights(gguf, tensor_plan(cfg, present), dtype, device, weight_dtype, quantized,
-                           host_embeddings, progress)
+                           host_embeddings, progress, cpu_quant)
     return Gemma4Model(cfg, weights, dtype=dtype, device=device)

@@ -89,6 +89,16 @@ class TensorInfo(TensorShape):
         """Raw bytes as a read-only uint8 view of the memory map (no copy)."""
         return self._file._mm[self.offset:self.offset + self.n_bytes]
 
+    def read(self) -> np.ndarray:
+        """The raw bytes copied by a file read, not through the memory map: a weight repacked at load
+        (models/cpu_quant.py) then leaves no mapped file pages behind in the process's RSS."""
+        out = np.empty(self.n_bytes, dtype=np.uint8)
+        with open(self._file.path, "rb") as f:
+            f.seek(self.offset)
+            if f.readinto(memoryview(out)) != self.n_bytes:
+                raise TruncatedGGUFError(self._file.path, "tensor data ends early", self.name)
+        return out
+
 
 _SCALARS: dict[int, str] = {
     GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",

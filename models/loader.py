@@ -40,10 +40,12 @@ def open_gguf(path: str | Path) -> GGUFFile:
 
 def load_model(path: str | Path, dtype=torch.float32, device="cpu", with_tokenizer: bool = True,
                weight_dtype: Optional[torch.dtype] = None, quantized: bool = False,
-               host_embeddings: bool = False, progress=None) -> LoadedModel:
+               host_embeddings: bool = False, progress=None, cpu_quant: bool = False) -> LoadedModel:
     """`weight_dtype=torch.float16`: the fast CPU runtime format (models/weights.py); None: exact.
     `quantized`: GGUF matrices stay in their quantized bytes for the Triton kernels.
     `host_embeddings`: embedding lookup tables stay in host memory (`--embed-weights host`).
+    `cpu_quant`: the CPU runtime format, GGUF matrices repacked for torch's int4 CPU matmul
+    (models/cpu_quant.py; other matrices as `weight_dtype`).
     `progress(done, total, bytes_done, bytes_total)`: called after each tensor (GGUF files)."""
     path = Path(path)
     if path.is_dir():
@@ -53,11 +55,11 @@ def load_model(path: str | Path, dtype=torch.float32, device="cpu", with_tokeniz
         if f.architecture == "gemma4":
             from .gemma4 import load_gemma4
             model = load_gemma4(f, dtype=dtype, device=device, weight_dtype=weight_dtype, quantized=quantized,
-                                host_embeddings=host_embeddings, progress=progress)
+                                host_embeddings=host_embeddings, progress=progress, cpu_quant=cpu_quant)
         else:
             from .gemma3 import load_gemma3
             model = load_gemma3(f, dtype=dtype, device=device, weight_dtype=weight_dtype, quantized=quantized,
-                                host_embeddings=host_embeddings, progress=progress)
+                                host_embeddings=host_embeddings, progress=progress, cpu_quant=cpu_quant)
     except ConfigError as e:
         raise GGUFError(path, str(e)) from None
     tok = chat = None

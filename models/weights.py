@@ -1,12 +1,15 @@
-"""CPU runtime weight format: dequantized matrices stored as float16, used through `.linear(x)`.
+"""CPU runtime weight formats, used through `.linear(x)` and `.rows(ids)`.
 
-Why: CPU decode is memory-bound. Gemma 3 270M in float32 reads 1.07 GB of weights per token (the
-262144x640 tied head alone is 671 MB: 48 ms a token on 2 cores). torch's float16 GEMV reads half
-the bytes and runs 3x faster on the head (16 ms), but its float16 GEMM for many rows is 5x slower
-than float32. So: rows <= GEMV_ROWS go through float16 (inputs rounded to float16, float32
-accumulation, ~5e-4 relative error, far below the 8-bit activation rounding llama.cpp's own CPU
-matmuls use); larger batches (prefill) upcast the weight and use the float32 GEMM. A float16
-output that overflows (|y| > 65504) is recomputed in float32, so range is never lost.
+Why: CPU decode is memory-bound (every weight read once per token). GGUF matrices of the types
+Gemma files use are repacked at load into torch's int4 CPU layout (models/cpu_quant.py: about the
+file's bytes, bf16 scales), and the lookup tables stay in the file's bytes. What remains dense
+(F16/BF16/F32 matrices, safetensors checkpoints) is HalfWeight: float16, a torch float16 GEMV up to
+GEMV_ROWS rows (inputs rounded to float16, float32 accumulation, ~5e-4 relative error); larger
+batches (prefill) upcast row blocks into a reused float32 buffer for the float32 GEMM (float16
+GEMMs are 5x slower than float32 on AVX2), never the whole matrix per call. A float16 output out
+of range is inf: the model's per-step check (models/decoder.py, FiniteWatch) reports it with the
+layer, rather than each matmul checking and recomputing in float32 (that check once turned a
+model whose activations went non-finite into a silent 10x slower path).
 The exact reference path (float32/float64 dense tensors) stays what the tests compare.
 """
 from __future__ import annotations
@@ -16,7 +19,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .cpu_quant import BLOCK_VALUES, Int4Weight, cpu_weight, repackable
+
 GEMV_ROWS = 16
+_upcast: dict = {}  # numel -> the reused float32 buffer of HalfWeight's prefill blocks
 
 
 class HalfWeight:
@@ -28,11 +34,20 @@ class HalfWeight:
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows <= GEMV_ROWS:
-            y = F.linear(x.to(torch.float16), self.w)
-            if y.abs().amax() < 65504:  # false for inf and NaN too; cheaper than isfinite().all()
-                return y.to(x.dtype)
-        return F.linear(x, self.w.to(x.dtype))
+        if rows <= GEMV_ROWS or self.w.dim() != 2:
+            return F.linear(x.to(torch.float16), self.w).to(x.dtype)
+        n, k = self.shape
+        step = max(1, min(n, BLOCK_VALUES // k))
+        if step * k not in _upcast:
+            _upcast.clear()
+            _upcast[step * k] = torch.empty(step * k, dtype=torch.float32)
+        buf, x2 = _upcast[step * k], x.reshape(-1, k).float()
+        out = torch.empty(x2.shape[0], n, dtype=torch.float32)
+        for r0 in range(0, n, step):
+            r1 = min(r0 + step, n)
+            w = buf[:(r1 - r0) * k].view(r1 - r0, k).copy_(self.w[r0:r1])
+            out[:, r0:r1] = torch.mm(x2, w.t())
+        return out.to(x.dtype).reshape(*x.shape[:-1], n)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.w.index_select(0, ids.to(self.w.device)).float()
@@ -141,6 +156,8 @@ def weight_tensors(w) -> tuple[torch.Tensor, ...]:
         return w.tensors
     if isinstance(w, HalfWeight):
         return (w.w,)
+    if isinstance(w, Int4Weight):
+        return w.tensors
     return (w,) if isinstance(w, torch.Tensor) else ()
 
 
@@ -158,6 +175,43 @@ def _quant_weight(source, name: str, shape, device, lookup: bool = False) -> Qua
     return QuantWeight(raw.to(device), info.ggml_type, shape, lookup=lookup)
 
 
+def _gguf_rows(source, name: str, shape, mapped: bool) -> QuantWeight | None:
+    """A 2-D GGUF matrix of a type Int4Weight repacks, as GGUF rows (QuantWeight lookup form), else
+    None. `mapped`: a lookup table read straight from the file's memory map (only the pages of the
+    rows looked up ever become resident, as llama.cpp's mmap does); otherwise copied by a file
+    read, to be repacked (`repack_cpu`)."""
+    from .quant import row_bytes
+
+    if shape is None or len(shape) != 2 or not hasattr(source, "raw"):
+        return None
+    info = source.raw(name, shape)
+    if not repackable(info.ggml_type, shape):
+        return None
+    if mapped:
+        import warnings
+
+        with warnings.catch_warnings():  # a read-only map: the tables are only ever read
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.from_numpy(info.data)
+    else:
+        data = torch.from_numpy(info.read() if hasattr(info, "read") else info.data.copy())
+    raw = data.view(shape[0], row_bytes(info.ggml_type, shape[1]))
+    return QuantWeight(raw, info.ggml_type, shape, lookup=True)
+
+
+def repack_cpu(weights: dict, tables: frozenset) -> None:
+    """Every GGUF-row matrix of `weights` (after `fuse_projections`) but the lookup `tables` takes
+    its CPU runtime form (models/cpu_quant.cpu_weight), one at a time (the GGUF copy is dropped as
+    each is repacked)."""
+    for name in list(weights):
+        w = weights[name]
+        if isinstance(w, QuantWeight) and w.packed is None and name not in tables:
+            weights[name] = None
+            q = cpu_weight(w.raw, w.ggml_type, w.shape)
+            weights[name] = HalfWeight(q) if isinstance(q, torch.Tensor) else q
+            del w, q
+
+
 HOST_TABLES = ("token_embd.weight", "per_layer_token_embd.weight")
 
 
@@ -170,7 +224,7 @@ def _file_bytes(source, name: str) -> int:
 
 def load_weights(source, plan: dict, dtype: torch.dtype = torch.float32, device="cpu",
                  weight_dtype: torch.dtype | None = None, quantized: bool = False,
-                 host_embeddings: bool = False, progress=None) -> dict:
+                 host_embeddings: bool = False, progress=None, cpu_quant: bool = False) -> dict:
     """Dequantize every tensor of `plan` (name -> expected torch shape) from a GGUFFile or
     HFCheckpoint. Matrices go to `weight_dtype` (float16: HalfWeight) when given, the rest to
     `dtype`; norms and scales are never rounded below float32. `quantized`: matrices of the types
@@ -178,12 +232,21 @@ def load_weights(source, plan: dict, dtype: torch.dtype = torch.float32, device=
     (`--embed-weights host`): the embedding lookup tables stay in host memory and only the rows of
     the current tokens go to the device; a tied LM head keeps its device copy ("token_embd.host"
     is then the lookup copy). `progress(done, total, bytes_done, bytes_total)` is called after
-    each tensor (bytes as stored in the file: what a loading bar should count)."""
+    each tensor (bytes as stored in the file: what a loading bar should count). `cpu_quant` (the
+    CPU runtime format): matrices of the types Int4Weight reads are repacked for torch's int4 CPU
+    matmul, lookup-only tables stay in the file's bytes (memory-mapped), the rest as `weight_dtype`."""
     out = {}
+    # Tables only ever gathered from: the PLE table, and the token table when the head is untied.
+    lookup_only = frozenset(["per_layer_token_embd.weight"] + (
+        ["token_embd.weight"] if "output.weight" in plan else []))
     sizes = [_file_bytes(source, name) for name in plan]
     total, done = sum(sizes), 0
 
     def one(name, shape, where, lookup=False):
+        if cpu_quant:
+            q = _gguf_rows(source, name, shape, mapped=lookup)
+            if q is not None:
+                return q
         if quantized:
             q = _quant_weight(source, name, shape, where, lookup)
             if q is not None:
@@ -194,7 +257,13 @@ def load_weights(source, plan: dict, dtype: torch.dtype = torch.float32, device=
 
     host = host_embeddings and torch.device(device).type != "cpu"
     for i, (name, shape) in enumerate(plan.items()):
-        if host and name == "per_layer_token_embd.weight":
+        if cpu_quant and name == "token_embd.weight" and name not in lookup_only:
+            # the tied head: repacked for the matmul; lookups read the file's rows through the map
+            out[name] = one(name, shape, "cpu")
+            out["token_embd.host"] = one(name, shape, "cpu", lookup=True)
+            if not isinstance(out[name], QuantWeight):
+                del out["token_embd.host"]
+        elif host and name == "per_layer_token_embd.weight":
             out[name] = one(name, shape, "cpu", lookup=True)
         elif host and name == "token_embd.weight" and "output.weight" not in plan:
             out[name] = one(name, shape, device)  # the tied LM head
@@ -208,8 +277,10 @@ def load_weights(source, plan: dict, dtype: torch.dtype = torch.float32, device=
         if progress is not None:
             done += sizes[i]
             progress(i + 1, len(plan), done, total)
-    if weight_dtype == torch.float16 or quantized:
+    if weight_dtype == torch.float16 or quantized or cpu_quant:
         fuse_projections(out)
+    if cpu_quant:
+        repack_cpu(out, lookup_only | {"token_embd.host"})
     return out
 
 
@@ -226,7 +297,8 @@ def _fusable(ws: list) -> bool:
     quantized GEMV reads one format per launch)."""
     if all(isinstance(w, HalfWeight) for w in ws):
         return True
-    return all(isinstance(w, QuantWeight) for w in ws) and len({w.ggml_type for w in ws}) == 1
+    return all(isinstance(w, QuantWeight) for w in ws) and len({w.ggml_type for w in ws}) == 1 and \
+        len({w.packed is None for w in ws}) == 1
 
 
 def fuse_projections(weights: dict) -> None:
@@ -248,6 +320,10 @@ def fuse_projections(weights: dict) -> None:
             ws = [weights.pop(n) for n in names]
             if isinstance(ws[0], HalfWeight):
                 weights[b + fused] = HalfWeight(torch.cat([w.w for w in ws]))
+            elif ws[0].packed is None:  # GGUF rows, before the CPU repack: stacked as they are
+                rows = sum(w.shape[0] for w in ws)
+                weights[b + fused] = QuantWeight(torch.cat([w.raw for w in ws]), ws[0].ggml_type,
+                                                 (rows, ws[0].shape[1]), lookup=True)
             elif fused == "ffn_gate_up.weight":  # gate/up interleaved: the GEMV's GLU epilogue
                 weights[b + fused] = QuantWeight.cat(ws).interleave()
             else:

@@ -117,6 +117,21 @@ def test_fast_cpu_weights_keep_greedy_tokens(ours, gemma3_270m_path):
     assert abs(_nll(a.numpy(), tokens) - _nll(b.numpy(), tokens)) < 1e-3
 
 
+def test_cpu_runtime_format_keeps_greedy_tokens(ours, gemma3_270m_path):
+    """The quantized CPU runtime format (models/cpu_quant.py: int4pack for Q4_K, float16 for the
+    Q5_0/Q8_0/Q6_K tensors, file rows for lookups) decodes the same greedy tokens."""
+    fast = load_model(gemma3_270m_path, weight_dtype=torch.float16, cpu_quant=True)
+    for prompt in PROMPTS:
+        ids = ours.tokenizer.encode(prompt)
+        params = SamplingParams(temperature=0.0, max_tokens=16)
+        assert generate(fast.model, ids, params).ids == generate(ours.model, ids, params).ids
+    tokens = ours.tokenizer.encode(TEXT)[:300]
+    with torch.inference_mode():
+        a = ours.model.forward(torch.tensor(tokens))
+        b = fast.model.forward(torch.tensor(tokens))
+    assert abs(_nll(a.numpy(), tokens) - _nll(b.numpy(), tokens)) < 2e-2
+
+
 def test_float32_equals_float64_reference(ours, gemma3_270m_path):
     tokens = ours.tokenizer.encode(TEXT)[:64]
     ref = load_model(gemma3_270m_path, dtype=torch.float64, with_tokenizer=False)

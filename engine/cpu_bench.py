@@ -1,0 +1,151 @@
+"""CPU side by side: edgegem (its model loop and/or the engine) and llama.cpp on the same GGUF,
+each in a child process of its own so each peak RSS is its own.
+
+`edgegem bench --device cpu --synthetic e2b` writes the synthetic full-size model (the real tensor
+table and Q4_K_M type mix, random blocks: engine/synthetic.py) to a temporary GGUF first, so
+llama.cpp runs the very file edgegem runs. Prefill is one prompt of `n_prompt` tokens (llama.cpp:
+one batch of the whole prompt; the model loop: one forward; the engine: its prefill chunks, with
+fast prefill as configured), decode `n_decode` greedy steps after it; the same thread count.
+Peak RSS is the child's ru_maxrss: everything it touched, weights read through a memory map
+included (llama.cpp maps the file; edgegem maps only its lookup tables).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import resource
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+KINDS = ("llama.cpp", "loop", "engine", "engine-plain")
+LABELS = {"llama.cpp": "llama-cpp-python 0.3.36", "loop": "edgegem model loop",
+          "engine": "edgegem engine (fast prefill)", "engine-plain": "edgegem engine (--fast-prefill off)"}
+
+
+def _peak_rss() -> int:
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _run_llama_cpp(path: str, prompt: list[int], n_decode: int, threads: int) -> dict:
+    from .bench import _llama_cpp
+
+    r = _llama_cpp(Path(path), prompt, n_decode, threads)
+    r.pop("ids", None)
+    return r
+
+
+def _run_loop(path: str, prompt: list[int], n_decode: int, threads: int) -> dict:
+    from .api import open_model
+    from .bench import _greedy_loop
+
+    t0 = time.perf_counter()
+    lm = open_model(Path(path), exact=False, device="cpu")
+    load_s = time.perf_counter() - t0
+    return {"load_s": load_s, **_greedy_loop(lm.model, prompt, n_decode)}
+
+
+def _run_engine(path: str, prompt: list[int], n_decode: int, threads: int, fast_prefill: bool = True) -> dict:
+    """Through the client thread, as `edgegem run` and the app drive it."""
+    from . import api
+    from .client import GenerationParams
+    from .sampler import SamplingParams
+
+    t0 = time.perf_counter()
+    lm = api.open_model(Path(path), exact=False, device="cpu")
+    load_s = time.perf_counter() - t0
+    client = api.start_client(lm, api.EngineOptions(fast_prefill=fast_prefill))
+    try:
+        gen = GenerationParams(SamplingParams(temperature=0.0, max_tokens=n_decode + 1))
+        rid = client.submit_ids(list(prompt), gen)
+        last = None
+        for ev in client.stream(rid):
+            last = ev
+        if last.error:
+            raise RuntimeError(last.error)
+        st = last.stats
+    finally:
+        client.close()
+    return {"load_s": load_s, "prefill_tok_s": st["prefill_tok_s"], "decode_tok_s": st["decode_tok_s"]}
+
+
+def _child(kind: str, path: str, prompt: list[int], n_decode: int, threads: int, out) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    try:
+        if kind == "llama.cpp":
+            r = _run_llama_cpp(path, prompt, n_decode, threads)
+        elif kind == "loop":
+            r = _run_loop(path, prompt, n_decode, threads)
+        else:
+            r = _run_engine(path, prompt, n_decode, threads, fast_prefill=kind == "engine")
+        r["peak_rss"] = _peak_rss()
+        out.put(r)
+    except BaseException as e:  # noqa: BLE001 - reported by the parent
+        out.put({"error": f"{type(e).__name__}: {e}"})
+
+
+def run_child(kind: str, path: Path, prompt: list[int], n_decode: int, threads: int) -> dict:
+    """One measurement in a fresh process (spawned: nothing of ours is inherited, so its RSS is
+    its own)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child, args=(kind, str(path), prompt, n_decode, threads, q))
+    p.start()
+    while True:  # a child that dies without reporting (killed, out of memory) must not hang us
+        try:
+            r = q.get(timeout=5)
+            break
+        except queue.Empty:
+            if not p.is_alive():
+                raise RuntimeError(f"{kind} run died (exit code {p.exitcode})") from None
+    p.join()
+    if "error" in r:
+        raise RuntimeError(f"{kind} run failed: {r['error']}")
+    return r
+
+
+def cpu_side_by_side(path: Optional[Path] = None, synthetic: Optional[str] = None, n_prompt: int = 1024,
+                     n_decode: int = 32, threads: int = 0, kinds=("llama.cpp", "loop", "engine"),
+                     keep: Optional[Path] = None) -> dict:
+    """Prefill/decode tok/s and peak RSS of each of `kinds` on a GGUF (`path`) or the synthetic
+    `e2b`/`e4b` written to a temporary file (kept at `keep` when given)."""
+    import torch
+
+    from models.gguf import GGUFFile
+
+    from .bench import _prompt
+
+    threads = threads or torch.get_num_threads()
+    tmp = None
+    if synthetic:
+        from .synthetic import write_synthetic_gguf
+        if keep is not None and Path(keep).exists():
+            path = Path(keep)
+        else:
+            tmp = None if keep else tempfile.TemporaryDirectory(prefix="edgegem-bench-")
+            path = write_synthetic_gguf(synthetic, Path(keep) if keep else Path(tmp.name) / f"synthetic-{synthetic}.gguf")
+    try:
+        vocab = len(GGUFFile(path).metadata.get("tokenizer.ggml.tokens", ())) or 32000
+        prompt = _prompt(vocab, n_prompt)
+        file_bytes = os.path.getsize(path)
+        rows = {k: run_child(k, path, prompt, n_decode, threads) for k in kinds}
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    out = {"model": f"synthetic {synthetic.upper()}" if synthetic else Path(path).name, "file_bytes": file_bytes,
+           "threads": threads, "prompt_tokens": n_prompt, "decode_tokens": n_decode, "runs": rows}
+    ref = rows.get("llama.cpp")
+    lines = [f"{out['model']} ({file_bytes / 1e9:.2f} GB file): {n_prompt}-token prompt, {n_decode} decode steps, "
+             f"{threads} threads",
+             f"{'':36s} {'prefill tok/s':>13s} {'decode tok/s':>12s} {'vs llama.cpp':>15s} {'peak RSS':>10s}"]
+    for k, r in rows.items():
+        vs = "" if ref is None or k == "llama.cpp" else \
+            f"{r['prefill_tok_s'] / ref['prefill_tok_s']:.2f}x / {r['decode_tok_s'] / ref['decode_tok_s']:.2f}x"
+        lines.append(f"{LABELS[k]:36s} {r['prefill_tok_s']:13.1f} {r['decode_tok_s']:12.2f} {vs:>15s} "
+                     f"{r['peak_rss'] / 1e9:6.2f} GB ({r['peak_rss'] / file_bytes:.2f}x file)")
+    out["table"] = "\n".join(lines)
+    return out

@@ -1,0 +1,147 @@
+"""The CPU runtime format (models/cpu_quant.py): every GGUF type's int4 repack against the float32
+reference dequantization + matmul, on odd shapes; a quantized tiny Gemma-4 keeps its greedy tokens
+on it; a non-finite activation is one error naming the layer (models/decoder.py FiniteWatch).
+
+Bounds (relative Frobenius error against models.quant.dequantize, float32): the only rounding of
+the repack is each group's scale and zero to bf16 (2^-9 relative), so the weights are within 5e-3;
+the int4pack GEMV also rounds the activations to bf16 (another ~2^-9 per element): 8e-3; the
+prefill GEMM (dequantized row blocks, float32) has the weights' error only: 5e-3.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+import models.cpu_quant as cq
+from engine.synthetic import _random_quant_bytes
+from models.cpu_quant import Int4Weight
+from models.quant import dequantize
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_models import TinySpec, quantize_gguf, write_tiny_gemma4  # noqa: E402
+
+WEIGHT_BOUND, GEMV_BOUND, GEMM_BOUND = 5e-3, 8e-3, 5e-3
+FP16_BOUND = 1e-3  # the wider types in float16: values and GEMV inputs rounded to 2^-11
+# (rows, in): rows not a multiple of the 32-row pack block (padding), several 256-value super-blocks
+SHAPES = {"Q4_K": (45, 512), "Q5_K": (77, 256), "Q6_K": (45, 768), "Q8_0": (61, 96), "Q5_0": (33, 160),
+          "Q4_0": (70, 64)}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def _matrix(tn: str, seed: int = 0):
+    n, k = SHAPES[tn]
+    g = torch.Generator().manual_seed(seed)
+    raw = _random_quant_bytes(tn, n, k, 0.05, g, "cpu")
+    if tn in ("Q4_K", "Q5_K"):  # arbitrary 6-bit scales and mins, not the synthetic m == sc
+        per_row = raw.view(n * k // 256, -1)
+        per_row[:, 4:16] = torch.randint(0, 256, (per_row.shape[0], 12), dtype=torch.uint8, generator=g)
+    return raw, dequantize(raw, int(T[tn]), (n, k))
+
+
+def test_pack_layout_matches_torch():
+    """Our uint8 packer and unpacker agree with torch's own converter (the layout is probed once)."""
+    bn = cq.pack_block_rows()
+    q = torch.randint(0, 16, (3 * bn, 96), dtype=torch.int32, generator=torch.Generator().manual_seed(1))
+    packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+    assert torch.equal(cq._pack(q.to(torch.uint8), bn), packed)
+    assert torch.equal(cq._unpack(packed, bn, 96), q)
+
+
+@pytest.mark.parametrize("tn", sorted(SHAPES))
+def test_int4_weight_matches_reference(tn, monkeypatch):
+    raw, ref = _matrix(tn)
+    n, k = ref.shape
+    w = Int4Weight(raw, int(T[tn]), (n, k))
+    assert _rel(w.dense(), ref) < WEIGHT_BOUND
+    ids = torch.tensor([n - 1, 0, 31, 32, 17, 17])
+    assert _rel(w.rows(ids), ref[ids]) < WEIGHT_BOUND
+    x = torch.randn(3, 2, k, generator=torch.Generator().manual_seed(2))  # GEMV rows: int4pack
+    y = w.linear(x)
+    assert y.shape == (3, 2, n) and y.dtype == torch.float32
+    assert _rel(y, x @ ref.t()) < GEMV_BOUND
+    # prefill rows: dequantized row blocks (several: a block of 32 rows) + float32 GEMM
+    monkeypatch.setattr(cq, "BLOCK_VALUES", 32 * 2 * k)
+    xs = torch.randn(cq.GEMV_ROWS + 7, k, generator=torch.Generator().manual_seed(3))
+    assert _rel(w.linear(xs), xs @ ref.t()) < GEMM_BOUND
+
+
+@pytest.mark.parametrize("tn", ["Q6_K", "Q8_0", "Q5_0", "Q5_K"])
+def test_wider_types_as_float16(tn, monkeypatch):
+    """The 5- to 8-bit types' float16 form (HalfWeight): GEMV in float16, prefill by upcast row
+    blocks (several: a block of 32 rows here)."""
+    from models import weights
+
+    raw, ref = _matrix(tn)
+    n, k = ref.shape
+    monkeypatch.setattr(cq, "BLOCK_VALUES", 32 * k)
+    monkeypatch.setattr(weights, "BLOCK_VALUES", 32 * k)
+    half = cq.cpu_weight(raw, int(T[tn]), (n, k))
+    assert half.dtype == torch.float16 and _rel(half.float(), ref) < FP16_BOUND
+    w = weights.HalfWeight(half)
+    for rows in (1, 70):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        assert _rel(w.linear(x), x @ ref.t()) < FP16_BOUND
+
+
+def test_int4_weight_bytes_near_the_file():
+    """Q4_K: 4 bits + a bf16 scale and zero per 32 values, 5 bits a value (the file: 4.5)."""
+    raw, _ = _matrix("Q4_K")
+    w = Int4Weight(raw, int(T.Q4_K), SHAPES["Q4_K"])
+    assert w.nbytes == w.n_pad * SHAPES["Q4_K"][1] * 5 // 8
+
+
+@pytest.fixture(scope="module")
+def tiny_q4km(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cpuq")
+    return quantize_gguf(write_tiny_gemma4(d / "f32.gguf", TinySpec(), seed=7), d / "q4km.gguf")
+
+
+def _greedy(model, prompt: list[int], n: int) -> list[int]:
+    from models.kv_cache import DenseKVCache
+
+    cache, ids, out = DenseKVCache(), list(prompt), []
+    logits = model.forward(torch.tensor(ids), cache=cache)[-1]
+    for _ in range(n):
+        out.append(int(logits.argmax()))
+        logits = model.forward(torch.tensor([out[-1]]), torch.tensor([len(prompt) + len(out) - 1]), cache)[-1]
+    return out
+
+
+def test_tiny_model_keeps_greedy_tokens(tiny_q4km):
+    from models.loader import load_model
+
+    exact = load_model(tiny_q4km, with_tokenizer=False).model
+    fast = load_model(tiny_q4km, with_tokenizer=False, weight_dtype=torch.float16, cpu_quant=True).model
+    assert isinstance(fast.w["blk.0.ffn_gate_up.weight"], Int4Weight)  # Q4_K gate and up, stacked
+    from models.weights import HalfWeight
+    assert isinstance(fast.w["token_embd.weight"], HalfWeight)  # the tied head, Q6_K
+    assert not isinstance(fast.w["per_layer_token_embd.weight"], (Int4Weight, torch.Tensor))  # GGUF rows
+    prompt = [2, 5, 17, 33, 40, 61, 99, 120, 7, 300]
+    assert _greedy(fast, prompt, 12) == _greedy(exact, prompt, 12)
+
+
+def test_non_finite_activation_names_the_layer(tiny_q4km):
+    from models.decoder import NonFiniteError
+    from models.loader import load_model
+
+    model = load_model(tiny_q4km, with_tokenizer=False, weight_dtype=torch.float16, cpu_quant=True).model
+    model.w["blk.3.post_ffw_norm.weight"] = torch.full_like(model.w["blk.3.post_ffw_norm.weight"], float("inf"))
+    with pytest.raises(NonFiniteError) as e:
+        model.forward(torch.tensor([2, 5, 17]))
+    assert e.value.layer == 3 and "layer 3 of 8" in str(e.value) and "\n" not in str(e.value)
+    assert "layer 2: output sum" in e.value.details
+
+    from engine.sampler import SamplingParams
+    from engine.scheduler import Engine, EngineConfig
+
+    engine = Engine(model, config=EngineConfig(full_tokens=64))  # the engine's step: same check
+    engine.add([2, 5, 17], SamplingParams(max_tokens=2))
+    with pytest.raises(NonFiniteError, match="layer 3 of 8"):
+        engine.step()
