@@ -74,6 +74,7 @@ _edgegem() {
         bench:--prompt-tokens) COMPREPLY=(); return ;;
         bench:--decode-tokens) COMPREPLY=(); return ;;
         bench:--threads) COMPREPLY=(); return ;;
+        bench:--keep-gguf) COMPREPLY=(); return ;;
         bench:--gpu-memory-budget) COMPREPLY=(); return ;;
         bench:--kv-cache-dtype) COMPREPLY=($(compgen -W "auto bf16 fp16 fp32 int8_per_token_head fp8_per_token_head" -- "$cur")); return ;;
         bench:--swa-kv-cache-dtype) COMPREPLY=($(compgen -W "auto bf16 fp16 fp32 int8_per_token_head fp8_per_token_head" -- "$cur")); return ;;
@@ -137,7 +138,7 @@ _edgegem() {
         tokenize) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --text" -- "$cur")); else COMPREPLY=(); fi ;;
         run) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --prompt --system --max-tokens --temperature --top-k --top-p --min-p --repetition-penalty --presence-penalty --seed --raw --json --exact --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min --kv-session" -- "$cur")); else COMPREPLY=(); fi ;;
         info) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --synthetic --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --spec-draft-model --device --json" -- "$cur")); else COMPREPLY=($(compgen -f -- "$cur")); fi ;;
-        bench) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --synthetic --device --prompt-tokens --decode-tokens --threads --no-llama-cpp --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --fast-prefill --prompt-lengths --contexts --decode-steps --peak-bandwidth --static --arch --spec-draft-model --spec-tokens --kv-resume --kv-lengths --json" -- "$cur")); else COMPREPLY=(); fi ;;
+        bench) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --synthetic --device --prompt-tokens --decode-tokens --threads --no-llama-cpp --engine --both --keep-gguf --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --fast-prefill --prompt-lengths --contexts --decode-steps --peak-bandwidth --static --arch --spec-draft-model --spec-tokens --kv-resume --kv-lengths --json" -- "$cur")); else COMPREPLY=(); fi ;;
         chat) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --system --thinking --max-tokens --temperature --top-k --top-p --min-p --repetition-penalty --presence-penalty --seed --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min --kv-session" -- "$cur")); else COMPREPLY=(); fi ;;
         doctor) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --data-dir --models-dir --json" -- "$cur")); else COMPREPLY=(); fi ;;
         pull) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --draft --no-draft --revision --data-dir --models-dir" -- "$cur")); else COMPREPLY=(); fi ;;
