@@ -1,0 +1,221 @@
+"""A tiny random multimodal Gemma-4 built with transformers (gemma4-vision.md §7), its float64
+reference outputs, and our own GGUF writers for it: the text model and an mmproj file (§6.2 map).
+
+The tiny vocab (512) has the image markers at ids 500/501/502 in both forms: config.json carries
+them for HF folders, and the text GGUF's vocabulary holds the marker strings at those ids.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGUFWriter
+
+V, BOI, EOI, IMG = 512, 500, 501, 502
+BUDGET = 70
+
+
+def build_tiny_multimodal(folder: Path):
+    """Save the §7 recipe's model to `folder`; returns the float64 eager transformers model."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    cfg = Gemma4Config(
+        text_config=dict(vocab_size=V, vocab_size_per_layer_input=V, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                         global_head_dim=64, hidden_size_per_layer_input=16, num_kv_shared_layers=2,
+                         sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
+                         final_logit_softcapping=30.0, use_bidirectional_attention=None, pad_token_id=0,
+                         bos_token_id=2, eos_token_id=1),
+        vision_config=dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=3,
+                           num_key_value_heads=3, head_dim=16, patch_size=16, pooling_kernel_size=3,
+                           position_embedding_size=64, use_clipped_linears=True, standardize=False,
+                           rope_parameters={"rope_type": "default", "rope_theta": 100.0}),
+        audio_config=None, boi_token_id=BOI, eoi_token_id=EOI, image_token_id=IMG)
+    torch.manual_seed(0)
+    m = Gemma4ForConditionalGeneration(cfg).eval()
+    g = torch.Generator().manual_seed(1234)
+    with torch.no_grad():  # the default init is degenerate (unit norms, constant tables, ±inf clips)
+        for n, p in m.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g) if "norm" in n else
+                    torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1] if p.dim() > 1 else 2))
+        for n, b in m.named_buffers():
+            if n.endswith("layer_scalar"):
+                b.copy_(0.5 + torch.rand(b.shape, generator=g))
+            for s, v in (("input_min", -1.5), ("input_max", 1.5), ("output_min", -2.0), ("output_max", 2.0)):
+                if n.endswith(s):
+                    b.fill_(v)
+    m.save_pretrained(folder)
+    return Gemma4ForConditionalGeneration.from_pretrained(folder, dtype=torch.float64,
+                                                          attn_implementation="eager").eval()
+
+
+def random_image(h: int, w: int, seed: int = 0):
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+@dataclass
+class Reference:
+    embeds: list  # per image [N, 64] float64
+    logits: torch.Tensor  # [T, V] float64
+    ids: torch.Tensor  # [T]
+
+
+def reference(model, images: list, ids_text: list[list[int]], budget: int = BUDGET) -> Reference:
+    """transformers' float64 embeddings of `images` and logits of text pieces with one image block
+    between consecutive pieces: piece0 <img0> piece1 <img1> ... (HF's PIL processor)."""
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    f = Gemma4ImageProcessorPil(max_soft_tokens=budget)(images=images, return_tensors="pt")
+    ns = [int(n) for n in f["num_soft_tokens_per_image"]]
+    ids = list(ids_text[0])
+    for n, piece in zip(ns, ids_text[1:]):
+        ids += [BOI] + [IMG] * n + [EOI] + list(piece)
+    ids_t = torch.tensor([ids])
+    with torch.no_grad():
+        pv, pos = f["pixel_values"].double(), f["image_position_ids"]
+        emb = model.model.get_image_features(pv, pos).pooler_output
+        if isinstance(emb, (tuple, list)):  # one [N_i, d] per image
+            embeds = [e.reshape(-1, e.shape[-1]) for e in emb]
+        else:
+            embeds = list(torch.split(emb.reshape(-1, emb.shape[-1]), ns))
+        logits = model(input_ids=ids_t, pixel_values=pv, image_position_ids=pos).logits[0]
+    return Reference(embeds, logits, ids_t[0])
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0))
+
+
+def row_min_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1).min())
+
+
+# --- our own GGUF writers ----------------------------------------------------------------------
+def _state(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(shard)))
+    return out
+
+
+def write_mmproj(folder: Path, path: Path, f16_patch: bool = False) -> Path:
+    """The vision tower + projector of an HF folder as an mmproj GGUF, by the §6.2 map (the conv
+    re-layout of the patch embedding, clip bounds as [1] tensors, the llama.cpp metadata keys)."""
+    from models.gemma4_vision import LINEARS, NORMS
+
+    cfg = json.loads((folder / "config.json").read_text())
+    v, text = cfg["vision_config"], cfg["text_config"]
+    sd = _state(folder)
+    D, p = v["hidden_size"], v["patch_size"]
+    w = GGUFWriter(str(path), arch="clip")
+    w.add_string("general.type", "mmproj")
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_string("clip.vision.projector_type", "gemma4v")
+    w.add_uint32("clip.vision.projection_dim", text["hidden_size"])
+    w.add_uint32("clip.vision.embedding_length", D)
+    w.add_uint32("clip.vision.feed_forward_length", v["intermediate_size"])
+    w.add_uint32("clip.vision.block_count", v["num_hidden_layers"])
+    w.add_uint32("clip.vision.attention.head_count", v["num_attention_heads"])
+    w.add_float32("clip.vision.attention.layer_norm_epsilon", v["rms_norm_eps"])
+    w.add_uint32("clip.vision.patch_size", p)
+    w.add_uint32("clip.vision.image_size", 224)
+    w.add_array("clip.vision.image_mean", [0.0, 0.0, 0.0])
+    w.add_array("clip.vision.image_std", [1.0, 1.0, 1.0])
+    pre = "model.vision_tower."
+    pe = sd[pre + "patch_embedder.input_proj.weight"].reshape(D, p, p, 3).permute(0, 3, 1, 2).contiguous()
+    w.add_tensor("v.patch_embd.weight", pe.numpy().astype(np.float16 if f16_patch else np.float32))
+    w.add_tensor("v.position_embd.weight", sd[pre + "patch_embedder.position_embedding_table"].numpy())
+    for i in range(v["num_hidden_layers"]):
+        h, g = f"{pre}encoder.layers.{i}.", f"v.blk.{i}."
+        for gg, hh in LINEARS.items():
+            w.add_tensor(g + gg + ".weight", sd[h + hh + ".linear.weight"].numpy())
+            for s in ("input_min", "input_max", "output_min", "output_max"):
+                w.add_tensor(g + gg + "." + s, sd[h + hh + "." + s].reshape(1).numpy())
+        for gg, hh in NORMS.items():
+            w.add_tensor(g + gg + ".weight", sd[h + hh + ".weight"].numpy())
+    w.add_tensor("mm.input_projection.weight", sd["model.embed_vision.embedding_projection.weight"].numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def write_text_gguf(folder: Path, path: Path) -> Path:
+    """The language model of an HF folder as a `gemma4` GGUF, by the inverse of models.gemma4's
+    HF name tables, with a tiny vocabulary that holds the image markers at 500/501/502."""
+    from models.gemma4 import HF_GLOBAL_NAMES, HF_LAYER_NAMES
+    from tiny_models import tiny_vocab
+
+    cfg = json.loads((folder / "config.json").read_text())
+    c = cfg["text_config"]
+    sd = _state(folder)
+    arch, L = "gemma4", c["num_hidden_layers"]
+    sliding = [t == "sliding_attention" for t in c["layer_types"]]
+    hd_s = c["head_dim"]
+    hd_f = max([int(o.get("head_dim", hd_s)) for o in (c.get("per_layer_config") or {}).values()] + [hd_s])
+    if "global_head_dim" in c:
+        hd_f = c["global_head_dim"]
+    w = GGUFWriter(str(path), arch=arch)
+    w.add_uint32(f"{arch}.block_count", L)
+    w.add_uint32(f"{arch}.context_length", 4096)
+    w.add_uint32(f"{arch}.embedding_length", c["hidden_size"])
+    w.add_uint32(f"{arch}.feed_forward_length", c["intermediate_size"])
+    w.add_uint32(f"{arch}.attention.head_count", c["num_attention_heads"])
+    w.add_uint32(f"{arch}.attention.head_count_kv", c["num_key_value_heads"])
+    for suffix, hd in (("", hd_f), ("_swa", hd_s)):
+        w.add_uint32(f"{arch}.attention.key_length{suffix}", hd)
+        w.add_uint32(f"{arch}.attention.value_length{suffix}", hd)
+        w.add_uint32(f"{arch}.rope.dimension_count{suffix}", hd)
+    rp = c["rope_parameters"]
+    w.add_float32(f"{arch}.rope.freq_base", rp["full_attention"]["rope_theta"])
+    w.add_float32(f"{arch}.rope.freq_base_swa", rp["sliding_attention"]["rope_theta"])
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c["rms_norm_eps"])
+    w.add_uint32(f"{arch}.attention.sliding_window", c["sliding_window"])
+    w.add_array(f"{arch}.attention.sliding_window_pattern", sliding)
+    w.add_uint32(f"{arch}.attention.shared_kv_layers", c["num_kv_shared_layers"])
+    w.add_uint32(f"{arch}.embedding_length_per_layer_input", c["hidden_size_per_layer_input"])
+    w.add_float32(f"{arch}.final_logit_softcapping", c["final_logit_softcapping"])
+    tokens, types, merges = tiny_vocab(V)
+    for i, s in zip((BOI, EOI, IMG), ("<|image>", "<image|>", "<|image|>")):
+        tokens[i], types[i] = s, 3
+    w.add_string("tokenizer.ggml.model", "gemma4")
+    w.add_array("tokenizer.ggml.tokens", tokens)
+    w.add_array("tokenizer.ggml.scores", [-1000.0] * V)
+    w.add_array("tokenizer.ggml.token_type", types)
+    w.add_array("tokenizer.ggml.merges", merges)
+    w.add_uint32("tokenizer.ggml.bos_token_id", 2)
+    w.add_uint32("tokenizer.ggml.eos_token_id", 1)
+    w.add_uint32("tokenizer.ggml.unknown_token_id", 3)
+    w.add_uint32("tokenizer.ggml.padding_token_id", 0)
+    w.add_bool("tokenizer.ggml.add_bos_token", True)
+    w.add_bool("tokenizer.ggml.add_space_prefix", False)
+    # proportional RoPE on full layers: the first partial_rotary_factor of the pairs rotate
+    rf = rp["full_attention"]
+    n_rot = int(float(rf.get("partial_rotary_factor", 1.0)) * hd_f / 2) if rf.get("rope_type") == "proportional" \
+        else hd_f // 2
+    w.add_tensor("rope_freqs.weight", np.array([1.0 if j < n_rot else 1e30 for j in range(hd_f // 2)],
+                                               dtype=np.float32))
+    pre = "model.language_model."
+    for hf, gg in HF_GLOBAL_NAMES.items():
+        if pre + hf in sd:
+            w.add_tensor(gg, sd[pre + hf].float().numpy())
+    for i in range(L):
+        for hf, gg in HF_LAYER_NAMES.items():
+            key = f"{pre}layers.{i}.{hf}"
+            if key in sd:
+                w.add_tensor(f"blk.{i}.{gg}", sd[key].float().reshape(-1).numpy() if sd[key].dim() == 0
+                             else sd[key].float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
