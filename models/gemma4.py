@@ -276,6 +276,20 @@ HF_LAYER_NAMES = {
 }
 
 
+@dataclass
+class ImageRows:
+    """Image soft tokens of one forward: `rows` [n, d] (embed_vision's output) fill the positions
+    where `mask` [T] bool is set, in order; `pad_id` is the PLE row those positions read."""
+    mask: torch.Tensor
+    rows: torch.Tensor
+    pad_id: int = 0
+
+    def __post_init__(self):
+        n = int(self.mask.sum())
+        if n != self.rows.shape[0]:
+            raise ValueError(f"{n} image positions for {self.rows.shape[0]} image rows")
+
+
 def tensor_plan(cfg: Gemma4Config, present: set[str]) -> dict[str, Optional[tuple[int, ...]]]:
     """GGUF tensor name -> expected torch shape (None: any) of every tensor the model reads.
 
@@ -350,9 +364,13 @@ class Gemma4Model(DecoderModel):
         ])
 
     # --- pieces ----------------------------------------------------------------------------
-    def embed(self, tokens: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """x0 = E[t]·√d  [T, d]; and the per-layer inputs pl [T, L, P] (§3.3) or None."""
+    def embed(self, tokens: torch.Tensor, images: Optional["ImageRows"] = None
+              ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """x0 = E[t]·√d  [T, d]; and the per-layer inputs pl [T, L, P] (§3.3) or None.
+        `images`: soft-token rows that replace x0 at image positions (gemma4-vision.md §4.2-4.3)."""
         cfg, w = self.cfg, self.w
+        if images is not None:
+            return self._embed_images(tokens, images)
         if self._quant_tables() is not None:
             return self._embed_kernels(tokens)
         x = rows_to_device(embedding_rows(w.get("token_embd.host", w["token_embd.weight"]), tokens),
@@ -361,6 +379,24 @@ class Gemma4Model(DecoderModel):
             return x, None
         T, L, P = tokens.shape[0], cfg.n_layer, cfg.ple_width
         tok = rows_to_device(embedding_rows(w["per_layer_token_embd.weight"], tokens), self.device, self.dtype)
+        tok = tok.reshape(T, L, P) * math.sqrt(P)
+        ctx = linear(x, w["per_layer_model_proj.weight"]).reshape(T, L, P) * (cfg.d_model ** -0.5)
+        ctx = rms_norm(ctx, w["per_layer_proj_norm.weight"], cfg.rms_eps)
+        return x, (ctx + tok) * (2.0 ** -0.5)
+
+    def _embed_images(self, tokens: torch.Tensor, images: "ImageRows"):
+        """Image rows e go in as they are (no √d: only token rows are scaled); the PLE token part
+        reads the <pad> row at image positions, its context part the merged x0 (vision spec §4.3)."""
+        cfg, w = self.cfg, self.w
+        mask = images.mask.to(tokens.device)
+        ids = tokens.masked_fill(mask, images.pad_id)  # CPU or device int64 [T]
+        x = rows_to_device(embedding_rows(w.get("token_embd.host", w["token_embd.weight"]), ids),
+                           self.device, self.dtype) * math.sqrt(cfg.d_model)
+        x[mask.to(x.device)] = images.rows.to(x.device, x.dtype)
+        if not cfg.ple_width:
+            return x, None
+        T, L, P = tokens.shape[0], cfg.n_layer, cfg.ple_width
+        tok = rows_to_device(embedding_rows(w["per_layer_token_embd.weight"], ids), self.device, self.dtype)
         tok = tok.reshape(T, L, P) * math.sqrt(P)
         ctx = linear(x, w["per_layer_model_proj.weight"]).reshape(T, L, P) * (cfg.d_model ** -0.5)
         ctx = rms_norm(ctx, w["per_layer_proj_norm.weight"], cfg.rms_eps)

@@ -458,3 +458,18 @@ def find_mmproj(model_path: str | Path) -> Optional[Path]:
         return None
     found = sorted(p.parent.glob("mmproj*.gguf"))
     return found[0] if found else None
+
+
+def image_rows(tokens: Sequence[int] | torch.Tensor, embeds: Sequence[torch.Tensor], cfg: Gemma4VisionConfig):
+    """models.gemma4.ImageRows for a prompt: the images' soft tokens fill its `<|image|>` positions
+    in order (each image's N rows, then the next image's). A count mismatch is a one-line error."""
+    from .gemma4 import ImageRows
+
+    ids = torch.as_tensor(tokens, dtype=torch.long).cpu()
+    mask = ids == cfg.image_id
+    n_slots, n_rows = int(mask.sum()), sum(int(e.shape[0]) for e in embeds)
+    if n_slots != n_rows:
+        raise ImageError(f"the prompt has {n_slots} image placeholder tokens; the images give {n_rows} "
+                         f"({' + '.join(str(int(e.shape[0])) for e in embeds) or 'no images'})")
+    rows = torch.cat(list(embeds)) if embeds else torch.zeros(0, cfg.text_width)
+    return ImageRows(mask, rows, cfg.pad_id)

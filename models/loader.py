@@ -25,6 +25,7 @@ class LoadedModel:
     tokenizer: Optional[Any] = None  # models.tokenizer.Tokenizer
     chat: Optional[Any] = None  # models.chat.ChatFormat
     source: Any = None  # the GGUFFile / HFCheckpoint
+    vision: Optional[Any] = None  # models.gemma4_vision.Gemma4Vision: the image encoder, when present
 
     @property
     def config(self):
@@ -40,16 +41,22 @@ def open_gguf(path: str | Path) -> GGUFFile:
 
 def load_model(path: str | Path, dtype=torch.float32, device="cpu", with_tokenizer: bool = True,
                weight_dtype: Optional[torch.dtype] = None, quantized: bool = False,
-               host_embeddings: bool = False, progress=None, cpu_quant: bool = False) -> LoadedModel:
+               host_embeddings: bool = False, progress=None, cpu_quant: bool = False,
+               mmproj: Optional[str | Path] = None, vision: bool = True) -> LoadedModel:
     """`weight_dtype=torch.float16`: the fast CPU runtime format (models/weights.py); None: exact.
     `quantized`: GGUF matrices stay in their quantized bytes for the Triton kernels.
     `host_embeddings`: embedding lookup tables stay in host memory (`--embed-weights host`).
     `cpu_quant`: the CPU runtime format, GGUF matrices repacked for torch's int4 CPU matmul
     (models/cpu_quant.py; other matrices as `weight_dtype`).
-    `progress(done, total, bytes_done, bytes_total)`: called after each tensor (GGUF files)."""
+    `progress(done, total, bytes_done, bytes_total)`: called after each tensor (GGUF files).
+    `mmproj`: the image encoder of a GGUF model (default: an `mmproj*.gguf` beside it); HF folders
+    carry theirs. `vision=False`: never load one."""
     path = Path(path)
     if path.is_dir():
-        return _load_hf(path, dtype, device, weight_dtype)
+        loaded = _load_hf(path, dtype, device, weight_dtype)
+        if vision:
+            loaded.vision = _hf_vision(path, loaded.source, dtype, device)
+        return loaded
     f = open_gguf(path)
     try:
         if f.architecture == "gemma4":
@@ -71,7 +78,42 @@ def load_model(path: str | Path, dtype=torch.float32, device="cpu", with_tokeniz
             chat = ChatFormat.from_metadata(f.metadata)
         except (TokenizerError, ChatTemplateError) as e:  # name the file in the one-line error
             raise GGUFError(path, str(e)) from None
-    return LoadedModel(model, f.architecture, path, tok, chat, f)
+    loaded = LoadedModel(model, f.architecture, path, tok, chat, f)
+    if vision and f.architecture == "gemma4":
+        from .gemma4_vision import find_mmproj
+        found = Path(mmproj) if mmproj is not None else find_mmproj(path)
+        if found is not None:
+            loaded.vision = _gguf_vision(found, tok, dtype, device, model.cfg.d_model)
+    elif mmproj is not None:
+        raise GGUFError(Path(mmproj), f"an image encoder for a {f.architecture} model (Gemma 4 only)")
+    return loaded
+
+
+def _gguf_vision(mmproj: Path, tok, dtype, device, text_width: int):
+    from .gemma4_vision import load_vision_gguf, token_ids_from_vocab
+
+    ids = token_ids_from_vocab(tok.piece_to_id) if tok is not None else None
+    vision = load_vision_gguf(mmproj, ids, dtype=dtype, device=device)
+    if vision.cfg.text_width != text_width:
+        raise GGUFError(mmproj, f"projects images to width {vision.cfg.text_width}; the model's is {text_width}")
+    return vision
+
+
+def _hf_vision(path: Path, ckpt, dtype, device):
+    """The folder's vision tower, when its config and weights have one (else None: text only)."""
+    from .gemma4_vision import Gemma4VisionConfig, hf_names, load_vision
+    from .hf import HFCheckpoint
+
+    if not ckpt.config.get("vision_config") or not ckpt.config["vision_config"].get("hidden_size"):
+        return None
+    try:
+        cfg = Gemma4VisionConfig.from_hf(ckpt.config)
+    except (ConfigError, KeyError, TypeError, ValueError) as e:
+        raise GGUFError(path, f"bad vision_config: {e}") from None
+    vck = HFCheckpoint(path, hf_names(cfg.n_layer), {})
+    if "v.patch_embd.weight" not in vck:
+        return None  # a text-only save of a multimodal config
+    return load_vision(vck, cfg, dtype, device)
 
 
 def _load_hf(path: Path, dtype, device, weight_dtype) -> LoadedModel:
