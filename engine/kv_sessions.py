@@ -122,7 +122,7 @@ class KVSessions:
             return
         e = self.engine
         try:
-            req.restored_len = kv_file.restore(e.pools, e.cache, path, req.prompt_ids, self.model_id,
+            req.restored_len = kv_file.restore(e.pools, e.cache, path, req.key_ids[:req.n_prompt], self.model_id,
                                                self.layout())
         except KVFileError as err:
             req.kv_error = str(err)  # the caller says it (stderr, the status panel)
@@ -131,7 +131,7 @@ class KVSessions:
         """`req` ended with its first n tokens handed to the prefix cache."""
         if not req.kv_session or n == 0:
             return
-        tokens = req.all_ids[:n]
+        tokens = req.key_ids[:n]  # image positions carry their images' content keys
         if self.policy == "answer":
             self.save(req.kv_session, tokens)
         else:

@@ -6,9 +6,12 @@ import itertools
 import queue
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from .sampler import Sampler, SamplingParams
+
+if TYPE_CHECKING:
+    from .images import PromptImages
 
 _ids = itertools.count(1)
 
@@ -60,6 +63,7 @@ class Request:
     restored_len: int = 0  # prompt tokens whose KV came from that file
     kv_error: Optional[str] = None  # why the file was not used (one line)
     kv_checked: bool = False
+    images: Optional["PromptImages"] = None  # image inputs of the prompt (engine/images.py)
 
     def __post_init__(self):
         if not self.prompt_ids:
@@ -69,6 +73,14 @@ class Request:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def key_ids(self) -> list[int]:
+        """The prefix cache's and KV files' key of every token: its id, except at image positions,
+        where it is the image's content key (engine/images.py), so a different image never reuses KV."""
+        if self.images is None:
+            return self.all_ids
+        return self.images.key_prompt + self.output_ids
 
     @property
     def n_prompt(self) -> int:

@@ -20,6 +20,7 @@ from .attention_backend import get_attention_backend
 from .batch_decode import BUCKETS, BatchDecoder
 from .kv_format import resolve_format
 from .kv_pool import HybridKVPool, KVPoolFull
+from .images import prompt_images
 from .kv_sessions import KVDisk, KVSessions
 from .prefix_cache import make_prefix_cache
 from .request import Request, RequestState, StreamEvent
@@ -60,8 +61,9 @@ class EngineConfig:
 
 class Engine:
     def __init__(self, model, tokenizer=None, config: Optional[EngineConfig] = None,
-                 spec: Optional[SpecConfig] = None, model_id: str = ""):
+                 spec: Optional[SpecConfig] = None, model_id: str = "", vision=None):
         self.model, self.tokenizer, self.config = model, tokenizer, config or EngineConfig()
+        self.vision = vision  # models.gemma4_vision.Gemma4Vision or None (text only)
         if spec is not None:
             check_draft(spec.draft, model.cfg)
         self.spec, self.spec_stats = spec, SpecStats()
@@ -114,12 +116,17 @@ class Engine:
 
     # --- requests ----------------------------------------------------------------------------
     def add(self, prompt_ids: list[int], params: SamplingParams, stop_strings=(),
-            kv_session: Optional[str] = None) -> Request:
+            kv_session: Optional[str] = None, images=()) -> Request:
+        """`images`: models.gemma4_vision.ImageInput, one per `<|image|>` run of `prompt_ids` (each
+        image's N placeholders, in order); encoded at admission unless the cache covers them."""
         limit = self.context_limit
+        pimg = prompt_images(prompt_ids, images, self.vision)
         if len(prompt_ids) >= limit:
+            what = f" ({sum(im.n_tokens for im in images)} of them for {len(images)} images)" if images else ""
             raise ContextOverflowError(
-                f"prompt of {len(prompt_ids)} tokens does not fit the {limit}-token context")
+                f"prompt of {len(prompt_ids)} tokens{what} does not fit the {limit}-token context")
         req = Request(list(prompt_ids), params, tuple(stop_strings), kv_session=kv_session)
+        req.images = pimg
         if self.tokenizer is not None:
             req.detok = self.tokenizer.stream_decoder()
         self.requests[req.id] = req
@@ -168,7 +175,7 @@ class Engine:
             if req.kv_session and not req.kv_checked:  # its KV file serves the common prefix
                 req.kv_checked = True
                 self.sessions.restore(req)
-            match = self.cache.match(req.prompt_ids)
+            match = self.cache.match(req.key_ids)
             need = req.n_prompt - match.length + 1
             if self.pools.full.layers and self.pools.full.n_free < need:
                 self.cache.evict(full_tokens=need)
@@ -181,6 +188,13 @@ class Engine:
                         continue
                     return
             self.waiting.popleft()
+            if req.images is not None and match.length <= req.images.last_image_pos:
+                try:  # once per request, before its prefill: every image of the prompt in one batch
+                    req.images.encode(self.vision)
+                except Exception as e:  # noqa: BLE001 (an encoder failure ends this request only)
+                    self.cache.release(match.nodes)
+                    self._finish(req, "error", f"image encoder: {str(e).splitlines()[0] if str(e) else e!r}")
+                    continue
             req.kv = SequenceKV(self.pools, self.window, self.model.dtype, self.config.window_margin,
                                 self.attention_backend)
             if match.length:
@@ -194,8 +208,12 @@ class Engine:
         hidden = self.spec is not None and last_of_prompt  # the draft's first h
         try:
             self._reserve(len(tokens))
+            images = None
+            if req.images is not None and req.state == RequestState.PREFILL:
+                images = req.images.chunk(req.computed_len, len(tokens))
             logits = self._retry_oom(lambda: self.runner.forward(req.kv, tokens, req.computed_len,
-                                                                 want_logits=last_of_prompt, return_hidden=hidden),
+                                                                 want_logits=last_of_prompt, return_hidden=hidden,
+                                                                 images=images),
                                      lambda: req.kv.truncate(req.computed_len))
         except KVPoolFull as e:
             self._finish(req, "error", str(e))
@@ -219,7 +237,7 @@ class Engine:
 
     def _hand_to_cache(self, req: Request, n: int) -> None:
         nodes, full_taken, win_taken = self.cache.insert(
-            req.all_ids[:n], req.kv.full_slots[:n], req.kv.window_slots_by_position()[:n])
+            req.key_ids[:n], req.kv.full_slots[:n], req.kv.window_slots_by_position()[:n])
         req.kv.hand_over(full_taken, win_taken)
         self.cache.release(req.locked)
         req.locked = nodes
