@@ -40,15 +40,18 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--model", required=True)
     s.add_argument("--tokens", required=True, help="comma-separated token ids, e.g. 2,17,300")
     s.add_argument("--out", required=True, help="output .npy file")
+    _image_args(s)
 
     t = sub.add_parser("tokenize", help="print the token ids of a text as a JSON list")
     t.add_argument("--model", required=True)
     t.add_argument("--text", required=True)
+    _image_args(t)
 
     r = sub.add_parser("run", help="generate a reply to one prompt, streamed to stdout")
     r.add_argument("--model", help="GGUF file or HF folder (default: the demo model)")
     r.add_argument("--prompt", required=True)
     r.add_argument("--system", help="system prompt (chat mode)")
+    _image_args(r)
     _sampling_args(r)
     r.add_argument("--raw", action="store_true", help="no chat template: continue the text as is")
     r.add_argument("--json", action="store_true", help="end with one JSON object (ids, text, timings)")
@@ -245,6 +248,15 @@ def _params(a):
                           presence_penalty=a.presence_penalty)
 
 
+def _image_args(p) -> None:
+    p.add_argument("--image", action="append", default=[], metavar="FILE",
+                   help="an image for the prompt (repeatable; placed before the text unless it has <|image|> markers)")
+    p.add_argument("--image-tokens", type=int, default=280, choices=[70, 140, 280, 560, 1120],
+                   help="soft-token budget per image (default 280: 256 tokens for a square image)")
+    p.add_argument("--mmproj", metavar="FILE",
+                   help="image encoder of a GGUF model (default: an mmproj*.gguf beside the model)")
+
+
 def cmd_score(a) -> int:
     import numpy as np
 
@@ -255,26 +267,28 @@ def cmd_score(a) -> int:
         raise ValueError(f"--tokens must be comma-separated integers, got {a.tokens!r}") from None
     if not tokens:
         raise ValueError("--tokens is empty")
-    lm = api.open_model(Path(a.model))
-    np.save(a.out, api.score(lm, tokens))
+    lm = api.open_model(Path(a.model), mmproj=a.mmproj)
+    images = api.load_images(lm, a.image, a.image_tokens)
+    np.save(a.out, api.score(lm, tokens, images))
     return 0
 
 
 def cmd_tokenize(a) -> int:
     from engine import api
-    print(json.dumps(api.tokenize(Path(a.model), a.text)))
+    print(json.dumps(api.tokenize(Path(a.model), a.text, a.image, a.image_tokens, a.mmproj)))
     return 0
 
 
 def cmd_run(a) -> int:
     from engine import api
     lm = api.open_model(api.resolve_model(a.model), exact=a.exact, device=_device(a),
-                        embed_weights=a.embed_weights)
-    gen = api.GenerationParams(_params(a), kv_session=_kv_path(a))
+                        embed_weights=a.embed_weights, mmproj=a.mmproj)
+    images = api.load_images(lm, a.image, a.image_tokens)  # refused in one line before the engine starts
+    gen = api.GenerationParams(_params(a), kv_session=_kv_path(a), image_tokens=a.image_tokens)
     client = _start_client(lm, _engine_options(a))
     try:
         out = api.run_prompt(client, lm, a.prompt, gen, raw=a.raw, system=a.system,
-                             on_text=None if a.json else _emit)
+                             on_text=None if a.json else _emit, images=images)
         out["speculative"] = client.status().get("speculative")
     finally:
         client.close()  # waits for the KV file to be written

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -22,7 +23,7 @@ from .sampler import SamplingParams
 from .scheduler import EngineConfig
 
 __all__ = ["GGUFError", "LoadedModel", "SamplingParams", "GenerationParams", "EngineOptions",
-           "demo_model_path", "resolve_model", "open_model", "tokenize", "score", "prompt_ids",
+           "demo_model_path", "resolve_model", "open_model", "tokenize", "score", "prompt_ids", "load_images",
            "engine_config", "engine_plan", "split_thinking", "start_client", "run_prompt", "describe",
            "open_layout", "memory_plan", "gpu_support"]
 
@@ -58,7 +59,8 @@ def default_device() -> str:
 
 
 def open_model(path: Path, exact: bool = True, device: str = "cpu", embed_weights: str = "host",
-               progress: Optional[Callable[[int, int, int, int], None]] = None) -> LoadedModel:
+               progress: Optional[Callable[[int, int, int, int], None]] = None,
+               mmproj: Optional[str] = None) -> LoadedModel:
     """CPU: `exact` float32 weights (the reference), else the CPU runtime format: GGUF matrices
     repacked for torch's int4 CPU matmul, lookup tables in the file's bytes (models/cpu_quant.py;
     RAM about the file's size), other matrices float16 (models/weights.py). CUDA: bf16 activations, GGUF matrices
@@ -67,10 +69,10 @@ def open_model(path: Path, exact: bool = True, device: str = "cpu", embed_weight
     activations over float16 matrices (`exact`: float32), the torch path throughout."""
     if device == "cuda" and triton_supported(device)[0]:
         return load_model(path, dtype=torch.float32 if exact else torch.bfloat16, device=device, quantized=True,
-                          host_embeddings=embed_weights == "host", progress=progress)
+                          host_embeddings=embed_weights == "host", progress=progress, mmproj=mmproj)
     return load_model(path, device=device, weight_dtype=None if exact else torch.float16,
                       host_embeddings=device != "cpu" and embed_weights == "host", progress=progress,
-                      cpu_quant=not exact and device == "cpu")
+                      cpu_quant=not exact and device == "cpu", mmproj=mmproj)
 
 
 def gpu_support(capability: tuple[int, int], triton_installed: bool = True):
@@ -79,15 +81,40 @@ def gpu_support(capability: tuple[int, int], triton_installed: bool = True):
     return support(tuple(capability), triton_installed)
 
 
-def tokenize(path: Path, text: str) -> list[int]:
+def tokenize(path: Path, text: str, images=(), image_tokens: int = 280, mmproj: Optional[str] = None) -> list[int]:
+    """The ids of `text`; with `images` (files) a `<|image|>` marker each (before the text unless it
+    has them), each expanded to boi + N×image + eoi. Needs only the vocabulary and the images."""
     from models.tokenizer import Tokenizer
 
     f = open_gguf(path)
-    return Tokenizer.from_metadata(f.metadata).encode(text)
+    tok = Tokenizer.from_metadata(f.metadata)
+    if not images:
+        return tok.encode(text)
+    from models.gemma4_vision import IMAGE, find_mmproj, token_ids_from_vocab
+
+    from .images import ImageRequestError, as_image_input, expand_markers, place_markers
+    if f.architecture != "gemma4" or (mmproj is None and find_mmproj(path) is None):
+        raise ImageRequestError(f"{Path(path).name} has no image encoder (for a GGUF model: --mmproj FILE, "
+                                f"or an mmproj*.gguf beside it)")
+    boi, img, eoi, _ = token_ids_from_vocab(tok.piece_to_id)
+    ids_cfg = SimpleNamespace(boi_id=boi, image_id=img, eoi_id=eoi)  # all expand_markers reads
+    inputs = [as_image_input(Path(p).expanduser(), image_tokens) for p in images]
+    return expand_markers(tok.encode(place_markers(text, len(inputs), IMAGE)), inputs, ids_cfg)
 
 
-def score(lm: LoadedModel, tokens: list[int]) -> np.ndarray:
-    """float32 logits [n_tokens, vocab] of every position (one pass, no cache reuse)."""
+def load_images(lm: LoadedModel, files, image_tokens: int = 280) -> list:
+    """Images for a model (one-line errors: a model without vision, a bad file, a bad budget)."""
+    from .images import ImageRequestError, as_image_input
+
+    if files and lm.vision is None:
+        raise ImageRequestError(f"{Path(lm.path).name} has no image encoder (for a GGUF model: --mmproj FILE, "
+                                f"or an mmproj*.gguf beside it)")
+    return [as_image_input(Path(f).expanduser() if isinstance(f, str) else f, image_tokens) for f in files]
+
+
+def score(lm: LoadedModel, tokens: list[int], images=()) -> np.ndarray:
+    """float32 logits [n_tokens, vocab] of every position (one pass, no cache reuse). `images`
+    (ImageInput) fill the already expanded placeholders in order (a count mismatch: one line)."""
     vocab = lm.config.vocab_size
     bad = [t for t in tokens if not 0 <= t < vocab]
     if bad:
@@ -95,21 +122,39 @@ def score(lm: LoadedModel, tokens: list[int]) -> np.ndarray:
     n_ctx = lm.config.context_length
     if len(tokens) > n_ctx:
         raise ValueError(f"{len(tokens)} tokens do not fit the {n_ctx}-token context")
+    rows = None
+    if images or (lm.vision is not None and lm.vision.cfg.image_id in tokens):
+        from models.gemma4_vision import image_rows
+        if lm.vision is None:
+            raise ValueError("this model has no image encoder")
+        with torch.inference_mode():
+            rows = image_rows(tokens, lm.vision.encode(list(images)), lm.vision.cfg)
     with torch.inference_mode():
-        return lm.model.forward(torch.tensor(tokens, dtype=torch.long)).float().cpu().numpy()
+        return lm.model.forward(torch.tensor(tokens, dtype=torch.long), images=rows).float().cpu().numpy()
 
 
 def prompt_ids(lm: LoadedModel, prompt: str, raw: bool = False, system: Optional[str] = None,
-               thinking: bool = False) -> list[int]:
-    """Token ids for a prompt: chat-formatted by the model's template unless `raw`."""
+               thinking: bool = False, images=()) -> list[int]:
+    """Token ids for a prompt: chat-formatted by the model's template unless `raw`. `images`
+    (ImageInput): a `<|image|>` marker each (before the text unless it has them), expanded."""
     tok = lm.tokenizer
     if tok is None:
         raise GGUFError(lm.path, "the model has no tokenizer")
+    if images:
+        from models.gemma4_vision import IMAGE
+
+        from .images import place_markers
+        prompt = place_markers(prompt, len(images), IMAGE)
     if raw:
-        return tok.encode(prompt)
-    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    text = lm.chat.render(msgs, add_generation_prompt=True, thinking=thinking)
-    return tok.encode(text, add_bos=not lm.chat.bos_in_template)
+        ids = tok.encode(prompt)
+    else:
+        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        text = lm.chat.render(msgs, add_generation_prompt=True, thinking=thinking)
+        ids = tok.encode(text, add_bos=not lm.chat.bos_in_template)
+    if lm.vision is not None:
+        from .images import expand_markers
+        ids = expand_markers(ids, list(images), lm.vision.cfg)
+    return ids
 
 
 @dataclass
@@ -203,12 +248,17 @@ def start_client(lm: LoadedModel, opts: EngineOptions = EngineOptions()) -> Loca
 
 
 def run_prompt(client: LocalClient, lm: LoadedModel, prompt: str, gen: GenerationParams, raw: bool = False,
-               system: Optional[str] = None, on_text: Optional[Callable[[str], None]] = None) -> dict:
-    """One prompt through the engine, streaming text; returns ids, text, finish reason, timings."""
+               system: Optional[str] = None, on_text: Optional[Callable[[str], None]] = None,
+               images=()) -> dict:
+    """One prompt through the engine, streaming text; returns ids, text, finish reason, timings.
+    `images` (ImageInput, paths or bytes) go with the user message, before its text unless it
+    has `<|image|>` markers."""
     if raw:
-        rid = client.submit_ids(lm.tokenizer.encode(prompt), gen)
+        rid = client.submit_ids(prompt_ids(lm, prompt, raw=True, images=images) if images else
+                                lm.tokenizer.encode(prompt), gen, images=images)
     else:
-        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        user = {"role": "user", "content": prompt, **({"images": list(images)} if images else {})}
+        msgs = ([{"role": "system", "content": system}] if system else []) + [user]
         rid = client.submit(msgs, gen)
     ids, text, last = [], "", None
     for ev in client.stream(rid):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
+from .images import ImageRequestError, as_image_input, expand_markers, place_markers
 from .request import StreamEvent
 from .sampler import SamplingParams
 from .scheduler import ContextOverflowError, Engine, EngineConfig
@@ -25,6 +26,18 @@ class GenerationParams:
     thinking: bool = False
     stop_strings: tuple[str, ...] = ()
     kv_session: Optional[str] = None  # a KV file: serves the prompt's common prefix, saved after
+    image_tokens: int = 280  # soft-token budget of images given as paths/bytes: 70|140|280|560|1120
+
+
+def _with_image_markers(message: dict, image_tokens: int) -> dict:
+    """A message with `images` turned into ImageInput and `<|image|>` markers in its text."""
+    if not message.get("images"):
+        return message
+    from models.gemma4_vision import IMAGE
+    from models.chat import _text
+
+    images = [as_image_input(im, image_tokens) for im in message["images"]]
+    return {**message, "images": images, "content": place_markers(_text(message), len(images), IMAGE)}
 
 
 class EngineClient(abc.ABC):
@@ -58,7 +71,8 @@ class LocalClient(EngineClient):
             from .kv_file import model_identity
             path = getattr(loaded, "path", None)
             model_id = model_identity(path) if path is not None and Path(path).exists() else ""
-        self.engine = Engine(loaded.model, loaded.tokenizer, config, spec=spec, model_id=model_id)
+        self.engine = Engine(loaded.model, loaded.tokenizer, config, spec=spec, model_id=model_id,
+                             vision=getattr(loaded, "vision", None))
         self._commands: "queue.Queue[tuple]" = queue.Queue()
         self._events: dict[int, queue.Queue] = {}
         self._prompts: dict[int, list[int]] = {}
@@ -68,14 +82,25 @@ class LocalClient(EngineClient):
         self._thread.start()
 
     # --- prompt building ---------------------------------------------------------------------
-    def _prompt_ids(self, messages: Sequence[dict], thinking: bool) -> list[int]:
-        lm, msgs = self.loaded, list(messages)
+    def _prompt_ids(self, messages: Sequence[dict], thinking: bool, image_tokens: int = 280
+                    ) -> tuple[list[int], list]:
+        """(ids, images): the rendered conversation, each message's `images` (ImageInput, paths or
+        bytes) placed as `<|image|>` markers (before its text unless the text has them) and
+        expanded to their blocks; images of turns dropped by truncation go with them."""
+        lm, msgs = self.loaded, [_with_image_markers(m, image_tokens) for m in messages]
         limit = self.engine.context_limit
+        vision = self.engine.vision
         while True:
             text = lm.chat.render(msgs, add_generation_prompt=True, thinking=thinking)
             ids = lm.tokenizer.encode(text, add_bos=not lm.chat.bos_in_template)
+            images = [im for m in msgs for im in m.get("images", ())]
+            if images and vision is None:
+                raise ImageRequestError("this model has no image encoder (for a GGUF model: --mmproj FILE, or "
+                                        "an mmproj*.gguf beside it)")
+            if vision is not None:
+                ids = expand_markers(ids, images, vision.cfg)
             if len(ids) < limit or self.context_overflow == "error":
-                return ids
+                return ids, images
             first = 1 if msgs and msgs[0].get("role") == "system" else 0
             # Drop the oldest whole turn (a user message and the replies after it), keep the last.
             nxt = next((i for i in range(first + 1, len(msgs)) if msgs[i].get("role") == "user"), None)
@@ -86,17 +111,22 @@ class LocalClient(EngineClient):
 
     # --- the interface ---------------------------------------------------------------------
     def submit(self, messages: Sequence[dict], params: GenerationParams = GenerationParams()) -> int:
-        ids = self._prompt_ids(messages, params.thinking)
+        """messages: [{"role", "content", optional "images": [ImageInput | path | bytes, ...]}]."""
+        ids, images = self._prompt_ids(messages, params.thinking, params.image_tokens)
         reply: "queue.Queue[Any]" = queue.Queue()
-        self._commands.put(("add", ids, params, reply))
+        self._commands.put(("add", ids, params, reply, images))
         out = reply.get()
         if isinstance(out, Exception):
             raise out
         return out
 
-    def submit_ids(self, prompt_ids: list[int], params: GenerationParams = GenerationParams()) -> int:
+    def submit_ids(self, prompt_ids: list[int], params: GenerationParams = GenerationParams(),
+                   images: Sequence = ()) -> int:
+        """Already expanded ids: each image's N placeholders in order (`images`: ImageInput, paths
+        or bytes, in prompt order)."""
+        images = [as_image_input(im, params.image_tokens) for im in images]
         reply: "queue.Queue[Any]" = queue.Queue()
-        self._commands.put(("add", list(prompt_ids), params, reply))
+        self._commands.put(("add", list(prompt_ids), params, reply, images))
         out = reply.get()
         if isinstance(out, Exception):
             raise out
@@ -172,9 +202,10 @@ class LocalClient(EngineClient):
     def _handle(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, ids, params, reply = cmd
+            _, ids, params, reply, images = cmd
             try:
-                req = self.engine.add(ids, params.sampling, params.stop_strings, kv_session=params.kv_session)
+                req = self.engine.add(ids, params.sampling, params.stop_strings, kv_session=params.kv_session,
+                                      images=images)
                 self._events[req.id] = req.events
                 self._prompts[req.id] = req.prompt_ids
                 reply.put(req.id)

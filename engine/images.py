@@ -82,3 +82,39 @@ def prompt_images(prompt_ids: Sequence[int], images: Sequence, vision) -> Option
         raise ImageRequestError("this model has no image encoder (for a GGUF model: --mmproj FILE, or an "
                                 "mmproj*.gguf beside it)")
     return PromptImages(list(prompt_ids), list(images), vision.cfg.image_id, vision.cfg.pad_id)
+
+
+def as_image_input(item, budget: int):
+    """An image as a request carries it: an ImageInput as is; a path or the file's bytes are
+    opened and preprocessed at `budget` soft tokens (one-line models.gemma4_vision.ImageError)."""
+    from models.gemma4_vision import ImageInput, load_image
+
+    if isinstance(item, ImageInput):
+        return item
+    return load_image(item, budget)
+
+
+def place_markers(text: str, n_images: int, marker: str) -> str:
+    """The user text with one `marker` per image: as written when it already has exactly that many,
+    else the images first (none in the text). Other counts are a one-line error."""
+    have = text.count(marker)
+    if have == n_images:
+        return text
+    if have == 0:
+        return marker * n_images + text
+    raise ImageRequestError(f"the text has {have} {marker} markers for {n_images} images")
+
+
+def expand_markers(ids: Sequence[int], images: Sequence, vision_cfg) -> list[int]:
+    """Each single `<|image|>` id (one per image, in order) becomes boi + N×image + eoi (vision
+    spec §4.2): the ids a rendered chat prompt is submitted with."""
+    from models.gemma4_vision import image_block
+
+    marks = [i for i, t in enumerate(ids) if t == vision_cfg.image_id]
+    if len(marks) != len(images):
+        raise ImageRequestError(f"the prompt has {len(marks)} image markers for {len(images)} images")
+    out, prev = [], 0
+    for at, im in zip(marks, images):
+        out += list(ids[prev:at]) + image_block(vision_cfg, im.n_tokens)
+        prev = at + 1
+    return out + list(ids[prev:])
