@@ -66,6 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     _memory_args(i, swa_default="bf16")
     _fit_args(i)
     i.add_argument("--spec-draft-model", metavar="PATH", help="draft (assistant) GGUF kept on the device")
+    i.add_argument("--mmproj", metavar="FILE",
+                   help="image encoder to plan for (default: an mmproj*.gguf beside the model)")
     i.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="target of the plan")
     i.add_argument("--json", action="store_true")
 
@@ -320,6 +322,12 @@ def cmd_info(a) -> int:
                       prefill_chunk=a.prefill_chunk, max_running=a.max_running_requests,
                       draft=_draft_path(a.spec_draft_model))
     model = str(api.resolve_model(a.model)) if a.model else None  # a path or a models-folder name
+    if model and not a.synthetic:
+        from dataclasses import replace
+
+        from models.gemma4_vision import find_mmproj
+        mmproj = a.mmproj or find_mmproj(model)
+        opt = replace(opt, mmproj=Path(mmproj) if mmproj else None)
     d = api.describe(api.open_layout(model, a.synthetic), plan=opt)
     if a.json:
         print(json.dumps(d, indent=1))

@@ -202,7 +202,8 @@ def engine_plan(lm: LoadedModel, opts: EngineOptions):
         budget = parse_size(opts.gpu_memory_budget) if opts.gpu_memory_budget else default_budget(device)[0]
         plan = plan_memory(lm.source, PlanOptions(budget=budget, device=device, kv_format=kv, swa_format=swa,
                                                   embed_weights=opts.embed_weights, prefill_chunk=opts.prefill_chunk,
-                                                  max_running=opts.max_running_requests), lm.config)
+                                                  max_running=opts.max_running_requests,
+                                                  mmproj=getattr(lm, "mmproj", None)), lm.config)
         chunk = plan.options["prefill_chunk"]
     return plan, kv, swa, chunk
 

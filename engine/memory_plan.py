@@ -82,6 +82,7 @@ class PlanOptions:
     prefill_chunk: Optional[int] = None  # None: 2048 on CUDA, 512 on the CPU, halved to fit the budget
     max_running: Optional[int] = None  # None: DEFAULT_RUNNING, lowered to fit the budget
     draft: Any = None  # path of a draft GGUF, or an opened layout
+    mmproj: Any = None  # path of the image encoder's mmproj GGUF, or an opened layout
     runtime_reserve: int = 300 * MiB
     spec_margin: int = 8  # draft tokens verified per request and step
     prefix_windows: int = 2  # cached prefix windows kept per running request
@@ -179,6 +180,21 @@ def _read_tensors(layout, cfg) -> set[str]:
     return set(layout.tensors)
 
 
+def vision_bytes(mmproj, device: str) -> tuple[int, int]:
+    """(weights, activation peak) of the image encoder on `device`: its tensors dequantized to the
+    activation dtype (bf16 on CUDA, fp32 on the CPU), and one image at the largest budget (1120)."""
+    from models.gemma4_vision import BUDGETS, activation_bytes
+    from models.gguf import GGUFFile
+
+    f = GGUFFile(mmproj) if isinstance(mmproj, (str, bytes)) or hasattr(mmproj, "__fspath__") else mmproj
+    elem = 2 if device == "cuda" else 4
+    m = f.metadata
+    D, FF, H = (int(m.get(f"clip.vision.{k}", 0)) for k in ("embedding_length", "feed_forward_length",
+                                                             "attention.head_count"))
+    weights = sum(t.n_elements for t in f if t.name.startswith(("v.", "mm."))) * elem
+    return weights, activation_bytes(D, FF, max(H, 1), 9 * BUDGETS[-1], elem)
+
+
 def _draft_bytes(draft) -> int:
     if draft is None:
         return 0
@@ -267,8 +283,10 @@ def _place(layout, opt: PlanOptions, cfg, budget: int, source: str, sizes: dict[
     full_fmt, win_fmt = resolve_format(opt.kv_format, opt.device), resolve_format(opt.swa_format, opt.device)
     host_embed, tied = opt.embed_weights == "host", "output.weight" not in layout
     name = _model_label(layout, cfg)
-    plan = MemoryPlan(name, opt.device, budget, source, {**asdict(replace(opt, draft=str(opt.draft) if opt.draft
-                      is not None else None)), "prefill_chunk": opt.chunk, "max_running": opt.running,
+    plan = MemoryPlan(name, opt.device, budget, source, {**asdict(replace(
+                      opt, draft=str(opt.draft) if opt.draft is not None else None,
+                      mmproj=str(getattr(opt.mmproj, "path", opt.mmproj)) if opt.mmproj is not None else None)),
+                      "prefill_chunk": opt.chunk, "max_running": opt.running,
                       "step_tokens": opt.step_tokens}, context_length=cfg.context_length)
 
     def add(what, dev, host=0, detail=""):
@@ -289,6 +307,10 @@ def _place(layout, opt: PlanOptions, cfg, budget: int, source: str, sizes: dict[
     add("other weights", sum(sizes.values()) - blk, 0, "norms and other non-layer tensors")
     if opt.draft is not None:
         add("draft model", _draft_bytes(opt.draft))
+    if opt.mmproj is not None:
+        vw, va = vision_bytes(opt.mmproj, opt.device)
+        add("image encoder (mmproj)", vw + va, 0,
+            f"weights {fmt_size(vw)} + activation peak {fmt_size(va)} (one image at 1120 tokens)")
     ws = activation_workspace(cfg, opt)
     add("activation workspace", sum(ws.values()), 0,
         f"{opt.step_tokens} tokens/step: " + ", ".join(f"{k} {fmt_size(v)}" for k, v in ws.items()))

@@ -190,6 +190,13 @@ def _load_one(source, name: str, shape, cfg: Gemma4VisionConfig, dtype) -> torch
     return t
 
 
+def activation_bytes(d_model: int, ffn_width: int, n_head: int, n_patches: int, elem: int = 4) -> int:
+    """Peak working memory of encoding one image of `n_patches` patches (9·1120 at the largest
+    budget): the residual, the normed input, q/k/v and the attention output (6·D a patch), the
+    FFN's gate, up and product (3·FF), and the fused attention's per-head blocks of 256 queries."""
+    return elem * (n_patches * (6 * d_model + 3 * ffn_width) + n_head * 256 * n_patches)
+
+
 # --- preprocessing (§2) ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ImageInput:
@@ -328,11 +335,8 @@ class Gemma4Vision:
         return sum(t.numel() * t.element_size() for t in self.w.values())
 
     def activation_bytes(self, n_patches: int) -> int:
-        """Peak working memory of one encode of `n_patches` patches (one image at the largest budget:
-        9·1120): the residual, q/k/v, the FFN's two wide tensors and one head's score matrix at a time
-        is what the SDPA math path holds; counted as all heads' scores to stay an upper bound."""
-        c, es = self.cfg, torch.tensor([], dtype=self.dtype).element_size()
-        return es * (n_patches * (6 * c.d_model + 3 * c.ffn_width) + c.n_head * n_patches * n_patches)
+        return activation_bytes(self.cfg.d_model, self.cfg.ffn_width, self.cfg.n_head, n_patches,
+                                torch.tensor([], dtype=self.dtype).element_size())
 
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """Clippable linear: clamp(W·clamp(x, in_min, in_max), out_min, out_max) (§3 step 4)."""
@@ -348,41 +352,45 @@ class Gemma4Vision:
 
     @torch.no_grad()
     def encode(self, images: Sequence[ImageInput], trace: Trace = None) -> list[torch.Tensor]:
-        """Images -> their soft-token embeddings, each [N_i, text_width] in the model dtype; the
-        images run as one padded batch (padding keys masked out, as HF does)."""
-        if not images:
-            return []
+        """Images -> their soft-token embeddings, each [N_i, text_width] in the model dtype. Images
+        with the same patch count run as one batch (the same budget and aspect: the usual case);
+        no padding, so attention needs no mask and SDPA takes its fused path (a [Np, Np] score
+        matrix per head is 406 MB at the 1120 budget in float32)."""
+        groups: dict[int, list[int]] = {}
+        for i, im in enumerate(images):
+            if im.patches.shape[-1] != self.cfg.patch_width:
+                raise ImageError(f"{im.name or 'image'}: patches of {im.patches.shape[-1]} values; the tower "
+                                 f"reads {self.cfg.patch_width}")
+            if int(im.positions.max()) >= self.cfg.pos_rows:
+                raise ImageError(f"{im.name or 'image'}: grid {im.grid} exceeds the position table "
+                                 f"({self.cfg.pos_rows} rows)")
+            groups.setdefault(im.patches.shape[0], []).append(i)
+        out: list[Optional[torch.Tensor]] = [None] * len(images)
+        for idx in groups.values():
+            for i, e in zip(idx, self._encode_batch([images[i] for i in idx], trace)):
+                out[i] = e
+        return out  # type: ignore[return-value]
+
+    def _encode_batch(self, images: Sequence[ImageInput], trace: Trace) -> list[torch.Tensor]:
         cfg, w, dev, dt = self.cfg, self.w, self.device, self.dtype
-        B, Np = len(images), max(im.patches.shape[0] for im in images)
-        patches = torch.zeros(B, Np, cfg.patch_width, dtype=dt)
-        pos = torch.zeros(B, Np, 2, dtype=torch.long)
-        valid = torch.zeros(B, Np, dtype=torch.bool)
-        for b, im in enumerate(images):
-            if im.patches.shape[1] != cfg.patch_width:
-                raise ImageError(f"{im.name or 'image'}: patches of {im.patches.shape[1]} values; the tower "
-                                 f"reads {cfg.patch_width}")
-            n = im.patches.shape[0]
-            patches[b, :n], pos[b, :n], valid[b, :n] = im.patches.to(dt), im.positions, True
-        if int(pos.max()) >= cfg.pos_rows:
-            raise ImageError(f"image grid exceeds the position table ({cfg.pos_rows} rows)")
-        patches, pos, valid = patches.to(dev), pos.to(dev), valid.to(dev)
+        patches = torch.stack([im.patches for im in images]).to(dev, dt)  # [B, Np, 3·p²]
+        pos = torch.stack([im.positions for im in images]).to(dev)  # [B, Np, 2]
         x = F.linear(2 * patches - 1, w["v.patch_embd.weight"])  # [B, Np, D]
         if trace:
             trace("inp_raw_scaled", -1, x)
         table = w["v.position_embd.weight"]
-        x = x + (table[0][pos[..., 0]] + table[1][pos[..., 1]]) * valid[..., None]
+        x = x + table[0][pos[..., 0]] + table[1][pos[..., 1]]
         if trace:
             trace("pos_embd", -1, x)
         # 2-D RoPE angles in float64, then cast: [B, Np, 1, hd/2] = [x·ω, y·ω]
         ang = torch.cat([pos[..., a, None].double() * self.inv_freq.to(dev) for a in (0, 1)], -1)[:, :, None]
         cos, sin = ang.cos().to(dt), ang.sin().to(dt)
-        mask = valid[:, None, None, :]  # keys: padding never attended
         for i in range(cfg.n_layer):
-            x = self._layer(i, x, cos, sin, mask, trace)
+            x = self._layer(i, x, cos, sin, trace)
         out = []
         for b, im in enumerate(images):
             (gh, gw), k = im.grid, cfg.pool
-            h = x[b, : gh * gw].reshape(gh // k, k, gw // k, k, cfg.d_model).mean(dim=(1, 3))
+            h = x[b].reshape(gh // k, k, gw // k, k, cfg.d_model).mean(dim=(1, 3))
             s = h.reshape(-1, cfg.d_model) * math.sqrt(cfg.d_model)  # row-major over the pooled grid
             if trace:
                 trace("pooled", b, s)
@@ -394,7 +402,7 @@ class Gemma4Vision:
             out.append(e)
         return out
 
-    def _layer(self, i: int, x, cos, sin, mask, trace: Trace):
+    def _layer(self, i: int, x, cos, sin, trace: Trace):
         cfg, w, b, eps = self.cfg, self.w, f"v.blk.{i}.", self.cfg.rms_eps
         B, Np, H, hd = x.shape[0], x.shape[1], cfg.n_head, cfg.head_dim
         a = _rms(x, w[b + "ln1.weight"], eps)
@@ -404,7 +412,7 @@ class Gemma4Vision:
                      cos, sin)
         v = _rms(self._linear(a, b + "attn_v").view(B, Np, H, hd), None, eps)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=mask, scale=1.0)  # bidirectional, scale 1 (§3)
+                                           scale=1.0)  # bidirectional, scale 1 (§3)
         o = o.transpose(1, 2).reshape(B, Np, cfg.d_model)
         if trace:
             trace("attn_out", i, o)

@@ -26,6 +26,7 @@ class LoadedModel:
     chat: Optional[Any] = None  # models.chat.ChatFormat
     source: Any = None  # the GGUFFile / HFCheckpoint
     vision: Optional[Any] = None  # models.gemma4_vision.Gemma4Vision: the image encoder, when present
+    mmproj: Optional[Path] = None  # the GGUF file it came from (GGUF models)
 
     @property
     def config(self):
@@ -84,6 +85,7 @@ def load_model(path: str | Path, dtype=torch.float32, device="cpu", with_tokeniz
         found = Path(mmproj) if mmproj is not None else find_mmproj(path)
         if found is not None:
             loaded.vision = _gguf_vision(found, tok, dtype, device, model.cfg.d_model)
+            loaded.mmproj = found
     elif mmproj is not None:
         raise GGUFError(Path(mmproj), f"an image encoder for a {f.architecture} model (Gemma 4 only)")
     return loaded

@@ -110,3 +110,18 @@ def test_refusals_are_one_line(tiny, capsys, case):
     for cmd in (["run", "--prompt", "x", "--max-tokens", "2"], ["tokenize", "--text", "x"]):
         code, out, err = edgegem(capsys, *cmd, *args)
         assert code != 0 and out == "" and err.count("\n") == 1 and err.startswith("edgegem: error:"), err
+
+
+def test_info_counts_the_image_encoder(tiny, capsys):
+    from engine.memory_plan import vision_bytes
+    from models.gguf import GGUFFile
+
+    code, out, err = edgegem(capsys, "info", tiny["model"], "--device", "cpu", "--json")
+    assert code == 0, err
+    comp = {c["name"]: c for c in json.loads(out)["plan"]["components"]}["image encoder (mmproj)"]
+    weights, peak = vision_bytes(tiny["model"].parent / "mmproj-tiny-mm.gguf", "cpu")
+    n = sum(t.n_elements for t in GGUFFile(tiny["model"].parent / "mmproj-tiny-mm.gguf"))
+    assert weights == 4 * n and comp["device_bytes"] == weights + peak
+    assert peak == 4 * 10080 * (6 * 48 + 3 * 96 + 3 * 256)  # 9·1120 patches, D 48, FF 96, 3 heads
+    code, out, _ = edgegem(capsys, "info", tiny["text_only"], "--device", "cpu", "--json")
+    assert "image encoder (mmproj)" not in out
