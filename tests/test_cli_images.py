@@ -125,3 +125,29 @@ def test_info_counts_the_image_encoder(tiny, capsys):
     assert peak == 4 * 10080 * (6 * 48 + 3 * 96 + 3 * 256)  # 9·1120 patches, D 48, FF 96, 3 heads
     code, out, _ = edgegem(capsys, "info", tiny["text_only"], "--device", "cpu", "--json")
     assert "image encoder (mmproj)" not in out
+
+
+def test_client_messages_carry_images_and_the_next_turn_reuses_their_kv(tiny):
+    """The app's API: a user message's `images` (paths here; bytes or ImageInput work too)."""
+    from engine import api
+
+    lm = api.open_model(tiny["model"])
+    client = api.start_client(lm, api.EngineOptions(max_running_requests=1))
+    gen = api.GenerationParams(api.SamplingParams(max_tokens=3), image_tokens=70)
+    try:
+        turn1 = [{"role": "user", "content": "what is this?", "images": [str(tiny["a"])]}]
+        rid = client.submit(turn1, gen)
+        evs = list(client.stream(rid, timeout=60))
+        ids1 = client.last_prompt_ids(rid)
+        assert _blocks(ids1) == [(_blocks(ids1)[0][0], 60)] and evs[-1].finish_reason in ("stop", "length")
+        answer = "".join(e.text for e in evs)
+        turn2 = turn1 + [{"role": "assistant", "content": answer}, {"role": "user", "content": "and?"}]
+        rid = client.submit(turn2, gen)
+        stats = list(client.stream(rid, timeout=60))[-1].stats
+        assert stats["cached_tokens"] > ids1.index(EOI)  # the image's KV is reused, not recomputed
+        other = [{"role": "user", "content": "what is this?", "images": [tiny["b"].read_bytes()]}]
+        rid = client.submit(other, gen)
+        stats = list(client.stream(rid, timeout=60))[-1].stats
+        assert stats["cached_tokens"] <= ids1.index(IMG)
+    finally:
+        client.close()
