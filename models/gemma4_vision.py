@@ -302,7 +302,9 @@ def _gelu(x: torch.Tensor, quick: bool) -> torch.Tensor:
 
 
 def _rms(x: torch.Tensor, w: Optional[torch.Tensor], eps: float) -> torch.Tensor:
-    return F.rms_norm(x, (x.shape[-1],), None if w is None else w.to(x.dtype), eps)
+    """RMSNorm in float32 at least (as HF computes every norm), cast back."""
+    xf = x if x.dtype in (torch.float32, torch.float64) else x.float()
+    return F.rms_norm(xf, (x.shape[-1],), None if w is None else w.to(xf.dtype), eps).to(x.dtype)
 
 
 def _rope_2d(u: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -220,3 +220,13 @@ def test_same_pixels_same_digest_and_different_pixels_differ(tiny):
     a, b = tiny["images"]
     assert preprocess(a, BUDGET).digest == preprocess(a.copy(), BUDGET).digest
     assert preprocess(a, BUDGET).digest != preprocess(b, BUDGET).digest
+
+
+def test_bf16_encoder_stays_close(tiny):
+    """The CUDA runtime dtype (bf16 activations; norms in fp32 as HF): close to the float64 reference."""
+    from models.gemma4_vision import load_vision_hf
+
+    vision = load_vision_hf(tiny["folder"], dtype=torch.bfloat16)
+    ours = vision.encode([preprocess(tiny["images"][0], BUDGET)])[0]
+    assert ours.dtype == torch.bfloat16
+    assert cosine(ours, tiny["refs"][1].embeds[0]) > 0.99
