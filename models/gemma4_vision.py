@@ -115,7 +115,6 @@ class Gemma4VisionConfig:
             raise ConfigError(f"mmproj projector type {kind!r} is not Gemma 4's (gemma4v)")
         pe = mmproj.tensor("v.position_embd.weight").shape  # torch [2, rows, D]
         boi, img, eoi, pad = token_ids or (BOI_ID, IMAGE_ID, EOI_ID, 0)
-        act = key.bool("use_gelu_quick", False)
         return cls(d_model=key.int("vision.embedding_length"), n_layer=key.layer_count("vision.block_count"),
                    n_head=key.int("vision.attention.head_count"), ffn_width=key.int("vision.feed_forward_length"),
                    text_width=key.int("vision.projection_dim"), pos_rows=int(pe[1]),
@@ -123,7 +122,7 @@ class Gemma4VisionConfig:
                    pool=int(key.float("vision.projector.scale_factor", 3)),
                    rms_eps=key.float("vision.attention.layer_norm_epsilon", 1e-6),
                    clipped=any(n.endswith(".input_min") for n in mmproj.tensors),
-                   standardize="v.std_bias" in mmproj, gelu_quick=act,
+                   standardize="v.std_bias" in mmproj,  # GELU-tanh as HF (llama.cpp: GELU-quick, §8.1)
                    boi_id=boi, image_id=img, eoi_id=eoi, pad_id=pad)
 
 
@@ -176,7 +175,9 @@ def hf_names(n_layer: int) -> dict[str, str]:
 
 
 def _load_one(source, name: str, shape, cfg: Gemma4VisionConfig, dtype) -> torch.Tensor:
-    if name == "v.patch_embd.weight" and name in getattr(source, "tensors", {}) and hasattr(source, "raw"):
+    from .gguf import GGUFFile
+
+    if name == "v.patch_embd.weight" and isinstance(source, GGUFFile):
         # mmproj: a stride-16 conv kernel torch[D, 3, p, p]; our linear reads (py, px, ch), ch fastest.
         p = cfg.patch_size
         conv = source.load(name, (cfg.d_model, 3, p, p), dtype=dtype)

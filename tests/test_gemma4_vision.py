@@ -230,3 +230,14 @@ def test_bf16_encoder_stays_close(tiny):
     ours = vision.encode([preprocess(tiny["images"][0], BUDGET)])[0]
     assert ours.dtype == torch.bfloat16
     assert cosine(ours, tiny["refs"][1].embeds[0]) > 0.99
+
+
+def test_a_wrong_mmproj_is_refused_in_one_line(tiny, tmp_path):
+    from models.gguf import GGUFError
+
+    with pytest.raises(GGUFError) as e:
+        load_model(tiny["gguf"], mmproj=tiny["gguf"])  # the text model is no image encoder
+    assert "not an mmproj file" in _one_line(e)
+    with pytest.raises(GGUFError) as e:
+        load_model(tiny["gguf"], mmproj=tmp_path / "missing.gguf")
+    assert "missing.gguf" in _one_line(e)
