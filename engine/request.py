@@ -96,6 +96,7 @@ class Request:
         return {"prompt_tokens": self.n_prompt, "cached_tokens": self.cached_len,
                 "restored_tokens": self.restored_len, "kv_session_error": self.kv_error,
                 "prefilled_tokens": self.n_prompt - self.cached_len, "output_tokens": n_out,
+                "image_tokens": int(self.images.mask.sum()) if self.images is not None else 0,
                 "prefill_s": prefill_s, "decode_s": decode_s,
                 "prefill_tok_s": (self.n_prompt - self.cached_len) / prefill_s if prefill_s > 0 else 0.0,
                 "decode_tok_s": (n_out - 1) / decode_s if decode_s > 0 and n_out > 1 else 0.0}

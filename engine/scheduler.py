@@ -426,6 +426,7 @@ class Engine:
                 "attention_backend": "torch" if self.attention_backend is None else self.attention_backend.name,
                 "cached_prefix_tokens": self.cache.cached_tokens(), "running": len(self.running),
                 "waiting": len(self.waiting), "context_limit": self.context_limit,
+                "images": self.vision is not None,  # whether requests may carry images
                 "speculative": self.spec_stats.as_dict() if self.spec is not None else None,
                 "device_memory": self._device_memory()}
 

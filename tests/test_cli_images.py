@@ -145,6 +145,7 @@ def test_client_messages_carry_images_and_the_next_turn_reuses_their_kv(tiny):
         rid = client.submit(turn2, gen)
         stats = list(client.stream(rid, timeout=60))[-1].stats
         assert stats["cached_tokens"] > ids1.index(EOI)  # the image's KV is reused, not recomputed
+        assert stats["image_tokens"] == 60 and client.status()["images"]
         other = [{"role": "user", "content": "what is this?", "images": [tiny["b"].read_bytes()]}]
         rid = client.submit(other, gen)
         stats = list(client.stream(rid, timeout=60))[-1].stats
