@@ -30,11 +30,20 @@ _edgegem() {
         score:--model) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         score:--tokens) COMPREPLY=(); return ;;
         score:--out) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        score:--image) COMPREPLY=(); return ;;
+        score:--image-tokens) COMPREPLY=($(compgen -W "70 140 280 560 1120" -- "$cur")); return ;;
+        score:--mmproj) COMPREPLY=(); return ;;
         tokenize:--model) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         tokenize:--text) COMPREPLY=(); return ;;
+        tokenize:--image) COMPREPLY=(); return ;;
+        tokenize:--image-tokens) COMPREPLY=($(compgen -W "70 140 280 560 1120" -- "$cur")); return ;;
+        tokenize:--mmproj) COMPREPLY=(); return ;;
         run:--model) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         run:--prompt) COMPREPLY=(); return ;;
         run:--system) COMPREPLY=(); return ;;
+        run:--image) COMPREPLY=(); return ;;
+        run:--image-tokens) COMPREPLY=($(compgen -W "70 140 280 560 1120" -- "$cur")); return ;;
+        run:--mmproj) COMPREPLY=(); return ;;
         run:--max-tokens) COMPREPLY=(); return ;;
         run:--temperature) COMPREPLY=(); return ;;
         run:--top-k) COMPREPLY=(); return ;;
@@ -67,6 +76,7 @@ _edgegem() {
         info:--max-running-requests) COMPREPLY=(); return ;;
         info:--prefill-chunk) COMPREPLY=(); return ;;
         info:--spec-draft-model) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        info:--mmproj) COMPREPLY=(); return ;;
         info:--device) COMPREPLY=($(compgen -W "cuda cpu" -- "$cur")); return ;;
         bench:--model) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         bench:--synthetic) COMPREPLY=($(compgen -W "e2b e4b" -- "$cur")); return ;;
@@ -134,10 +144,10 @@ _edgegem() {
     esac
     case "$cmd" in
         app) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --data-dir --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min --kv-disk-budget" -- "$cur")); else COMPREPLY=(); fi ;;
-        score) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --tokens --out" -- "$cur")); else COMPREPLY=(); fi ;;
-        tokenize) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --text" -- "$cur")); else COMPREPLY=(); fi ;;
-        run) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --prompt --system --max-tokens --temperature --top-k --top-p --min-p --repetition-penalty --presence-penalty --seed --raw --json --exact --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min --kv-session" -- "$cur")); else COMPREPLY=(); fi ;;
-        info) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --synthetic --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --spec-draft-model --device --json" -- "$cur")); else COMPREPLY=($(compgen -f -- "$cur")); fi ;;
+        score) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --tokens --out --image --image-tokens --mmproj" -- "$cur")); else COMPREPLY=(); fi ;;
+        tokenize) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --text --image --image-tokens --mmproj" -- "$cur")); else COMPREPLY=(); fi ;;
+        run) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --prompt --system --image --image-tokens --mmproj --max-tokens --temperature --top-k --top-p --min-p --repetition-penalty --presence-penalty --seed --raw --json --exact --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min --kv-session" -- "$cur")); else COMPREPLY=(); fi ;;
+        info) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --synthetic --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --spec-draft-model --mmproj --device --json" -- "$cur")); else COMPREPLY=($(compgen -f -- "$cur")); fi ;;
         bench) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --synthetic --device --prompt-tokens --decode-tokens --threads --no-llama-cpp --engine --both --keep-gguf --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --fast-prefill --prompt-lengths --contexts --decode-steps --peak-bandwidth --static --arch --spec-draft-model --spec-tokens --kv-resume --kv-lengths --json" -- "$cur")); else COMPREPLY=(); fi ;;
         chat) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --system --thinking --max-tokens --temperature --top-k --top-p --min-p --repetition-penalty --presence-penalty --seed --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min --kv-session" -- "$cur")); else COMPREPLY=(); fi ;;
         doctor) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --data-dir --models-dir --json" -- "$cur")); else COMPREPLY=(); fi ;;
