@@ -61,7 +61,7 @@ class _Reader:
 @pytest.mark.parametrize("cmd", ["run", "chat"])
 def test_cli_ends_within_two_seconds_on_a_signal(tiny, tmp_path, cmd, sig):
     args = [sys.executable, "-m", "app.cli", cmd, "--model", str(tiny), "--device", "cpu", "--max-tokens", "100000",
-            "--temperature", "0.8", "--kv-session" if cmd == "run" else "--system", str(tmp_path / "k.safetensors")
+            "--temperature", "0", "--kv-session" if cmd == "run" else "--system", str(tmp_path / "k.safetensors")
             if cmd == "run" else "be brief"]
     if cmd == "run":
         args += ["--prompt", "the cat", "--raw"]
@@ -70,7 +70,9 @@ def test_cli_ends_within_two_seconds_on_a_signal(tiny, tmp_path, cmd, sig):
     if cmd == "chat":
         proc.stdin.write(b"the cat\n")
         proc.stdin.flush()
-    _wait_for(lambda: len(out.data) > (200 if cmd == "chat" else 20), what="generated text")
+    # chat: the reply has started (or already ended: then the signal finds it waiting for input)
+    _wait_for(lambda: b"model> " in out.data if cmd == "chat" else len(out.data) > 20, what="generated text")
+    time.sleep(0.3)
     took = _signal_and_time(proc, sig)
     time.sleep(0.1)
     assert proc.returncode == CODES[sig], err.data.decode()
