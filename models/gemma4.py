@@ -369,30 +369,15 @@ class Gemma4Model(DecoderModel):
         """x0 = E[t]·√d  [T, d]; and the per-layer inputs pl [T, L, P] (§3.3) or None.
         `images`: soft-token rows that replace x0 at image positions (gemma4-vision.md §4.2-4.3)."""
         cfg, w = self.cfg, self.w
-        if images is not None:
-            return self._embed_images(tokens, images)
-        if self._quant_tables() is not None:
+        if images is None and self._quant_tables() is not None:
             return self._embed_kernels(tokens)
-        x = rows_to_device(embedding_rows(w.get("token_embd.host", w["token_embd.weight"]), tokens),
-                           self.device, self.dtype) * math.sqrt(cfg.d_model)
-        if not cfg.ple_width:
-            return x, None
-        T, L, P = tokens.shape[0], cfg.n_layer, cfg.ple_width
-        tok = rows_to_device(embedding_rows(w["per_layer_token_embd.weight"], tokens), self.device, self.dtype)
-        tok = tok.reshape(T, L, P) * math.sqrt(P)
-        ctx = linear(x, w["per_layer_model_proj.weight"]).reshape(T, L, P) * (cfg.d_model ** -0.5)
-        ctx = rms_norm(ctx, w["per_layer_proj_norm.weight"], cfg.rms_eps)
-        return x, (ctx + tok) * (2.0 ** -0.5)
-
-    def _embed_images(self, tokens: torch.Tensor, images: "ImageRows"):
-        """Image rows e go in as they are (no √d: only token rows are scaled); the PLE token part
-        reads the <pad> row at image positions, its context part the merged x0 (vision spec §4.3)."""
-        cfg, w = self.cfg, self.w
-        mask = images.mask.to(tokens.device)
-        ids = tokens.masked_fill(mask, images.pad_id)  # CPU or device int64 [T]
+        # Image positions: the token part reads the <pad> row; image rows go in unscaled (only token
+        # rows get √d), and the PLE context part reads the merged x0 (vision spec §4.3).
+        ids = tokens if images is None else tokens.masked_fill(images.mask.to(tokens.device), images.pad_id)
         x = rows_to_device(embedding_rows(w.get("token_embd.host", w["token_embd.weight"]), ids),
                            self.device, self.dtype) * math.sqrt(cfg.d_model)
-        x[mask.to(x.device)] = images.rows.to(x.device, x.dtype)
+        if images is not None:
+            x[images.mask.to(x.device)] = images.rows.to(x.device, x.dtype)
         if not cfg.ple_width:
             return x, None
         T, L, P = tokens.shape[0], cfg.n_layer, cfg.ple_width

@@ -38,9 +38,12 @@ def tiny_vocab(n_vocab: int) -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
-def add_tiny_tokenizer(w: GGUFWriter, n_vocab: int) -> None:
-    """The tiny `gemma4` tokenizer keys (llama.cpp needs a vocabulary to load a model)."""
+def add_tiny_tokenizer(w: GGUFWriter, n_vocab: int, special: Optional[dict] = None) -> None:
+    """The tiny `gemma4` tokenizer keys (llama.cpp needs a vocabulary to load a model); `special`:
+    id -> text of extra control tokens (e.g. the image markers)."""
     tokens, types, merges = tiny_vocab(n_vocab)
+    for i, text in (special or {}).items():
+        tokens[i], types[i] = text, 3
     w.add_string("tokenizer.ggml.model", "gemma4")
     w.add_array("tokenizer.ggml.tokens", tokens)
     w.add_array("tokenizer.ggml.scores", [-1000.0] * n_vocab)

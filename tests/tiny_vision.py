@@ -153,7 +153,7 @@ def write_text_gguf(folder: Path, path: Path) -> Path:
     """The language model of an HF folder as a `gemma4` GGUF, by the inverse of models.gemma4's
     HF name tables, with a tiny vocabulary that holds the image markers at 500/501/502."""
     from models.gemma4 import HF_GLOBAL_NAMES, HF_LAYER_NAMES
-    from tiny_models import tiny_vocab
+    from tiny_models import add_tiny_tokenizer
 
     cfg = json.loads((folder / "config.json").read_text())
     c = cfg["text_config"]
@@ -184,20 +184,7 @@ def write_text_gguf(folder: Path, path: Path) -> Path:
     w.add_uint32(f"{arch}.attention.shared_kv_layers", c["num_kv_shared_layers"])
     w.add_uint32(f"{arch}.embedding_length_per_layer_input", c["hidden_size_per_layer_input"])
     w.add_float32(f"{arch}.final_logit_softcapping", c["final_logit_softcapping"])
-    tokens, types, merges = tiny_vocab(V)
-    for i, s in zip((BOI, EOI, IMG), ("<|image>", "<image|>", "<|image|>")):
-        tokens[i], types[i] = s, 3
-    w.add_string("tokenizer.ggml.model", "gemma4")
-    w.add_array("tokenizer.ggml.tokens", tokens)
-    w.add_array("tokenizer.ggml.scores", [-1000.0] * V)
-    w.add_array("tokenizer.ggml.token_type", types)
-    w.add_array("tokenizer.ggml.merges", merges)
-    w.add_uint32("tokenizer.ggml.bos_token_id", 2)
-    w.add_uint32("tokenizer.ggml.eos_token_id", 1)
-    w.add_uint32("tokenizer.ggml.unknown_token_id", 3)
-    w.add_uint32("tokenizer.ggml.padding_token_id", 0)
-    w.add_bool("tokenizer.ggml.add_bos_token", True)
-    w.add_bool("tokenizer.ggml.add_space_prefix", False)
+    add_tiny_tokenizer(w, V, {BOI: "<|image>", EOI: "<image|>", IMG: "<|image|>"})
     # proportional RoPE on full layers: the first partial_rotary_factor of the pairs rotate
     rf = rp["full_attention"]
     n_rot = int(float(rf.get("partial_rotary_factor", 1.0)) * hd_f / 2) if rf.get("rope_type") == "proportional" \
