@@ -202,7 +202,8 @@ def quant_rows_to_device(tables: Sequence, ids: torch.Tensor, device: torch.devi
     if any(t.raw is None for t in tables):  # a repacked table (a tied head on the device): rows from its planes
         return [t.rows(ids.to(t.device)).to(device, dtype) if t.raw is None else
                 quant_rows_to_device([t], ids, device, dtype)[0] for t in tables]
-    raws = [t.raw.index_select(0, ids.to(t.raw.device)) for t in tables]
+    raws = [t.raw_rows(ids) if hasattr(t, "raw_rows") else t.raw.index_select(0, ids.to(t.raw.device))
+            for t in tables]
     remote = [i for i, r in enumerate(raws) if r.device != device]
     if remote:  # one copy: the tables' rows back to back (each part stays contiguous)
         flat = torch.cat([raws[i].reshape(-1) for i in remote]) if len(remote) > 1 else raws[remote[0]].reshape(-1)

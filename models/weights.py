@@ -77,6 +77,7 @@ class QuantWeight:
 
         self.ggml_type, self.shape = int(ggml_type), tuple(shape)
         self.interleaved = False  # rows (gate_0, up_0, gate_1, ...): multiplied through `glu`
+        self.reader = None  # a models.row_reader.RowReader: lookup rows read from the file, not the map
         if packed is not None:
             self.raw, self.packed = None, packed
         elif lookup:
@@ -133,11 +134,21 @@ class QuantWeight:
         p = PackedQuant.cat([w.packed for w in ws])
         return cls(None, t, p.shape, packed=p)
 
+    def raw_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The GGUF bytes of rows `ids` [n, row_bytes] of a lookup table (read from the file when it
+        has a reader: no mapped page joins the resident set)."""
+        if self.reader is not None:
+            return self.reader.rows(ids)
+        return self.raw.index_select(0, ids.to(self.raw.device))
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 rows `ids` [n, n_in] (on the table's device)."""
         if self.packed is None:
-            from .quant import dequantize_rows
+            from .quant import dequantize, dequantize_rows
 
+            if self.reader is not None:
+                sel = self.reader.rows(ids)
+                return dequantize(sel, self.ggml_type, (sel.shape[0], self.shape[1]))
             return dequantize_rows(self.raw, self.ggml_type, ids.to(self.raw.device), self.shape[1])
         from kernels.launch import use_kernels
         from kernels.qpack import dequantize_packed_ref
@@ -196,7 +207,12 @@ def _gguf_rows(source, name: str, shape, mapped: bool) -> QuantWeight | None:
     else:
         data = torch.from_numpy(info.read() if hasattr(info, "read") else info.data.copy())
     raw = data.view(shape[0], row_bytes(info.ggml_type, shape[1]))
-    return QuantWeight(raw, info.ggml_type, shape, lookup=True)
+    w = QuantWeight(raw, info.ggml_type, shape, lookup=True)
+    if mapped and hasattr(info, "_file"):  # rows are read with pread; the map only describes the bytes
+        from .row_reader import RowReader
+
+        w.reader = RowReader(info._file.path, info.offset, shape[0], raw.shape[1])
+    return w
 
 
 def repack_cpu(weights: dict, tables: frozenset) -> None:

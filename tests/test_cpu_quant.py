@@ -145,3 +145,25 @@ def test_non_finite_activation_names_the_layer(tiny_q4km):
     engine.add([2, 5, 17], SamplingParams(max_tokens=2))
     with pytest.raises(NonFiniteError, match="layer 3 of 8"):
         engine.step()
+
+
+def test_lookup_tables_read_rows_from_the_file(tiny_q4km):
+    """The per-layer table is read row by row (pread), not through the memory map: the rows equal
+    the file's, repeated and unordered ids included, and a bad id is an IndexError, not garbage."""
+    import pickle
+
+    from models.gguf import GGUFFile
+    from models.loader import load_model
+    from models.quant import dequantize_rows
+
+    model = load_model(tiny_q4km, with_tokenizer=False, weight_dtype=torch.float16, cpu_quant=True).model
+    table = model.w["per_layer_token_embd.weight"]
+    assert table.reader is not None
+    info = GGUFFile(tiny_q4km).tensor("per_layer_token_embd.weight")
+    ids = torch.tensor([7, 3, 7, 0, table.shape[0] - 1, 3])
+    want = dequantize_rows(info.data, info.ggml_type, ids, table.shape[1])
+    assert torch.equal(table.rows(ids), want)
+    assert torch.equal(table.raw_rows(ids), table.raw.index_select(0, ids))
+    assert torch.equal(pickle.loads(pickle.dumps(table.reader)).rows(ids), table.reader.rows(ids))
+    with pytest.raises(IndexError):
+        table.rows(torch.tensor([table.shape[0]]))
