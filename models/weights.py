@@ -223,9 +223,23 @@ def repack_cpu(weights: dict, tables: frozenset) -> None:
         w = weights[name]
         if isinstance(w, QuantWeight) and w.packed is None and name not in tables:
             weights[name] = None
-            q = cpu_weight(w.raw, w.ggml_type, w.shape)
+            q = _int8_head(w, weights.get("token_embd.host")) if name == "token_embd.weight" else None
+            if q is None:
+                q = cpu_weight(w.raw, w.ggml_type, w.shape)
             weights[name] = HalfWeight(q) if isinstance(q, torch.Tensor) else q
             del w, q
+
+
+def _int8_head(w: "QuantWeight", table) -> object | None:
+    """The tied head of a 5- to 8-bit type as models.cpu_head.Int8Head (int8 ranking, its top rows
+    exact from the lookup table's file rows), when fbgemm is there; else None (float16)."""
+    from . import cpu_head
+    from .quant import dequantize
+
+    if table is None or Int4Weight.bits_of(w.ggml_type) <= 4 or not cpu_head.available():
+        return None
+    k = w.shape[1]
+    return cpu_head.Int8Head(lambda r0, r1: dequantize(w.raw[r0:r1], w.ggml_type, (r1 - r0, k)), table.rows, w.shape)
 
 
 HOST_TABLES = ("token_embd.weight", "per_layer_token_embd.weight")

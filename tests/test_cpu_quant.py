@@ -120,8 +120,9 @@ def test_tiny_model_keeps_greedy_tokens(tiny_q4km):
     exact = load_model(tiny_q4km, with_tokenizer=False).model
     fast = load_model(tiny_q4km, with_tokenizer=False, weight_dtype=torch.float16, cpu_quant=True).model
     assert isinstance(fast.w["blk.0.ffn_gate_up.weight"], Int4Weight)  # Q4_K gate and up, stacked
-    from models.weights import HalfWeight
-    assert isinstance(fast.w["token_embd.weight"], HalfWeight)  # the tied head, Q6_K
+    from models.cpu_head import Int8Head, available
+    if available():  # x86: the tied Q6_K head ranks in int8, its top rows exact
+        assert isinstance(fast.w["token_embd.weight"], Int8Head)
     assert not isinstance(fast.w["per_layer_token_embd.weight"], (Int4Weight, torch.Tensor))  # GGUF rows
     prompt = [2, 5, 17, 33, 40, 61, 99, 120, 7, 300]
     assert _greedy(fast, prompt, 12) == _greedy(exact, prompt, 12)
@@ -167,3 +168,42 @@ def test_lookup_tables_read_rows_from_the_file(tiny_q4km):
     assert torch.equal(pickle.loads(pickle.dumps(table.reader)).rows(ids), table.reader.rows(ids))
     with pytest.raises(IndexError):
         table.rows(torch.tensor([table.shape[0]]))
+
+
+def test_top_indices_equal_topk_on_odd_shapes():
+    from models.cpu_head import top_indices
+
+    g = torch.Generator().manual_seed(3)
+    for rows, n, c, block in ((1, 4096, 64, 64), (3, 1536, 17, 32), (2, 1000, 8, 512), (1, 96, 64, 32)):
+        y = torch.randn(rows, n, generator=g)
+        y[0, :40] = 9.0  # ties inside one block
+        got = top_indices(y, c, block)
+        want = y.topk(c, dim=-1).values
+        assert torch.equal(y.gather(1, got).sort(-1, descending=True).values, want)
+
+
+def test_int8_head_ranks_in_int8_and_its_top_rows_are_exact():
+    """Bound per format: the int8 logits (row-scaled int8 weights x 7-bit dynamic activations) are
+    within 4% of the logits' RMS of float32's; the EXACT_ROWS best of every row by that ranking
+    equal float32's x W^T within float rounding (1e-5 relative), which covers the true best
+    EXACT_ROWS/4 of a flat random vocabulary, so greedy picks the same token."""
+    from models.cpu_head import EXACT_ROWS, Int8Head, available
+
+    if not available():
+        pytest.skip("no fbgemm on this CPU build")
+    raw, w = _matrix("Q8_0")  # 61 x 96: odd rows, three 32-value blocks
+    big = torch.randn(3000, 96, generator=torch.Generator().manual_seed(1)) * 0.05  # a vocabulary > EXACT_ROWS
+    big[:61] = w
+    head = Int8Head(big, lambda ids: big[ids])
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(2))
+    ref = x @ big.t()
+    approx = head.rank(x)
+    assert float((approx - ref).norm() / ref.norm()) < 0.04
+    got = head.linear(x)
+    rescored = approx.topk(EXACT_ROWS, dim=-1).indices  # where the int8 ranking put its best
+    assert torch.allclose(got.gather(1, rescored), ref.gather(1, rescored), rtol=1e-5, atol=1e-6)
+    top = ref.topk(EXACT_ROWS // 4, dim=-1).indices  # the head of the true ranking is among them
+    assert torch.allclose(got.gather(1, top), ref.gather(1, top), rtol=1e-5, atol=1e-6)
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    assert torch.equal(head.rows(torch.tensor([0, 60])), big[[0, 60]])
+    assert got.dtype == x.dtype and head.linear(x[0]).shape == (3000,)
