@@ -32,7 +32,8 @@ def add_commands(sub) -> None:
     m.add_argument("--json", action="store_true")
 
     i = sub.add_parser("import", help="add a conversation exported as JSON (the app's F4) to the conversation list")
-    i.add_argument("file", help="an edgegem.conversation JSON file (at most 8 MiB)")
+    i.add_argument("file", help="an edgegem.conversation JSON file (at most 8 MiB); its images are taken from "
+                                "beside it (the <name>-images/ folder the export wrote)")
     i.add_argument("--data-dir", metavar="DIR", help="the app's data folder (default: $EDGEGEM_DATA_DIR, "
                                                      "else the platform's user data dir)")
 
@@ -45,7 +46,7 @@ def cmd_import(a) -> int:
     from .store import Store
     store = Store(Path(a.data_dir).expanduser() if a.data_dir else None)
     try:
-        conv = store.import_file(a.file)
+        conv = store.import_file(a.file, report=lambda line: print(f"edgegem: {line}", file=sys.stderr))
         n = len(store.messages(conv.id))
     finally:
         store.close()
