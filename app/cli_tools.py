@@ -17,10 +17,12 @@ def add_commands(sub) -> None:
     _dir_args(d)
     d.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("pull", help="download a GGUF (and its assistant draft) from the Hugging Face Hub")
+    p = sub.add_parser("pull", help="download a GGUF (its assistant draft and image encoder) from the Hugging Face Hub")
     p.add_argument("spec", metavar="REPO[:QUANT]", help="e.g. unsloth/gemma-4-E2B-it-GGUF:Q4_K_M (default quant Q4_K_M)")
     p.add_argument("--draft", metavar="REPO[:QUANT]", help="take the assistant draft from this repo")
     p.add_argument("--no-draft", action="store_true", help="skip the assistant draft")
+    p.add_argument("--no-mmproj", action="store_true",
+                   help="skip the image encoder (the repo's mmproj*.gguf, fetched by default when it has one)")
     p.add_argument("--revision", help="branch, tag or commit (default: main)")
     _dir_args(p)
 
@@ -64,10 +66,13 @@ def cmd_doctor(a) -> int:
 def cmd_pull(a) -> int:
     from engine.hub import pull
     from engine.model_store import models_dir
-    r = pull(a.spec, models_dir(a.models_dir, a.data_dir), draft=a.draft, no_draft=a.no_draft, revision=a.revision)
+    r = pull(a.spec, models_dir(a.models_dir, a.data_dir), draft=a.draft, no_draft=a.no_draft, revision=a.revision,
+             no_mmproj=a.no_mmproj)
     print(r.model)
     if r.draft:
         print(r.draft)
+    if r.mmproj:  # found beside the model: no flag needed to send images
+        print(r.mmproj)
     name = r.model if a.models_dir or a.data_dir else r.model.stem  # names resolve in the default folder only
     run = f"edgegem --model {name}" + (f" --spec-draft-model {r.draft}" if r.draft else "")
     print(f"run it: {run}", file=sys.stderr)
