@@ -2,7 +2,7 @@
 
 An `Attachment` holds the file's bytes (read once, so the original may move or change before the
 message is sent) and what the chip shows: name, size, soft tokens at the conversation's budget.
-The check is the engine's own preprocessing (`engine.images.as_image_input`), so anything it
+The check is the engine's own preprocessing (`as_image_input`, through app/backend.py), so anything it
 would refuse at submit (not an image, a format Pillow cannot read, a decompression bomb, an empty
 or 1-pixel image) is refused here in the same one line. No Textual in this file.
 """
@@ -18,7 +18,7 @@ from urllib.parse import unquote, urlparse
 from rich.style import Style
 from rich.text import Text
 
-from engine.images import as_image_input
+from app.backend import as_image_input
 
 MAX_FILE_BYTES = 64 << 20  # what app.store keeps per image
 # Names a message that is only a path is taken as an image by (then checked like /image PATH);

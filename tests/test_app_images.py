@@ -110,7 +110,7 @@ async def test_f3_palette_and_a_pasted_path_attach_several_images_and_they_can_b
         await pilot.press("enter")
         await until(pilot, lambda: len(bar.pending) == 1)
 
-        next(c for c in app.get_system_commands(chat) if c.title == "Attach image").callback()  # the palette
+        next(cmd for cmd in app.get_system_commands(chat) if cmd.title == "Attach image").callback()  # the palette
         await on_screen(pilot, TextPrompt)
         app.screen.query_one("Input").value = f"'{b}'"  # quoted, as a file manager pastes it
         await pilot.press("enter")
@@ -125,6 +125,10 @@ async def test_f3_palette_and_a_pasted_path_attach_several_images_and_they_can_b
         await pilot.click(chat.query(AttachmentChip)[0].query_one(".remove"))  # the chip's ✕
         await until(pilot, lambda: len(bar.pending) == 2)
         await pilot.press("shift+f3")  # the key removes the last one
+        await until(pilot, lambda: len(bar.pending) == 1)
+        await type_and_enter(pilot, str(c))
+        await until(pilot, lambda: len(bar.pending) == 2)
+        await next(cmd for cmd in app.get_system_commands(chat) if cmd.title == "Remove attached image").callback()
         await until(pilot, lambda: len(bar.pending) == 1)
         assert [x.name for x in bar.pending] == ["my photo.jpg"] and len(chat.query(AttachmentChip)) == 1
 
