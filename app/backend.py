@@ -10,9 +10,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 from engine.api import EngineOptions, GenerationParams, SamplingParams, split_thinking
+from engine.images import as_image_input  # (path | bytes, budget, name) -> ImageInput, or a one-line ValueError
 
 __all__ = ["EngineBackend", "EngineOptions", "GenerationParams", "SamplingParams", "Session", "size",
-           "split_thinking", "plan_lines", "kv_pools", "exiting_on_signal"]
+           "split_thinking", "plan_lines", "kv_pools", "exiting_on_signal", "as_image_input"]
 
 # progress(fraction 0..1, one-line description)
 Progress = Callable[[float, str], None]
@@ -28,12 +29,13 @@ class Session:
 
 class EngineBackend:
     def __init__(self, model: Optional[str] = None, options: EngineOptions = EngineOptions(),
-                 device: str = "auto", exact: bool = False):
+                 device: str = "auto", exact: bool = False, mmproj: Optional[str] = None):
         self.model, self.options, self.device, self.exact = model, options, device, exact
+        self.mmproj = mmproj  # a GGUF model's image encoder (None: an mmproj*.gguf beside it, if any)
 
     def with_options(self, **changes) -> "EngineBackend":
         """The same model with other engine flags (the settings screen's reload)."""
-        return EngineBackend(self.model, replace(self.options, **changes), self.device, self.exact)
+        return EngineBackend(self.model, replace(self.options, **changes), self.device, self.exact, self.mmproj)
 
     def load(self, progress: Progress) -> Session:
         from engine import api
@@ -47,7 +49,7 @@ class EngineBackend:
             progress(0.9 * frac, f"tensors {done}/{total} · {size(nbytes)} of {size(total_bytes)} → {device}")
 
         lm = api.open_model(path, exact=self.exact, device=device, embed_weights=self.options.embed_weights,
-                            progress=on_tensor)
+                            progress=on_tensor, mmproj=self.mmproj)
         progress(0.92, "allocating the KV pools")
         plan = api.engine_plan(lm, self.options)[0]
         client = api.start_client(lm, self.options)

@@ -30,6 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--data-dir", metavar="DIR",
                    help="where conversations are kept (default: $EDGEGEM_DATA_DIR or the XDG data dir)")
     _engine_args(a)
+    _image_model_args(a, budget_default=None)
     a.add_argument("--kv-disk-budget", default="4GiB", metavar="SIZE",
                    help="disk kept for conversations' KV under <data-dir>/kv/ (least recently used go first; "
                         "0 turns saving off)")
@@ -116,6 +117,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--model", help="GGUF file (default: the demo model)")
     c.add_argument("--system")
     c.add_argument("--thinking", action="store_true", help="let the model think first (Gemma-4)")
+    _image_args(c, what="an image for the first message (repeatable; later ones: a line `/image PATH`)")
     _sampling_args(c, temperature=0.7)
     _engine_args(c)
     _kv_session_arg(c)
@@ -250,11 +252,17 @@ def _params(a):
                           presence_penalty=a.presence_penalty)
 
 
-def _image_args(p) -> None:
-    p.add_argument("--image", action="append", default=[], metavar="FILE",
-                   help="an image for the prompt (repeatable; placed before the text unless it has <|image|> markers)")
-    p.add_argument("--image-tokens", type=int, default=280, choices=[70, 140, 280, 560, 1120],
-                   help="soft-token budget per image (default 280: 256 tokens for a square image)")
+def _image_args(p, what: str = "an image for the prompt (repeatable; placed before the text unless it has "
+                                  "<|image|> markers)") -> None:
+    p.add_argument("--image", action="append", default=[], metavar="FILE", help=what)
+    _image_model_args(p)
+
+
+def _image_model_args(p, budget_default=280) -> None:
+    """--image-tokens and --mmproj (the app: no default budget, so each conversation's setting wins)."""
+    p.add_argument("--image-tokens", type=int, default=budget_default, choices=[70, 140, 280, 560, 1120],
+                   help="soft-token budget per image (default 280: 256 tokens for a square image)"
+                        + ("; the app: for conversations that did not set their own" if budget_default is None else ""))
     p.add_argument("--mmproj", metavar="FILE",
                    help="image encoder of a GGUF model (default: an mmproj*.gguf beside the model)")
 
@@ -470,10 +478,33 @@ def cmd_app(a) -> int:
     from engine.memory_plan import parse_size
     budget = parse_size(a.kv_disk_budget) if a.kv_disk_budget not in ("0", "") else 0
     kv = {"kv_save": "evict", "kv_dir": str(store.data_dir / "kv"), "kv_disk_budget": budget} if budget else {}
-    backend = EngineBackend(a.model, replace(_engine_options(a), **kv), a.device)
-    app = EdgegemApp(backend, store)
+    backend = EngineBackend(a.model, replace(_engine_options(a), **kv), a.device, mmproj=a.mmproj)
+    app = EdgegemApp(backend, store,
+                     default_settings={"image_tokens": a.image_tokens} if a.image_tokens else None)
     app.run()
     return app.return_code or 0
+
+
+def _chat_image(lm, arg: str, budget: int) -> list:
+    """`/image PATH` in `edgegem chat`: the image (an ImageInput) for the next message, or a
+    one-line refusal on stderr and nothing."""
+    from engine import api
+
+    from .attachments import path_of
+    if not arg:
+        print("edgegem: usage: /image PATH", file=sys.stderr)
+        return []
+    path = path_of(arg) or Path(arg).expanduser()
+    if not path.is_file():
+        print(f"edgegem: {path.name or arg}: no such file", file=sys.stderr)
+        return []
+    try:
+        (image,) = api.load_images(lm, [str(path)], budget)
+    except ValueError as e:
+        print(f"edgegem: {str(e).splitlines()[0]}", file=sys.stderr)
+        return []
+    print(f"[{image.name}: {image.n_tokens} image tokens, sent with your next message]")
+    return [image]
 
 
 def cmd_chat(a) -> int:
@@ -484,10 +515,12 @@ def cmd_chat(a) -> int:
     if a.model is None:
         print("This is the bundled demo model, Gemma 3 270M: a small base model that rambles. "
               "Load a Gemma-4 GGUF with --model PATH for real answers.")
-    print("Type a message and press Enter; an empty line or Ctrl-D quits.\n")
-    lm = api.open_model(path, exact=False, device=_device(a), embed_weights=a.embed_weights)
+    print("Type a message and press Enter; `/image PATH` attaches an image to the next one; an empty line or "
+          "Ctrl-D quits.\n")
+    lm = api.open_model(path, exact=False, device=_device(a), embed_weights=a.embed_weights, mmproj=a.mmproj)
+    pending = api.load_images(lm, a.image, a.image_tokens)  # --image: refused in one line before the engine starts
     client = _start_client(lm, _engine_options(a))
-    gen = api.GenerationParams(_params(a), thinking=a.thinking, kv_session=_kv_path(a))
+    gen = api.GenerationParams(_params(a), thinking=a.thinking, kv_session=_kv_path(a), image_tokens=a.image_tokens)
     history = [{"role": "system", "content": a.system}] if a.system else []
     try:
         while True:
@@ -497,9 +530,20 @@ def cmd_chat(a) -> int:
                 break
             if not line:
                 break
-            history.append({"role": "user", "content": line})
+            if line == "/image" or line.startswith("/image "):
+                pending += _chat_image(lm, line[len("/image"):].strip(), a.image_tokens)
+                continue
+            history.append({"role": "user", "content": line, **({"images": pending} if pending else {})})
+            try:
+                rid = client.submit(history, gen)
+            except ValueError as e:  # too long for the context, images included: say so, keep chatting
+                history.pop()
+                print(f"edgegem: {str(e).splitlines()[0]} (not sent{'; attach the images again' * bool(pending)})",
+                      file=sys.stderr)
+                pending = []
+                continue
+            pending = []  # the images stay in the history: later turns see them too
             sys.stdout.write("model> ")
-            rid = client.submit(history, gen)
             reply = ""
             for ev in client.stream(rid):
                 reply += ev.text

@@ -17,10 +17,12 @@ def add_commands(sub) -> None:
     _dir_args(d)
     d.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("pull", help="download a GGUF (and its assistant draft) from the Hugging Face Hub")
+    p = sub.add_parser("pull", help="download a GGUF (its assistant draft and image encoder) from the Hugging Face Hub")
     p.add_argument("spec", metavar="REPO[:QUANT]", help="e.g. unsloth/gemma-4-E2B-it-GGUF:Q4_K_M (default quant Q4_K_M)")
     p.add_argument("--draft", metavar="REPO[:QUANT]", help="take the assistant draft from this repo")
     p.add_argument("--no-draft", action="store_true", help="skip the assistant draft")
+    p.add_argument("--no-mmproj", action="store_true",
+                   help="skip the image encoder (the repo's mmproj*.gguf, fetched by default when it has one)")
     p.add_argument("--revision", help="branch, tag or commit (default: main)")
     _dir_args(p)
 
@@ -32,7 +34,8 @@ def add_commands(sub) -> None:
     m.add_argument("--json", action="store_true")
 
     i = sub.add_parser("import", help="add a conversation exported as JSON (the app's F4) to the conversation list")
-    i.add_argument("file", help="an edgegem.conversation JSON file (at most 8 MiB)")
+    i.add_argument("file", help="an edgegem.conversation JSON file (at most 8 MiB); its images are taken from "
+                                "beside it (the <name>-images/ folder the export wrote)")
     i.add_argument("--data-dir", metavar="DIR", help="the app's data folder (default: $EDGEGEM_DATA_DIR, "
                                                      "else the platform's user data dir)")
 
@@ -45,7 +48,7 @@ def cmd_import(a) -> int:
     from .store import Store
     store = Store(Path(a.data_dir).expanduser() if a.data_dir else None)
     try:
-        conv = store.import_file(a.file)
+        conv = store.import_file(a.file, report=lambda line: print(f"edgegem: {line}", file=sys.stderr))
         n = len(store.messages(conv.id))
     finally:
         store.close()
@@ -63,10 +66,13 @@ def cmd_doctor(a) -> int:
 def cmd_pull(a) -> int:
     from engine.hub import pull
     from engine.model_store import models_dir
-    r = pull(a.spec, models_dir(a.models_dir, a.data_dir), draft=a.draft, no_draft=a.no_draft, revision=a.revision)
+    r = pull(a.spec, models_dir(a.models_dir, a.data_dir), draft=a.draft, no_draft=a.no_draft, revision=a.revision,
+             no_mmproj=a.no_mmproj)
     print(r.model)
     if r.draft:
         print(r.draft)
+    if r.mmproj:  # found beside the model: no flag needed to send images
+        print(r.mmproj)
     name = r.model if a.models_dir or a.data_dir else r.model.stem  # names resolve in the default folder only
     run = f"edgegem --model {name}" + (f" --spec-draft-model {r.draft}" if r.draft else "")
     print(f"run it: {run}", file=sys.stderr)

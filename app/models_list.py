@@ -43,6 +43,8 @@ def _plan(path: Path, arch: str, budget: int, device: str) -> dict:
 
     if arch == "gemma4-assistant":
         return {"note": "assistant draft (--spec-draft-model)"}
+    if arch == "clip":
+        return {"note": "image encoder (mmproj) of the model beside it"}
     if arch not in RUNNABLE:
         return {"note": f"architecture {arch} is not supported"}
     opt = PlanOptions(budget=budget, device=device, kv_format=PLAN_KV)

@@ -10,12 +10,19 @@ requirement (process crash or kill) does not ask for.
 
 Thread safety: one connection opened with `check_same_thread=False`, every use under one lock,
 so the UI thread and a generation worker can both call the store.
+
+Images: a user message's images are copied into `<data-dir>/images/<sha256 of the file>.<ext>`
+(content-addressed: the same picture twice is one file) and the message records
+[{"file", "name", "bytes", "tokens"}], so the history survives the originals moving. Files no
+message refers to any more go when their conversation is deleted.
 """
 from __future__ import annotations
 
+import hashlib
 import json
-import math
+import os
 import re
+import shutil
 import sqlite3
 import threading
 import time
@@ -24,17 +31,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from typing import Callable, Optional
+
+from app.conversation_format import (DEFAULT_TITLE, MAX_IMPORT_BYTES, ROLES, STATUSES, clean_title, parse_import,
+                                     render_json, render_markdown)
 from engine import failpoints
 
-FORMAT = "edgegem.conversation"
-FORMAT_VERSION = 1
-ROLES = ("system", "user", "assistant")
-STATUSES = ("done", "stopped", "error")
-MAX_TITLE = 200
-MAX_IMPORT_MESSAGES = 10_000
-MAX_IMPORT_BYTES = 8 << 20
 AUTO_TITLE_CHARS = 48
-DEFAULT_TITLE = "New chat"
+MAX_IMAGE_BYTES = 64 << 20  # one image file; a photo is a few MB, a bigger "image" is refused
+_HEX = set("0123456789abcdef")
 
 
 def default_data_dir() -> Path:
@@ -54,6 +59,7 @@ class Message:
     status: str = "done"  # "done" | "stopped" | "error"
     created: float = 0.0
     stats: dict = field(default_factory=dict)  # e.g. {"prefill_tps": .., "decode_tps": .., "tokens": ..}
+    images: list = field(default_factory=list)  # [{"file", "name", "bytes", "tokens"}] (user messages)
 
 
 @dataclass
@@ -87,9 +93,14 @@ def _schema_v1(db: sqlite3.Connection) -> None:
     db.execute("CREATE INDEX conversations_by_updated ON conversations(updated)")
 
 
+def _schema_v2(db: sqlite3.Connection) -> None:
+    """Images of a message (JSON list of the copies in <data-dir>/images/); '[]' for the old rows."""
+    db.execute("ALTER TABLE messages ADD COLUMN images TEXT NOT NULL DEFAULT '[]'")
+
+
 # _MIGRATIONS[i] takes the schema from version i to i + 1; the version lives in PRAGMA
 # user_version (in the database header, changed in the same transaction as the migration).
-_MIGRATIONS = [_schema_v1]
+_MIGRATIONS = [_schema_v1, _schema_v2]
 SCHEMA_VERSION = len(_MIGRATIONS)
 
 
@@ -109,11 +120,6 @@ def _snippet(text: str, needle: str, width: int = 30) -> str:
     return ("…" if start else "") + flat[start:end] + ("…" if end < len(flat) else "")
 
 
-def _clean_title(title: str) -> str:
-    title = " ".join(str(title).split())[:MAX_TITLE]
-    return title or DEFAULT_TITLE
-
-
 def _slug(title: str) -> str:
     slug = re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")[:40].strip("-")
     return slug or "chat"
@@ -124,6 +130,7 @@ class Store:
         self.data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.data_dir / "conversations.sqlite3"
+        self.images_dir = self.data_dir / "images"
         self._lock = threading.Lock()
         self._last_time = 0.0
         # isolation_level=None: no implicit transactions; _tx() issues BEGIN/COMMIT itself.
@@ -185,7 +192,8 @@ class Store:
     @staticmethod
     def _message(row: sqlite3.Row) -> Message:
         return Message(row["id"], row["conversation_id"], row["role"], row["content"],
-                       row["thinking"], row["status"], row["created"], json.loads(row["stats"]))
+                       row["thinking"], row["status"], row["created"], json.loads(row["stats"]),
+                       json.loads(row["images"]))
 
     @staticmethod
     def title_from(text: str) -> str:
@@ -203,7 +211,7 @@ class Store:
         with self._tx() as db:
             now = self._now()
             cur = db.execute("INSERT INTO conversations (title, created, updated, settings) "
-                             "VALUES (?, ?, ?, ?)", (_clean_title(title), now, now, settings))
+                             "VALUES (?, ?, ?, ?)", (clean_title(title), now, now, settings))
         return self.get(cur.lastrowid)
 
     def conversations(self) -> list[Conversation]:
@@ -225,12 +233,37 @@ class Store:
 
     def rename(self, conversation_id: int, title: str) -> None:
         with self._tx() as db:
-            self._touch(db, conversation_id, ", title = ?", (_clean_title(title),))
+            self._touch(db, conversation_id, ", title = ?", (clean_title(title),))
 
     def delete(self, conversation_id: int) -> None:
+        files = {im["file"] for m in self.messages(conversation_id) for im in m.images}
         with self._tx() as db:  # messages go with it: ON DELETE CASCADE
             if db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,)).rowcount == 0:
                 raise KeyError(f"no conversation {conversation_id}")
+            still = {im["file"] for (js,) in db.execute("SELECT images FROM messages WHERE images != '[]'")
+                     for im in json.loads(js)}
+        for name in files - still:  # after the commit: a crash before this leaves a file, never a dangling row
+            (self.images_dir / name).unlink(missing_ok=True)
+
+    # --- image files ---
+
+    def keep_image(self, data: bytes, name: str, tokens: int, ext: str) -> dict:
+        """Copy an image's bytes to images_dir/<sha256>.<ext> (once: same bytes, same file) and
+        return the record a message stores. Written to a temporary name and renamed, so a crash
+        never leaves half a file under the final name."""
+        ext = "." + "".join(c for c in ext.lower().lstrip(".") if c.isalnum())[:8] if ext.strip(".") else ""
+        file = hashlib.sha256(data).hexdigest() + ext
+        dest = self.images_dir / file
+        if not dest.exists():
+            self.images_dir.mkdir(parents=True, exist_ok=True)
+            tmp = dest.with_name(f".{file}.{os.getpid()}.tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, dest)
+        return {"file": file, "name": name, "bytes": len(data), "tokens": int(tokens)}
+
+    def image_path(self, image: dict) -> Path:
+        """Where a message's image record lives (the copy, not the original)."""
+        return self.images_dir / Path(image["file"]).name
 
     def update_settings(self, conversation_id: int, settings: dict) -> None:
         """Shallow merge into the stored settings; a key set to None is removed (back to default)."""
@@ -245,18 +278,20 @@ class Store:
     # --- messages ---
 
     def add_message(self, conversation_id: int, role: str, content: str, thinking: str = "",
-                    status: str = "done", stats: dict | None = None) -> Message:
+                    status: str = "done", stats: dict | None = None, images: list | None = None) -> Message:
+        """`images`: records `keep_image` returned (the files are already in images_dir)."""
         if role not in ROLES or status not in STATUSES:
             raise ValueError(f"bad role {role!r} or status {status!r}")
+        images = [dict(im) for im in images or []]
         with self._tx() as db:
             created = self._now()
             self._touch(db, conversation_id)
             cur = db.execute("INSERT INTO messages (conversation_id, role, content, thinking, status, "
-                             "created, stats) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                             "created, stats, images) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                              (conversation_id, role, content, thinking, status, created,
-                              json.dumps(stats or {})))
+                              json.dumps(stats or {}), json.dumps(images)))
         return Message(cur.lastrowid, conversation_id, role, content, thinking, status, created,
-                       dict(stats or {}))
+                       dict(stats or {}), images)
 
     def update_message(self, message_id: int, content: str | None = None, thinking: str | None = None,
                        status: str | None = None, stats: dict | None = None) -> None:
@@ -306,59 +341,89 @@ class Store:
 
     # --- export / import ---
 
-    def export_markdown(self, conversation_id: int) -> str:
-        conv = self.get(conversation_id)
-        out = [f"# {conv.title}", ""]
-        for m in self.messages(conversation_id):
-            out += [f"## {m.role.capitalize()}", ""]
-            if m.thinking:
-                out += ["<details><summary>Thinking</summary>", "", m.thinking, "", "</details>", ""]
-            out += [m.content, ""]
-            if m.status != "done":
-                out += [f"_({m.status})_", ""]
-        return "\n".join(out)
+    def export_markdown(self, conversation_id: int, image_folder: str = "") -> str:
+        """Markdown; images as `![name](image_folder/file)` (the copies export_to writes)."""
+        return render_markdown(self.get(conversation_id), self.messages(conversation_id), image_folder)
 
-    def export_json(self, conversation_id: int) -> dict:
-        conv = self.get(conversation_id)
-        return {"format": FORMAT, "version": FORMAT_VERSION, "title": conv.title,
-                "created": conv.created, "settings": conv.settings,
-                "messages": [{"role": m.role, "content": m.content, "thinking": m.thinking,
-                              "status": m.status, "created": m.created, "stats": m.stats}
-                             for m in self.messages(conversation_id)]}
+    def export_json(self, conversation_id: int, image_folder: str = "") -> dict:
+        """The export document; image files as paths relative to it (in `image_folder`)."""
+        return render_json(self.get(conversation_id), self.messages(conversation_id), image_folder)
 
     def export_to(self, conversation_id: int, directory: Path) -> tuple[Path, Path]:
-        """Write <slug>-<id>.md and .json into `directory` (created if missing)."""
+        """Write <slug>-<id>.md and .json into `directory` (created if missing), and the
+        conversation's images into <slug>-<id>-images/ beside them (both files refer to them)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         stem = f"{_slug(self.get(conversation_id).title)}-{conversation_id}"
         md, js = directory / f"{stem}.md", directory / f"{stem}.json"
-        md.write_text(self.export_markdown(conversation_id), encoding="utf-8")
-        js.write_text(json.dumps(self.export_json(conversation_id), ensure_ascii=False, indent=1) + "\n",
+        files = {im["file"] for m in self.messages(conversation_id) for im in m.images}
+        folder = f"{stem}-images" if files else ""
+        for file in sorted(files):
+            (directory / folder).mkdir(exist_ok=True)
+            if self.image_path({"file": file}).exists():
+                shutil.copyfile(self.image_path({"file": file}), directory / folder / file)
+        md.write_text(self.export_markdown(conversation_id, folder), encoding="utf-8")
+        js.write_text(json.dumps(self.export_json(conversation_id, folder), ensure_ascii=False, indent=1) + "\n",
                       encoding="utf-8")
         return md, js
 
-    def import_file(self, path: Path | str, max_bytes: int = MAX_IMPORT_BYTES) -> Conversation:
-        """`import_json` of a file; one too big is refused before it is read."""
+    def import_file(self, path: Path | str, max_bytes: int = MAX_IMPORT_BYTES,
+                    report: Optional[Callable[[str], None]] = None) -> Conversation:
+        """`import_json` of a file (its images are looked up beside it); one too big is refused
+        before it is read."""
         path = Path(path).expanduser()
         size = path.stat().st_size
         if size > max_bytes:
-            raise _refuse(f"{path.name}: {size} bytes is over the {max_bytes}-byte limit")
-        return self.import_json(path.read_bytes(), max_bytes)
+            raise ValueError(f"import refused: {path.name}: {size} bytes is over the {max_bytes}-byte limit")
+        return self.import_json(path.read_bytes(), max_bytes, base_dir=path.parent, report=report)
 
-    def import_json(self, data: bytes | str | dict, max_bytes: int = MAX_IMPORT_BYTES) -> Conversation:
+    def import_json(self, data: bytes | str | dict, max_bytes: int = MAX_IMPORT_BYTES,
+                    base_dir: Optional[Path] = None, report: Optional[Callable[[str], None]] = None
+                    ) -> Conversation:
         """Add a conversation from `export_json` output. Anything malformed is refused with a
-        one-line ValueError and nothing is written (one transaction)."""
-        doc = _parse_import(data, max_bytes)
+        one-line ValueError and nothing is written (one transaction). Images are copied in from
+        `base_dir` (the JSON file's folder); those missing there (or with other bytes than their
+        name's sha256) are left out and `report` gets one line saying so: the text still imports."""
+        doc = parse_import(data, max_bytes)
+        missing = []
+        for m in doc["messages"]:
+            kept = []
+            for im in m["images"]:
+                record = self._import_image(im, base_dir)
+                if record is None:
+                    missing.append(im["name"])
+                else:
+                    kept.append(record)
+            m["images"] = kept
         with self._tx() as db:
             now = self._now()
             cur = db.execute("INSERT INTO conversations (title, created, updated, settings) "
                              "VALUES (?, ?, ?, ?)",
                              (doc["title"], doc["created"], now, json.dumps(doc["settings"])))
             db.executemany("INSERT INTO messages (conversation_id, role, content, thinking, status, created, "
-                           "stats) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                           "stats, images) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                            [(cur.lastrowid, m["role"], m["content"], m["thinking"], m["status"],
-                             m["created"], json.dumps(m["stats"])) for m in doc["messages"]])
+                             m["created"], json.dumps(m["stats"]), json.dumps(m["images"]))
+                            for m in doc["messages"]])
+        if missing and report is not None:
+            names = ", ".join(missing[:3]) + (", …" if len(missing) > 3 else "")
+            report(f"{len(missing)} image{'s' * (len(missing) > 1)} not found beside the file ({names}); "
+                   "imported the text without them")
         return self.get(cur.lastrowid)
+
+    def _import_image(self, image: dict, base_dir: Optional[Path]) -> Optional[dict]:
+        """Copy one referenced image into images_dir; None when it is not there (or not intact)."""
+        if base_dir is None:
+            return None
+        base = Path(base_dir).resolve()
+        src = (base / image["file"]).resolve()
+        if base not in src.parents or not src.is_file() or src.stat().st_size > MAX_IMAGE_BYTES:
+            return None  # a link out of the folder counts as missing too
+        data = src.read_bytes()
+        stem = src.name.split(".")[0]
+        if len(stem) == 64 and set(stem) <= _HEX and hashlib.sha256(data).hexdigest() != stem:
+            return None  # our exports name copies by their sha256: other bytes are a damaged copy
+        return self.keep_image(data, image["name"], image["tokens"], src.suffix)
 
     # --- maintenance ---
 
@@ -368,94 +433,3 @@ class Store:
     def close(self) -> None:
         with self._lock:
             self._db.close()
-
-
-def _refuse(why: str) -> ValueError:
-    return ValueError("import refused: " + " ".join(why.split()))
-
-
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _number(value: object, where: str) -> float:
-    try:  # float() of a 400-digit int raises OverflowError
-        number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
-    except OverflowError:
-        number = math.nan
-    if not math.isfinite(number):
-        raise _refuse(f"{where} must be a finite number, not {_short(value)}")
-    return number
-
-
-def _text(value: object, where: str) -> str:
-    # A lone surrogate ("\ud800" in the JSON) parses but cannot be stored as UTF-8 by sqlite3.
-    if not isinstance(value, str):
-        raise _refuse(f"{where} must be a string, not {type(value).__name__}")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise _refuse(f"{where} is not valid Unicode (lone surrogate)") from None
-    return value
-
-
-def _parse_import(data: bytes | str | dict, max_bytes: int) -> dict:
-    """Validate an import and return it normalised (defaults filled in)."""
-    if isinstance(data, dict):
-        try:
-            size = len(json.dumps(data, allow_nan=False).encode("utf-8"))
-        except (TypeError, ValueError, RecursionError):
-            raise _refuse("not JSON-serialisable") from None
-    elif isinstance(data, (bytes, str)):
-        size = len(data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data)
-    else:
-        raise _refuse(f"expected bytes, str or dict, got {type(data).__name__}")
-    if size > max_bytes:
-        raise _refuse(f"{size} bytes is over the {max_bytes}-byte limit")
-    if not isinstance(data, dict):
-        def no_constants(name: str):
-            raise ValueError(f"{name} is not JSON")
-        try:
-            data = json.loads(data, parse_constant=no_constants)
-        except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            raise _refuse(f"not valid JSON ({str(e)[:80]})") from None
-    if not isinstance(data, dict):
-        raise _refuse(f"expected a JSON object, got {type(data).__name__}")
-    allowed = {"format", "version", "title", "created", "settings", "messages"}
-    if extra := set(data) - allowed:
-        raise _refuse(f"unknown key {_short(min(extra, key=str))}")
-    if data.get("format") != FORMAT:
-        raise _refuse(f"format is {_short(data.get('format'))}, expected {FORMAT!r}")
-    if type(data.get("version")) is not int or data["version"] != FORMAT_VERSION:
-        raise _refuse(f"version {_short(data.get('version'))} is not supported (expected {FORMAT_VERSION})")
-    title = _text(data.get("title", DEFAULT_TITLE), "title")
-    if len(title) > MAX_TITLE:
-        raise _refuse(f"title is {len(title)} characters, over the {MAX_TITLE} limit")
-    settings = data.get("settings", {})
-    if not isinstance(settings, dict):
-        raise _refuse("settings must be an object")
-    messages = data.get("messages")
-    if not isinstance(messages, list):
-        raise _refuse("messages must be a list")
-    if len(messages) > MAX_IMPORT_MESSAGES:
-        raise _refuse(f"{len(messages)} messages is over the {MAX_IMPORT_MESSAGES} limit")
-    created = _number(data.get("created", time.time()), "created")
-    clean = []
-    for i, m in enumerate(messages):
-        where = f"message {i}"
-        if not isinstance(m, dict):
-            raise _refuse(f"{where} is not an object")
-        if extra := set(m) - {"role", "content", "thinking", "status", "created", "stats"}:
-            raise _refuse(f"{where}: unknown key {_short(min(extra, key=str))}")
-        if m.get("role") not in ROLES:
-            raise _refuse(f"{where}: role {_short(m.get('role'))} is not one of {', '.join(ROLES)}")
-        if m.get("status", "done") not in STATUSES:
-            raise _refuse(f"{where}: status {_short(m.get('status'))} is not one of {', '.join(STATUSES)}")
-        if not isinstance(m.get("stats", {}), dict):
-            raise _refuse(f"{where}: stats must be an object")
-        clean.append({"role": m["role"], "content": _text(m.get("content"), f"{where}: content"),
-                      "thinking": _text(m.get("thinking", ""), f"{where}: thinking"),
-                      "status": m.get("status", "done"), "stats": m.get("stats", {}),
-                      "created": _number(m.get("created", created), f"{where}: created")})
-    return {"title": _clean_title(title), "created": created, "settings": settings, "messages": clean}

@@ -20,9 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-from .model_store import DEFAULT_QUANT, SPLIT_SUFFIX, best_quant_matches, is_draft_name, local_models, quant_label
+from .model_store import (DEFAULT_QUANT, SPLIT_SUFFIX, best_quant_matches, is_draft_name, is_mmproj_name,
+                          local_models, quant_label)
 
 DRAFT_QUANTS = ("Q8_0", "BF16", "F16", DEFAULT_QUANT)  # a draft is small: prefer its precise forms
+# The image encoder (~0.3-0.6 GB at 16 bits for E2B/E4B) is dequantized to the activation dtype at
+# load anyway, so a 16-bit file loses nothing; F32 doubles the download for no gain.
+MMPROJ_QUANTS = ("F16", "BF16", "Q8_0", "F32")
 _REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 _PREFIXES = ("https://huggingface.co/", "http://huggingface.co/", "huggingface.co/", "hf.co/")
 Log = Callable[[str], None]
@@ -67,6 +71,7 @@ class PullResult:
     model: Path
     draft: Optional[Path]
     revision: Optional[str]
+    mmproj: Optional[Path] = None  # the image encoder, beside the model (where load_model looks)
 
 
 def list_remote(repo: str, revision: Optional[str] = None) -> tuple[str, list[RemoteFile]]:
@@ -142,6 +147,17 @@ def choose_draft(repo: str, files: list[RemoteFile], quant: Optional[str],
     if not hits:
         raise ValueError(f"{repo}: several assistant drafts ({_quants(drafts)}); pick one with --draft {repo}:QUANT")
     return _single(repo, "assistant draft", hits)
+
+
+def choose_mmproj(files: list[RemoteFile]) -> Optional[RemoteFile]:
+    """The repo's image encoder (`mmproj*.gguf`), None when it has none: the 16-bit one first
+    (MMPROJ_QUANTS), else the first by name."""
+    found = sorted((f for f in files if f.name.lower().endswith(".gguf") and is_mmproj_name(f.name)),
+                   key=lambda f: f.name)
+    for q in MMPROJ_QUANTS:
+        if hits := _pick(found, q):
+            return hits[0]
+    return found[0] if found else None
 
 
 def sha256_of(path: Path, chunk: int = 1 << 22) -> str:
@@ -278,8 +294,9 @@ def _listing(repo: str, revision: Optional[str], root: Path, log: Log) -> tuple[
 
 
 def pull(spec: str, root: Path, draft: Optional[str] = None, no_draft: bool = False,
-         revision: Optional[str] = None, log: Log = _stderr) -> PullResult:
-    """Resolve `spec`, download the model (and its draft) into root/owner/name/, check the headers."""
+         revision: Optional[str] = None, log: Log = _stderr, no_mmproj: bool = False) -> PullResult:
+    """Resolve `spec`, download the model (its draft, and its image encoder when the repo has an
+    mmproj file, unless `no_mmproj`) into root/owner/name/, check the headers."""
     want = RepoSpec.parse(spec)
     draft_spec = RepoSpec.parse(draft) if draft else None
     if draft_spec and no_draft:
@@ -301,11 +318,15 @@ def pull(spec: str, root: Path, draft: Optional[str] = None, no_draft: bool = Fa
             log(f"no draft: {e}")
         if draft_spec and draft_file is None:
             raise ValueError(f"{draft_repo} has no GGUF draft file")
+    mmproj_file = None if no_mmproj else choose_mmproj(files)
     model_path = _get(want.repo, sha, model_file, root, ("gemma4", "gemma3"), log)
     draft_path = None
     if draft_file is not None:
         draft_path = _get(draft_repo, draft_sha, draft_file, root, ("gemma4-assistant",), log)
-    return PullResult(model_path, draft_path, sha)
+    mmproj_path = None
+    if mmproj_file is not None:  # beside the model: load_model finds mmproj*.gguf there by itself
+        mmproj_path = _get(want.repo, sha, mmproj_file, root, ("clip",), log)
+    return PullResult(model_path, draft_path, sha, mmproj_path)
 
 
 def _get(repo: str, sha: Optional[str], remote: RemoteFile, root: Path, archs: tuple[str, ...], log: Log) -> Path:

@@ -84,14 +84,15 @@ def prompt_images(prompt_ids: Sequence[int], images: Sequence, vision) -> Option
     return PromptImages(list(prompt_ids), list(images), vision.cfg.image_id, vision.cfg.pad_id)
 
 
-def as_image_input(item, budget: int):
+def as_image_input(item, budget: int, name: str = ""):
     """An image as a request carries it: an ImageInput as is; a path or the file's bytes are
-    opened and preprocessed at `budget` soft tokens (one-line models.gemma4_vision.ImageError)."""
+    opened and preprocessed at `budget` soft tokens (one-line models.gemma4_vision.ImageError,
+    starting with `name`, else the file's name, else "image")."""
     from models.gemma4_vision import ImageInput, load_image
 
     if isinstance(item, ImageInput):
         return item
-    return load_image(item, budget)
+    return load_image(item, budget, name=name)
 
 
 def place_markers(text: str, n_images: int, marker: str) -> str:

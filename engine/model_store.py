@@ -45,6 +45,11 @@ def is_draft_name(name: str) -> bool:
     return any(w in low for w in DRAFT_WORDS)
 
 
+def is_mmproj_name(name: str) -> bool:
+    """llama.cpp's image encoder files (mmproj-F16.gguf ...): they go with the model beside them."""
+    return "mmproj" in Path(name).name.lower()
+
+
 def _stem(name: str) -> str:
     base = Path(name).name
     return base[:-5] if base.lower().endswith(".gguf") else base
@@ -91,6 +96,10 @@ class LocalModel:
     def is_draft(self) -> bool:
         return is_draft_name(self.path.name)
 
+    @property
+    def is_mmproj(self) -> bool:
+        return is_mmproj_name(self.path.name)
+
 
 def local_models(root: Path) -> list[LocalModel]:
     """Every *.gguf under `root` (hidden folders skipped; downloads in progress end in .part)."""
@@ -125,7 +134,7 @@ def find_model(query: str, root: Optional[Path] = None) -> Path:
             if hits:
                 return _one(q, hits, root)
     repo, _, quant = q.partition(":")
-    pulled = [m for m in models if m.repo and m.repo.lower() == repo.lower() and not m.is_draft]
+    pulled = [m for m in models if m.repo and m.repo.lower() == repo.lower() and not m.is_draft and not m.is_mmproj]
     if pulled:
         names = best_quant_matches([m.rel for m in pulled], quant or DEFAULT_QUANT)
         if not quant and not names and len(pulled) == 1:
@@ -136,6 +145,8 @@ def find_model(query: str, root: Optional[Path] = None) -> Path:
     hits = [m for m in models if ql in m.rel.lower()]
     if not is_draft_name(ql):
         hits = [m for m in hits if not m.is_draft] or hits
+    if not is_mmproj_name(ql):  # a pulled repo's image encoder is no model of its own
+        hits = [m for m in hits if not m.is_mmproj] or hits
     if hits:
         return _one(q, hits, root)
     if _REPO_SPEC.fullmatch(q) and not Path(repo).expanduser().parent.exists():

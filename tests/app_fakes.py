@@ -13,6 +13,7 @@ from typing import Optional
 
 from app.backend import Session
 from engine.api import EngineOptions
+from engine.images import ImageRequestError, as_image_input
 from engine.request import StreamEvent
 
 
@@ -23,6 +24,8 @@ class FakeClient:
     gate_after: Optional[int] = None  # hold the stream after this many pieces until aborted/opened
     error: Optional[str] = None  # finish with this error instead of the last piece
     prompt_tokens: int = 17
+    images: bool = True  # status()["images"]: the model has a vision encoder
+    submit_error: Optional[Exception] = None  # submit raises this (e.g. the engine's context refusal)
     speculative: Optional[dict] = field(default_factory=lambda: {
         "rounds": 10, "drafted": 20, "accepted": 13, "acceptance_rate": 0.65, "mean_accepted_length": 1.3,
         "tokens_per_target_forward": 2.3})
@@ -32,11 +35,20 @@ class FakeClient:
         self.gate = threading.Event()
         self.aborted: set[int] = set()
         self.submitted: list[tuple] = []  # (messages, GenerationParams)
+        self.image_tokens = 0  # of the last submitted prompt, counted as the engine does
         self.closed = False
         self.cached = 0
 
     def submit(self, messages, params) -> int:
+        """Records the messages; their images are opened and counted like the real client does
+        (a missing or broken file raises its one-line error), so tests see what the engine gets."""
         self.submitted.append(([dict(m) for m in messages], params))
+        if self.submit_error is not None:
+            raise self.submit_error
+        images = [im for m in messages for im in m.get("images", ())]
+        if images and not self.images:
+            raise ImageRequestError("this model has no image encoder")
+        self.image_tokens = sum(as_image_input(im, params.image_tokens).n_tokens for im in images)
         return next(self._ids)
 
     def last_prompt_ids(self, rid: int) -> list[int]:
@@ -64,7 +76,7 @@ class FakeClient:
     def _stats(self, n: int) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "cached_tokens": 5, "prefilled_tokens": self.prompt_tokens - 5,
                 "output_tokens": n, "prefill_s": 0.1, "decode_s": 0.5, "prefill_tok_s": 120.0,
-                "decode_tok_s": 42.5}
+                "decode_tok_s": 42.5, "image_tokens": self.image_tokens}
 
     def abort(self, rid: int) -> None:
         self.aborted.add(rid)
@@ -75,7 +87,8 @@ class FakeClient:
                           "window": {"format": "bf16", "capacity": 1024, "used": 64, "free": 960,
                                      "unit_bytes": 2048, "slabs": 8}, "share_kv": True},
                 "cache_type": "radix", "attention_backend": "torch", "cached_prefix_tokens": self.cached,
-                "running": 0, "waiting": 0, "context_limit": 4096, "speculative": self.speculative}
+                "running": 0, "waiting": 0, "context_limit": 4096, "images": self.images,
+                "speculative": self.speculative}
 
     def close(self) -> None:
         self.closed = True

@@ -55,6 +55,30 @@ def test_snapshot_chat_screen(snap_compare, tmp_path):
     assert snap_compare(_app(tmp_path), terminal_size=SIZE, run_before=_chat_with_one_answer)
 
 
+def test_snapshot_chat_with_an_image_attached(snap_compare, tmp_path):
+    """A sent message with its image chip, and a pending chip (preview, name, size, tokens, ✕)."""
+    from PIL import Image
+
+    photo = tmp_path / "sunset.png"
+    img = Image.new("RGB", (48, 32))
+    img.putdata([(250 - 4 * y, 120 + 2 * x, 40 + 5 * y) for y in range(32) for x in range(48)])
+    img.save(photo)
+
+    async def run_before(pilot) -> None:
+        await _until(pilot, lambda: isinstance(pilot.app.screen, ChatScreen))
+        chat = pilot.app.screen
+        for text in (f"/image {photo}", "What is in this picture?"):
+            chat.query_one("#input").text = text
+            await pilot.press("enter")
+        await _until(pilot, lambda: chat.gen is None and len(chat.messages) == 2)
+        chat.query_one("#input").text = f"/image {photo}"
+        await pilot.press("enter")
+        await _until(pilot, lambda: len(chat.attachments.pending) == 1)
+        await pilot.pause(0.7)  # the status panel's next refresh
+
+    assert snap_compare(_app(tmp_path), terminal_size=SIZE, run_before=run_before)
+
+
 def test_snapshot_settings_screen(snap_compare, tmp_path):
     app = _app(tmp_path)
 

@@ -152,3 +152,79 @@ def test_client_messages_carry_images_and_the_next_turn_reuses_their_kv(tiny):
         assert stats["cached_tokens"] <= ids1.index(IMG)
     finally:
         client.close()
+
+
+def _spy_submits(monkeypatch) -> list:
+    """Every conversation LocalClient.submit gets (the messages as the chat or app built them)."""
+    from engine.client import LocalClient
+
+    seen, submit = [], LocalClient.submit
+
+    def spy(self, messages, params=None):
+        seen.append(([dict(m) for m in messages], params))
+        return submit(self, messages, params) if params is not None else submit(self, messages)
+    monkeypatch.setattr(LocalClient, "submit", spy)
+    return seen
+
+
+def test_chat_image_lines_attach_to_the_next_message(tiny, capsys, monkeypatch):
+    """`edgegem chat --mmproj`: the text-only copy of the model takes images through the flag; a
+    line `/image PATH` goes with the next message and stays in the history; bad ones are one line."""
+    lines = iter([f"/image {tiny['junk']}", f"/image {tiny['root'] / 'nope.png'}", f"/image '{tiny['a']}'",
+                  "what is it?", "and now?", ""])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    seen = _spy_submits(monkeypatch)
+    code, out, err = edgegem(capsys, "chat", "--model", tiny["text_only"], "--mmproj",
+                             tiny["model"].parent / "mmproj-tiny-mm.gguf", "--image-tokens", "70",
+                             "--max-tokens", "2", "--temperature", "0", "--device", "cpu")
+    assert code == 0, err
+    refusals = [ln for ln in err.splitlines() if ln.startswith("edgegem: ")]
+    assert refusals[0] == "edgegem: junk.png: not an image (or a format Pillow cannot read)"
+    assert refusals[1] == "edgegem: nope.png: no such file" and len(refusals) == 2
+    assert "[a.png: 60 image tokens, sent with your next message]" in out
+    first, second = seen[0][0], seen[1][0]
+    assert [im.n_tokens for im in first[-1]["images"]] == [60] and first[-1]["content"] == "what is it?"
+    assert "images" in second[0] and "images" not in second[-1]  # earlier images stay in context
+    assert seen[0][1].image_tokens == 70
+
+
+def test_chat_image_on_a_model_without_an_encoder_is_one_line(tiny, capsys, monkeypatch):
+    lines = iter([f"/image {tiny['a']}", ""])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    code, out, err = edgegem(capsys, "chat", "--model", tiny["text_only"], "--device", "cpu")
+    assert code == 0 and err.count("has no image encoder") == 1, err
+    assert len([ln for ln in err.splitlines() if "image encoder" in ln]) == 1
+
+
+async def test_the_app_on_the_real_engine_sends_an_image_and_counts_its_tokens(tiny, tmp_path):
+    """`edgegem app --mmproj`: EngineBackend loads the encoder from the flag; the chip's count is
+    the engine's, the answer streams, and the status panel shows the request's image tokens."""
+    from app.app import EdgegemApp
+    from app.backend import EngineBackend
+    from app.store import Store
+    from app.widgets.attachments import AttachmentBar
+    from app.widgets.status_panel import StatusPanel
+    from engine.api import EngineOptions
+    from tests.test_app import until
+
+    backend = EngineBackend(str(tiny["text_only"]), EngineOptions(max_running_requests=1), "cpu",
+                            mmproj=str(tiny["model"].parent / "mmproj-tiny-mm.gguf"))
+    app = EdgegemApp(backend, Store(tmp_path / "data"), plan_seconds=0.0,
+                     default_settings={"image_tokens": 70, "max_tokens": 3, "temperature": 0.0})
+    async with app.run_test(size=(120, 36)) as pilot:
+        from app.screens.chat import ChatScreen
+        await until(pilot, lambda: isinstance(app.screen, ChatScreen) and app.screen.is_mounted, timeout=120)
+        chat = app.screen
+        box = chat.query_one("#input")
+        box.text = f"/image {tiny['a']}"
+        await pilot.press("enter")
+        await until(pilot, lambda: len(chat.query_one(AttachmentBar).pending) == 1)
+        assert chat.query_one(AttachmentBar).pending[0].n_tokens == 60
+        box.text = "what is it?"
+        await pilot.press("enter")
+        await until(pilot, lambda: chat.gen is None and len(chat.messages) == 2, timeout=120)
+        answer = chat.messages[1]
+        assert answer.status == "done" and answer.stats["image_tokens"] == 60, answer.stats
+        await pilot.pause(0.6)
+        panel = str(chat.query_one(StatusPanel).render())
+        assert "images  yes" in panel and "last prompt 60 image tokens" in panel

@@ -60,7 +60,8 @@ def test_bash_completion_completes():
 
     assert complete("do") == ["doctor"]
     assert set(complete("")) >= {"pull", "models", "doctor", "chat", "--version"}
-    assert complete("pull", "--no") == ["--no-draft"]
+    assert complete("pull", "--no") == ["--no-draft", "--no-mmproj"]
+    assert complete("chat", "--image-t") == ["--image-tokens"]
     assert complete("run", "--kv-cache-dtype", "int") == ["int8_per_token_head"]
     assert complete("models", "--device", "c") == ["cuda", "cpu"]
     assert complete("run", "--prompt", "") == []

@@ -22,7 +22,8 @@ from tiny_models import TinySpec, write_tiny_assistant, write_tiny_gemma4
 
 from app.cli import main
 from engine import hub
-from engine.hub import RemoteFile, RepoSpec, choose_draft, choose_model
+from engine.hub import RemoteFile, RepoSpec, choose_draft, choose_mmproj, choose_model
+from engine.model_store import find_model
 
 # huggingface_hub 2.x ships its HTTP client as httpx2, 1.x used httpx
 httpx = importlib.import_module("httpx2" if importlib.util.find_spec("httpx2") else "httpx")
@@ -31,6 +32,22 @@ REPO = "unsloth/gemma-4-E2B-it-GGUF"
 SHA = "5d2c5f0e1f0a3b4c5d6e7f8091a2b3c4d5e6f708"
 SPEC = TinySpec(d_model=64, hd_sliding=32, hd_full=64, ffn=128, ple_width=8)
 MODEL, DRAFT = "gemma-4-E2B-it-Q4_K_M.gguf", "gemma-4-E2B-it-assistant-Q4_K_M.gguf"
+MMPROJ = "mmproj-F16.gguf"
+
+
+def write_clip_gguf(path: Path) -> Path:
+    """A minimal llama.cpp mmproj header (architecture clip, one f16 tensor): what pull checks."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(path), arch="clip")
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_tensor("v.patch_embd.weight", np.zeros((4, 4), dtype=np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
 
 
 class FakeHub:
@@ -114,7 +131,8 @@ def fake_hub(tmp_path, monkeypatch):
     write_tiny_gemma4(remote / MODEL, SPEC, seed=1)
     write_tiny_gemma4(remote / "gemma-4-E2B-it-Q8_0.gguf", SPEC, seed=2)
     write_tiny_assistant(remote / DRAFT, SPEC, d_model=32, ffn=64)
-    (remote / "mmproj-F16.gguf").write_bytes(b"GGUF" + os.urandom(100))
+    write_clip_gguf(remote / MMPROJ)
+    write_clip_gguf(remote / "mmproj-F32.gguf")
     (remote / "README.md").write_text("# tiny\n")
     fake = FakeHub(remote)
     hf_http.set_client_factory(lambda: httpx.Client(
@@ -167,6 +185,13 @@ def test_choose_model_by_quant():
         choose_model("r", _files("README.md", "mmproj-F16.gguf"), None)
 
 
+def test_choose_mmproj():
+    assert choose_mmproj(_files("m-Q4_K_M.gguf", "mmproj-F32.gguf", "mmproj-BF16.gguf", "mmproj-F16.gguf")).name \
+        == "mmproj-F16.gguf"  # 16 bits: the encoder is dequantized at load, F32 only doubles the download
+    assert choose_mmproj(_files("mmproj-model-f32.gguf")).name == "mmproj-model-f32.gguf"
+    assert choose_mmproj(_files("m-Q4_K_M.gguf", "mmproj.txt")) is None
+
+
 def test_choose_draft():
     files = _files("m-Q4_K_M.gguf", "m-assistant-Q4_K_M.gguf", "m-assistant-Q8_0.gguf", "m-assistant-F16.gguf")
     assert choose_draft("r", files, "Q4_K_M").name == "m-assistant-Q4_K_M.gguf"
@@ -185,13 +210,19 @@ def test_pull_downloads_verifies_and_prints_paths(fake_hub, tmp_path, capsys):
     out = capsys.readouterr()
     model = tmp_path / "models" / REPO / MODEL
     draft = tmp_path / "models" / REPO / DRAFT
-    assert out.out.splitlines() == [str(model), str(draft)]
+    mmproj = tmp_path / "models" / REPO / MMPROJ  # beside the model, where load_model looks
+    assert out.out.splitlines() == [str(model), str(draft), str(mmproj)]
     assert _sha(model) == _sha(fake_hub.remote / MODEL) and _sha(draft) == _sha(fake_hub.remote / DRAFT)
-    assert "GGUF gemma4," in out.err and "GGUF gemma4-assistant," in out.err
+    assert _sha(mmproj) == _sha(fake_hub.remote / MMPROJ)
+    assert "GGUF gemma4," in out.err and "GGUF gemma4-assistant," in out.err and "GGUF clip," in out.err
     assert f"edgegem --model {model.stem} --spec-draft-model {draft}" in out.err
     assert not list((tmp_path / "models").rglob("*.part*"))  # no partial or lock files left
     gets = [u for m, u, _ in fake_hub.requests if "cdn-lfs" in u]
-    assert len(gets) == 2 and not any("mmproj" in u or "Q8_0" in u for u in gets)
+    assert len(gets) == 3 and not any("F32" in u or "Q8_0" in u for u in gets)
+    # the encoder is no model of its own: names still find the model
+    for name in (REPO, "E2B-it-GGUF", "e2b"):
+        assert find_model(name, tmp_path / "models") == model
+    assert find_model("mmproj", tmp_path / "models") == mmproj
 
     fake_hub.requests.clear()  # a second pull finds both files in place: listing only, no download
     assert main(["pull", REPO]) == 0
@@ -199,8 +230,28 @@ def test_pull_downloads_verifies_and_prints_paths(fake_hub, tmp_path, capsys):
     assert all("/api/models/" in u for _, u, _ in fake_hub.requests)
 
 
+def test_no_mmproj_skips_the_image_encoder(fake_hub, tmp_path, capsys):
+    assert main(["pull", REPO, "--no-mmproj"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == [str(tmp_path / "models" / REPO / MODEL), str(tmp_path / "models" / REPO / DRAFT)]
+    assert not [u for _, u, _ in fake_hub.requests if "mmproj" in u and "cdn-lfs" in u]
+    assert not list((tmp_path / "models").rglob("mmproj*"))
+    (fake_hub.remote / MMPROJ).unlink()
+    (fake_hub.remote / "mmproj-F32.gguf").unlink()
+    assert main(["pull", REPO]) == 0  # a repo without one: the pull is as before
+    assert len(capsys.readouterr().out.splitlines()) == 2
+
+
+def test_models_lists_the_encoder_as_such(fake_hub, tmp_path, capsys):
+    assert main(["pull", REPO, "--no-draft"]) == 0
+    capsys.readouterr()
+    assert main(["models", "--device", "cpu"]) == 0
+    row = next(ln for ln in capsys.readouterr().out.splitlines() if "mmproj" in ln)
+    assert "image encoder (mmproj) of the model beside it" in row
+
+
 def test_no_draft_and_explicit_draft_repo(fake_hub, tmp_path, capsys):
-    assert main(["pull", f"{REPO}:Q8_0", "--no-draft", "--models-dir", str(tmp_path / "m2")]) == 0
+    assert main(["pull", f"{REPO}:Q8_0", "--no-draft", "--no-mmproj", "--models-dir", str(tmp_path / "m2")]) == 0
     assert capsys.readouterr().out.splitlines() == [str(tmp_path / "m2" / REPO / "gemma-4-E2B-it-Q8_0.gguf")]
     assert main(["pull", REPO, "--draft", "someone/other-GGUF"]) == 2
     assert "no model repo someone/other-GGUF" in capsys.readouterr().err
@@ -209,7 +260,7 @@ def test_no_draft_and_explicit_draft_repo(fake_hub, tmp_path, capsys):
 def test_interrupted_download_resumes(fake_hub, tmp_path, capsys):
     size = (fake_hub.remote / MODEL).stat().st_size
     fake_hub.cut_after[MODEL] = 5 * 65536
-    assert main(["pull", f"{REPO}:Q4_K_M", "--no-draft"]) == 2
+    assert main(["pull", f"{REPO}:Q4_K_M", "--no-draft", "--no-mmproj"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err == (f"edgegem: error: download of {MODEL} stopped at {5 * 65536} of {size} bytes "
                    "(connection reset by peer); run the same pull again to resume")
@@ -217,7 +268,7 @@ def test_interrupted_download_resumes(fake_hub, tmp_path, capsys):
     assert part.stat().st_size == 5 * 65536 and not (tmp_path / "models" / REPO / MODEL).exists()
 
     fake_hub.requests.clear()
-    assert main(["pull", f"{REPO}:Q4_K_M", "--no-draft"]) == 0
+    assert main(["pull", f"{REPO}:Q4_K_M", "--no-draft", "--no-mmproj"]) == 0
     assert "resuming at" in capsys.readouterr().err
     ranges = [r for _, u, r in fake_hub.requests if "cdn-lfs" in u]
     assert ranges == [f"bytes={5 * 65536}-"]  # only the missing tail travelled
@@ -227,7 +278,7 @@ def test_interrupted_download_resumes(fake_hub, tmp_path, capsys):
 
 def test_wrong_size_or_hash_is_refused(fake_hub, tmp_path, capsys):
     fake_hub.extra_bytes[MODEL] = b"junk"  # the CDN sends more than the listing says
-    assert main(["pull", REPO, "--no-draft"]) == 2
+    assert main(["pull", REPO, "--no-draft", "--no-mmproj"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     size = (fake_hub.remote / MODEL).stat().st_size
     assert err[-1] == (f"edgegem: error: {MODEL}: the server sent {size + 4} bytes but the hub lists {size}; "
@@ -236,7 +287,7 @@ def test_wrong_size_or_hash_is_refused(fake_hub, tmp_path, capsys):
 
     fake_hub.extra_bytes.clear()
     fake_hub.listed_sha[MODEL] = "0" * 64
-    assert main(["pull", REPO, "--no-draft"]) == 2
+    assert main(["pull", REPO, "--no-draft", "--no-mmproj"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert re.fullmatch(rf"edgegem: error: {MODEL}: sha256 [0-9a-f]{{12}}\.\.\. differs from the hub's "
                         r"000000000000\.\.\.; the bad copy was removed, run the pull again", err[-1])
@@ -247,17 +298,17 @@ def test_part_longer_than_the_file_restarts(fake_hub, tmp_path, capsys):
     d = tmp_path / "models" / REPO
     d.mkdir(parents=True)
     (d / (MODEL + ".part")).write_bytes(b"x" * ((fake_hub.remote / MODEL).stat().st_size + 1))
-    assert main(["pull", REPO, "--no-draft"]) == 0
+    assert main(["pull", REPO, "--no-draft", "--no-mmproj"]) == 0
     assert [r for _, u, r in fake_hub.requests if "cdn-lfs" in u] == [None]
     assert _sha(d / MODEL) == _sha(fake_hub.remote / MODEL)
 
 
 def test_not_a_gguf_is_refused(fake_hub, tmp_path, capsys):
     (fake_hub.remote / "broken-Q4_K_M.gguf").write_bytes(b"not a gguf at all")
-    assert main(["pull", f"{REPO}:Q4_K_M", "--no-draft"]) == 2  # two Q4_K_M files now
+    assert main(["pull", f"{REPO}:Q4_K_M", "--no-draft", "--no-mmproj"]) == 2  # two Q4_K_M files now
     assert "2 files match the quant Q4_K_M" in capsys.readouterr().err
     (fake_hub.remote / MODEL).unlink()
-    assert main(["pull", f"{REPO}:Q4_K_M", "--no-draft"]) == 2
+    assert main(["pull", f"{REPO}:Q4_K_M", "--no-draft", "--no-mmproj"]) == 2
     assert capsys.readouterr().err.strip().endswith("broken-Q4_K_M.gguf: not a GGUF file (bad magic)")
 
 
@@ -276,7 +327,7 @@ def test_huggingface_cache_copy_is_reused(fake_hub, tmp_path, capsys):
     found = hf.hf_hub_download(REPO, MODEL, local_files_only=True, cache_dir=hf_constants.HF_HUB_CACHE)
     assert Path(found).resolve() == (cache / "blobs" / sha256).resolve()
 
-    assert main(["pull", REPO, "--no-draft"]) == 0
+    assert main(["pull", REPO, "--no-draft", "--no-mmproj"]) == 0
     assert "taking the copy in the huggingface_hub cache" in capsys.readouterr().err
     assert not [u for _, u, _ in fake_hub.requests if "cdn-lfs" in u]
     assert _sha(tmp_path / "models" / REPO / MODEL) == sha256
@@ -295,7 +346,7 @@ def test_offline_uses_what_was_pulled(fake_hub, tmp_path, capsys, monkeypatch):
     assert main(["pull", REPO]) == 0
     out = capsys.readouterr()
     assert "cannot reach the hub; using the files already in" in out.err
-    assert out.out.splitlines() == [str(tmp_path / "models" / REPO / MODEL), str(tmp_path / "models" / REPO / DRAFT)]
+    assert out.out.splitlines() == [str(tmp_path / "models" / REPO / f) for f in (MODEL, DRAFT, MMPROJ)]
 
 
 def test_listing_sizes_come_from_lfs(fake_hub):

@@ -12,7 +12,6 @@ import itertools
 import sqlite3
 import time
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Optional
 
 from textual import on
@@ -24,12 +23,13 @@ from textual.widgets import Footer, Static
 
 from app.backend import GenerationParams, SamplingParams, split_thinking
 from app.messages import GenerationDone
-from app.screens.dialogs import ConfirmScreen, HelpScreen, TextPrompt
+from app.screens.chat_commands import ChatCommandsMixin, one_line
+from app.screens.chat_images import ImageInputMixin
+from app.screens.settings import DEFAULT_SETTINGS
 from app.store import DEFAULT_TITLE, Message
-from app.screens.kv_check import KVCheckScreen
-from app.screens.settings import DEFAULT_SETTINGS, SettingsResult, SettingsScreen
+from app.widgets.attachments import AttachmentBar
 from app.widgets.chat_input import ChatInput
-from app.widgets.message_view import MessageView, code_blocks
+from app.widgets.message_view import MessageView
 from app.widgets.sidebar import Sidebar
 from app.widgets.status_panel import StatusPanel
 
@@ -53,21 +53,16 @@ class Generation:
     shown: str = ""  # what the view shows; UI thread only
 
 
-def one_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
 def sampling_params(s: dict) -> GenerationParams:
     s = {**DEFAULT_SETTINGS, **s}
     return GenerationParams(SamplingParams(temperature=float(s["temperature"]), top_k=int(s["top_k"]),
                                            top_p=float(s["top_p"]), min_p=float(s["min_p"]),
                                            max_tokens=int(s["max_tokens"]),
                                            repetition_penalty=float(s["repetition_penalty"])),
-                            thinking=bool(s["thinking"]))
+                            thinking=bool(s["thinking"]), image_tokens=int(s["image_tokens"]))
 
 
-class ChatScreen(Screen[None]):
+class ChatScreen(ImageInputMixin, ChatCommandsMixin, Screen[None]):
     BINDINGS = [
         Binding("escape", "stop", "Stop"),
         Binding("ctrl+r", "regenerate", "Regenerate"),
@@ -75,6 +70,8 @@ class ChatScreen(Screen[None]):
         Binding("ctrl+o", "copy_answer", "Copy"),
         Binding("ctrl+b", "copy_code", "Copy code", show=False),
         Binding("ctrl+t", "toggle_thinking", "Thinking"),
+        Binding("f3", "attach_image", "Image"),
+        Binding("shift+f3", "remove_attachment", "Remove image", show=False),
         Binding("ctrl+n", "new_conversation", "New"),
         Binding("ctrl+f", "search", "Search", show=False),
         Binding("f2", "rename", "Rename", show=False),
@@ -102,6 +99,7 @@ class ChatScreen(Screen[None]):
             yield Sidebar(self.store, id="sidebar")
             with Vertical(id="main"):
                 yield VerticalScroll(id="messages")
+                yield AttachmentBar(id="attachments")
                 yield ChatInput(id="input")
             yield StatusPanel(id="status")
         yield Footer()
@@ -131,8 +129,8 @@ class ChatScreen(Screen[None]):
         box.remove_children()
         if self.session.info.get("demo"):
             box.mount(Static(DEMO_NOTE, classes="notice", markup=False))
-        box.mount_all([MessageView(m.role, m.content, m.thinking, m.status, m.id, (m.stats or {}).get("error"))
-                       for m in self.messages if m.role != "system"])
+        box.mount_all([MessageView(m.role, m.content, m.thinking, m.status, m.id, (m.stats or {}).get("error"),
+                                   m.images) for m in self.messages if m.role != "system"])
         box.scroll_end(animate=False)
         last = next((m.stats for m in reversed(self.messages) if m.role == "assistant" and m.stats), None)
         self.last_stats = last
@@ -142,7 +140,9 @@ class ChatScreen(Screen[None]):
 
     @property
     def settings(self) -> dict:
-        return {**DEFAULT_SETTINGS, **self.store.get(self.conversation_id).settings}
+        """This conversation's settings over the app's defaults (command-line flags) over ours."""
+        return {**DEFAULT_SETTINGS, **getattr(self.app, "default_settings", {}),
+                **self.store.get(self.conversation_id).settings}
 
     def _busy(self) -> bool:
         if self.gen is not None:
@@ -162,139 +162,30 @@ class ChatScreen(Screen[None]):
             self.load_conversation(self._new().id)
             self.query_one(ChatInput).focus()
 
-    def action_search(self) -> None:
-        self.query_one("#search").focus()
-
-    def action_rename(self) -> None:
-        def done(title: Optional[str]) -> None:
-            if title:
-                self._saved(lambda: self.store.rename(self.conversation_id, title), "the title")
-                self.sub_title = self.store.get(self.conversation_id).title
-                self.query_one(Sidebar).reload(self.conversation_id)
-        self.app.push_screen(TextPrompt("Rename conversation", self.store.get(self.conversation_id).title), done)
-
-    def action_delete(self) -> None:
-        if self._busy():
-            return
-        title = self.store.get(self.conversation_id).title
-
-        def done(yes: bool) -> None:
-            if yes:
-                cid = self.conversation_id
-                if self._saved(lambda: self.store.delete(cid) or True, "the deletion") is None:
-                    return
-                self._forget_kv(cid)
-                convs = self.store.conversations()
-                self.load_conversation(convs[0].id if convs else self._new().id)
-                self.notify(f"Deleted “{title}”.")
-        self.app.push_screen(ConfirmScreen(f"Delete “{title}” and all its messages?", yes="Delete"), done)
-
-    def action_export(self) -> None:
-        md, js = self.store.export_to(self.conversation_id, self.app.export_dir)
-        self.notify(f"Exported to {md} and {js.name}", timeout=8)
-
-    def action_import(self) -> None:
-        """Add a conversation from an exported JSON file (refused in one line when malformed)."""
-        def done(path: Optional[str]) -> None:
-            if not path or self._busy():
-                return
-            try:
-                conv = self.store.import_file(path)
-            except (OSError, ValueError) as e:
-                self.notify(one_line(e), title="Import failed", severity="error", timeout=10)
-                return
-            self.load_conversation(conv.id)
-            self.notify(f"Imported “{conv.title}”.")
-        self.app.push_screen(TextPrompt("Import a conversation: path of an exported .json file"), done)
-
-    def action_help(self) -> None:
-        self.app.push_screen(HelpScreen())
-
-    def action_settings(self) -> None:
-        def done(result: Optional[SettingsResult]) -> None:
-            if result is None:
-                return
-            if self._saved(lambda: self.store.update_settings(self.conversation_id, result.conversation) or True,
-                           "the settings") is None:
-                return
-            if result.engine:
-                self.app.confirm_reload(result.engine)
-            else:
-                self.notify("Settings saved for this conversation.")
-        self.app.push_screen(SettingsScreen(self.settings, self.app.engine_flags(), self._kv_figures(),
-                                            self._kv_disk(), self._clear_kv_disk), done)
-
-    # --- conversations' KV on disk (engine/kv_sessions.py) ---------------------------------------
-    def _kv_session(self, conversation_id: int) -> Optional[str]:
-        """The KV file of a conversation under <data-dir>/kv/, None when KV files are off."""
-        folder = self.session.info.get("kv_dir")
-        return str(Path(folder) / f"{conversation_id}.safetensors") if folder else None
-
-    def _forget_kv(self, conversation_id: int) -> None:
-        path, forget = self._kv_session(conversation_id), getattr(self.client, "forget_kv", None)
-        if path and forget is not None:
-            forget(path)
-
-    def _kv_disk(self) -> Optional[dict]:
-        usage = getattr(self.client, "kv_disk_usage", None)
-        got = usage() if usage is not None and self.session.info.get("kv_dir") else None
-        if got is None:
-            return None
-        return {"files": got[0], "bytes": got[1], "budget": self.session.info.get("kv_disk_budget")}
-
-    def _clear_kv_disk(self) -> Optional[dict]:
-        self.client.clear_kv_disk()
-        return self._kv_disk()
-
-    def _kv_figures(self) -> Optional[dict]:
-        cached = getattr(self.app.backend, "kv_check_cached", None)
-        return cached(self.session, self.store.data_dir) if cached else None
-
-    def action_kv_check(self) -> None:
-        """Measure the KV formats on this model (modal: the chat waits, app/screens/kv_check.py)."""
-        if not self._busy():
-            self.app.push_screen(KVCheckScreen(self.app.backend, self.session, self.store.data_dir))
-
-    def action_toggle_thinking(self) -> None:
-        on_ = not self.settings["thinking"]
-        if self._saved(lambda: self.store.update_settings(self.conversation_id, {"thinking": on_}) or True,
-                       "the setting") is None:
-            return
-        self.notify(f"Thinking {'on' if on_ else 'off'} for this conversation.")
-
-    # --- copying -----------------------------------------------------------------------------
-    def _last_answer(self) -> Optional[str]:
-        return next((m.content for m in reversed(self.messages) if m.role == "assistant"), None)
-
-    def action_copy_answer(self) -> None:
-        text = self._last_answer()
-        if text:
-            self.app.copy_to_clipboard(text)
-            self.notify("Copied the last answer.")
-
-    def action_copy_code(self) -> None:
-        blocks = code_blocks(self._last_answer() or "")
-        if blocks:
-            self.app.copy_to_clipboard(blocks[-1])
-            self.notify("Copied the last code block.")
-        else:
-            self.notify("The last answer has no code block.", severity="warning")
-
     # --- sending, regenerating, editing --------------------------------------------------------
     @on(ChatInput.Submitted)
     async def send(self, event: ChatInput.Submitted) -> None:
-        if self._busy():
+        if await self.take_image_input(event.text):  # `/image PATH` or a lone image path: attached
             return
+        pending = self.attachments.pending
+        if (not event.text and not pending) or self._busy():
+            return
+        images = self.keep_pending()
+        if images is None:
+            return  # text and chips stay: nothing was sent
         conv = self.store.get(self.conversation_id)
         if not self.messages and conv.title == DEFAULT_TITLE:
-            self._saved(lambda: self.store.rename(conv.id, self.store.title_from(event.text)), "the title")
+            title = self.store.title_from(event.text or pending[0].name)
+            self._saved(lambda: self.store.rename(conv.id, title), "the title")
             self.sub_title = self.store.get(conv.id).title
-        m = self._saved(lambda: self.store.add_message(conv.id, "user", event.text), "your message")
+        m = self._saved(lambda: self.store.add_message(conv.id, "user", event.text, images=images), "your message")
         if m is None:
             return  # the text stays in the input: send it again when the disk has room
         self.messages.append(m)
         self.query_one(ChatInput).clear()
-        await self.query_one("#messages", VerticalScroll).mount(MessageView("user", m.content, message_id=m.id))
+        await self.attachments.clear()
+        await self.query_one("#messages", VerticalScroll).mount(
+            MessageView("user", m.content, message_id=m.id, images=m.images))
         self.query_one(Sidebar).reload(conv.id)
         await self.generate()
 
@@ -317,7 +208,7 @@ class ChatScreen(Screen[None]):
         if self.messages and self.messages[-1].role == "user":
             await self.generate()
 
-    def action_edit_last(self) -> None:
+    async def action_edit_last(self) -> None:
         if self._busy():
             return
         self._drop_last("assistant")
@@ -325,6 +216,7 @@ class ChatScreen(Screen[None]):
         if m is not None:
             box = self.query_one(ChatInput)
             box.text = m.content
+            await self.restore_images(m.images)  # its images come back as chips, not lost
             box.focus()
 
     def action_stop(self) -> None:
@@ -340,7 +232,9 @@ class ChatScreen(Screen[None]):
         s = self.settings
         msgs = [{"role": "system", "content": s["system"]}] if s["system"].strip() else []
         # Answers that failed carry no text worth conditioning on; stopped ones are kept.
-        msgs += [{"role": m.role, "content": m.content} for m in self.messages
+        # A user message's images go with it on every turn (the copies in the data folder): the
+        # prefix cache keys them by content, so earlier images are not encoded again.
+        msgs += [{"role": m.role, "content": m.content, **self.message_images(m)} for m in self.messages
                  if m.role in ("user", "assistant") and m.status != "error"]
         return msgs
 
@@ -426,8 +320,13 @@ class ChatScreen(Screen[None]):
         return int(s.get("prompt_tokens", 0)) + int(s.get("output_tokens", 0))
 
     def refresh_status(self) -> None:
+        bar = self.attachments
         self.query_one(StatusPanel).refresh_from(self.session.info, self.client.status(),
-                                                 self.context_tokens(), self.last_stats)
+                                                 self.context_tokens(), self.last_stats,
+                                                 pending=(len(bar.pending), bar.tokens))
+
+    def on_attachment_bar_changed(self, event: AttachmentBar.Changed) -> None:
+        self.refresh_status()
 
 
 DEMO_NOTE = ("This is the bundled demo model, Gemma 3 270M: a small base model that rambles rather than "

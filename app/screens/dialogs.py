@@ -59,6 +59,8 @@ HELP = """\
 | Ctrl+O | copy the last answer |
 | Ctrl+B | copy the last code block |
 | Ctrl+T | thinking on/off (Gemma-4: the thought shows in a collapsible pane) |
+| F3, `/image PATH` | attach an image to the next message (or send just its path) |
+| Shift+F3 | remove the last attached image (or click its ✕) |
 | Ctrl+N | new conversation |
 | Ctrl+F | search conversations |
 | F2 | rename the conversation |

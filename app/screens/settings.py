@@ -14,7 +14,8 @@ from app.screens.kv_check import figure_lines
 
 # Per-conversation defaults: llama.cpp-like chat sampling.
 DEFAULT_SETTINGS = {"system": "", "temperature": 0.7, "top_p": 0.95, "top_k": 64, "min_p": 0.0,
-                    "repetition_penalty": 1.0, "max_tokens": 1024, "thinking": False}
+                    "repetition_penalty": 1.0, "max_tokens": 1024, "thinking": False, "image_tokens": 280}
+IMAGE_BUDGETS = (70, 140, 280, 560, 1120)  # soft tokens per image (engine.images); 280: 256 for a square
 # name -> (label, type, lower bound, upper bound)
 NUMBERS = {"temperature": ("Temperature", float, 0.0, 5.0), "top_p": ("Top-p", float, 0.0, 1.0),
            "top_k": ("Top-k (0: off)", int, 0, 1_000_000), "min_p": ("Min-p", float, 0.0, 1.0),
@@ -32,6 +33,9 @@ class SettingsResult:
 def parse_settings(raw: dict) -> dict:
     """Validate the form's strings into typed settings; ValueError names the first bad field."""
     out = {"system": raw.get("system", ""), "thinking": bool(raw.get("thinking"))}
+    if int(raw.get("image_tokens", DEFAULT_SETTINGS["image_tokens"])) not in IMAGE_BUDGETS:
+        raise ValueError(f"Image tokens: one of {', '.join(map(str, IMAGE_BUDGETS))}")
+    out["image_tokens"] = int(raw.get("image_tokens", DEFAULT_SETTINGS["image_tokens"]))
     for key, (label, typ, lo, hi) in NUMBERS.items():
         try:
             v = typ(str(raw[key]).strip())
@@ -74,6 +78,10 @@ class SettingsScreen(ModalScreen["SettingsResult | None"]):
                     yield Input(str(s[key]), id=key, compact=True)
                 yield Label("Thinking (Gemma-4)")
                 yield Switch(bool(s["thinking"]), id="thinking")
+                yield Label("Image tokens")
+                yield Select([(str(b), b) for b in IMAGE_BUDGETS], allow_blank=False, compact=True,
+                             value=int(s["image_tokens"]) if int(s["image_tokens"]) in IMAGE_BUDGETS else 280,
+                             id="image_tokens")
             yield Label("Engine (applied by reloading the model)", classes="heading")
             with Grid(classes="numbers"):
                 yield Label("KV cache format")
@@ -113,6 +121,7 @@ class SettingsScreen(ModalScreen["SettingsResult | None"]):
         raw = {key: self.query_one(f"#{key}", Input).value for key in NUMBERS}
         raw["system"] = self.query_one("#system", TextArea).text
         raw["thinking"] = self.query_one("#thinking", Switch).value
+        raw["image_tokens"] = self.query_one("#image_tokens", Select).value
         try:
             conv = parse_settings(raw)
         except ValueError as e:

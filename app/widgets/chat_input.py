@@ -20,9 +20,8 @@ class ChatInput(TextArea):
         if event.key == "enter":
             event.stop()
             event.prevent_default()
-            text = self.text.strip()
-            if text:
-                self.post_message(self.Submitted(text))
+            # Empty too: a message may be only its attached images (the chat screen decides).
+            self.post_message(self.Submitted(self.text.strip()))
             return
         if event.key in ("shift+enter", "ctrl+j"):
             event.stop()

@@ -23,7 +23,9 @@ class StatusPanel(Static):
         super().__init__("", markup=False, **kw)
         self.lines: list[str] = []
 
-    def refresh_from(self, info: dict, status: dict, context_tokens: int, last: Optional[dict]) -> None:
+    def refresh_from(self, info: dict, status: dict, context_tokens: int, last: Optional[dict],
+                     pending: tuple[int, int] = (0, 0)) -> None:
+        """`pending`: (images, soft tokens) attached to the message being written."""
         lines = [f"model   {info.get('model', '?')}", f"file    {info.get('file', '?')}",
                  f"device  {info.get('device', '?')}"]
         pools = kv_pools(status)
@@ -47,6 +49,12 @@ class StatusPanel(Static):
                 lines.append(f"disk    restored {last['restored_tokens']} tokens from disk")
             elif last.get("kv_session_error"):
                 lines.append("disk    KV file not used (prefilled)")
+        # Whether the model takes images (a vision encoder is loaded), what they cost in context.
+        lines.append("images  " + ("yes" if status.get("images") else "no (no vision encoder)"))
+        if last and last.get("image_tokens"):
+            lines.append(f"  last prompt {last['image_tokens']} image tokens")
+        if pending[0]:
+            lines.append(f"  attached {pending[0]}: {pending[1]} tokens")
         spec = status.get("speculative")
         if spec is None and info.get("arch") == "gemma4":
             lines.append("draft   off (no assistant model)")

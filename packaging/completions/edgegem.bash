@@ -26,6 +26,8 @@ _edgegem() {
         app:--spec-draft-model) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         app:--spec-tokens) COMPREPLY=(); return ;;
         app:--spec-p-min) COMPREPLY=(); return ;;
+        app:--image-tokens) COMPREPLY=($(compgen -W "70 140 280 560 1120" -- "$cur")); return ;;
+        app:--mmproj) COMPREPLY=(); return ;;
         app:--kv-disk-budget) COMPREPLY=(); return ;;
         score:--model) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         score:--tokens) COMPREPLY=(); return ;;
@@ -100,6 +102,9 @@ _edgegem() {
         bench:--kv-lengths) COMPREPLY=(); return ;;
         chat:--model) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         chat:--system) COMPREPLY=(); return ;;
+        chat:--image) COMPREPLY=(); return ;;
+        chat:--image-tokens) COMPREPLY=($(compgen -W "70 140 280 560 1120" -- "$cur")); return ;;
+        chat:--mmproj) COMPREPLY=(); return ;;
         chat:--max-tokens) COMPREPLY=(); return ;;
         chat:--temperature) COMPREPLY=(); return ;;
         chat:--top-k) COMPREPLY=(); return ;;
@@ -143,15 +148,15 @@ _edgegem() {
         kv-check:--data-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
     esac
     case "$cmd" in
-        app) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --data-dir --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min --kv-disk-budget" -- "$cur")); else COMPREPLY=(); fi ;;
+        app) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --data-dir --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min --image-tokens --mmproj --kv-disk-budget" -- "$cur")); else COMPREPLY=(); fi ;;
         score) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --tokens --out --image --image-tokens --mmproj" -- "$cur")); else COMPREPLY=(); fi ;;
         tokenize) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --text --image --image-tokens --mmproj" -- "$cur")); else COMPREPLY=(); fi ;;
         run) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --prompt --system --image --image-tokens --mmproj --max-tokens --temperature --top-k --top-p --min-p --repetition-penalty --presence-penalty --seed --raw --json --exact --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min --kv-session" -- "$cur")); else COMPREPLY=(); fi ;;
         info) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --synthetic --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --spec-draft-model --mmproj --device --json" -- "$cur")); else COMPREPLY=($(compgen -f -- "$cur")); fi ;;
         bench) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --synthetic --device --prompt-tokens --decode-tokens --threads --no-llama-cpp --engine --both --keep-gguf --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --fast-prefill --prompt-lengths --contexts --decode-steps --peak-bandwidth --static --arch --spec-draft-model --spec-tokens --kv-resume --kv-lengths --json" -- "$cur")); else COMPREPLY=(); fi ;;
-        chat) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --system --thinking --max-tokens --temperature --top-k --top-p --min-p --repetition-penalty --presence-penalty --seed --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min --kv-session" -- "$cur")); else COMPREPLY=(); fi ;;
+        chat) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --system --thinking --image --image-tokens --mmproj --max-tokens --temperature --top-k --top-p --min-p --repetition-penalty --presence-penalty --seed --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min --kv-session" -- "$cur")); else COMPREPLY=(); fi ;;
         doctor) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --data-dir --models-dir --json" -- "$cur")); else COMPREPLY=(); fi ;;
-        pull) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --draft --no-draft --revision --data-dir --models-dir" -- "$cur")); else COMPREPLY=(); fi ;;
+        pull) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --draft --no-draft --no-mmproj --revision --data-dir --models-dir" -- "$cur")); else COMPREPLY=(); fi ;;
         models) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --data-dir --models-dir --gpu-memory-budget --device --json" -- "$cur")); else COMPREPLY=(); fi ;;
         import) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --data-dir" -- "$cur")); else COMPREPLY=(); fi ;;
         kv-check) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --text --tokens --chunk --device --data-dir --json" -- "$cur")); else COMPREPLY=(); fi ;;

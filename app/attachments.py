@@ -1,0 +1,141 @@
+"""Images attached to the next message: checked and counted when attached, shown as chips.
+
+An `Attachment` holds the file's bytes (read once, so the original may move or change before the
+message is sent) and what the chip shows: name, size, soft tokens at the conversation's budget.
+The check is the engine's own preprocessing (`as_image_input`, through app/backend.py), so anything it
+would refuse at submit (not an image, a format Pillow cannot read, a decompression bomb, an empty
+or 1-pixel image) is refused here in the same one line. No Textual in this file.
+"""
+from __future__ import annotations
+
+import io
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+from urllib.parse import unquote, urlparse
+
+from rich.style import Style
+from rich.text import Text
+
+from app.backend import as_image_input
+
+MAX_FILE_BYTES = 64 << 20  # what app.store keeps per image
+# Names a message that is only a path is taken as an image by (then checked like /image PATH);
+# formats Pillow cannot read are listed too, so they are refused in one line, not sent as text.
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".jpe", ".gif", ".webp", ".bmp", ".tif", ".tiff", ".ico", ".ppm",
+                  ".pgm", ".pbm", ".tga", ".jfif", ".heic", ".heif", ".avif", ".svg"}
+
+
+class AttachError(ValueError):
+    """One line: why this file cannot be attached."""
+
+
+@dataclass(frozen=True)
+class Attachment:
+    name: str  # the original file name
+    data: bytes
+    n_tokens: int  # soft tokens at `budget`
+    budget: int
+    ext: str  # ".png": the copy's suffix, from the format Pillow found
+    source_size: tuple[int, int]  # (W, H) pixels
+
+    @property
+    def size(self) -> int:
+        return len(self.data)
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024 or unit == "MiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} MiB"
+
+
+def chip_label(name: str, size: int, tokens: int) -> str:
+    return f"{name} · {human_bytes(size)} · {tokens} tok"
+
+
+def path_of(text: str) -> Optional[Path]:
+    """The one path a message consists of, as terminals paste it: quoted, with backslash-escaped
+    spaces, or a file:// URL; None when the text is not a single path."""
+    text = text.strip()
+    if not text or "\n" in text:
+        return None
+    if text.startswith("file://"):
+        return Path(unquote(urlparse(text).path))
+    try:
+        parts = shlex.split(text)
+    except ValueError:  # an unclosed quote: not a path
+        return None
+    return Path(parts[0]).expanduser() if len(parts) == 1 else None
+
+
+def looks_like_image_path(text: str) -> Optional[Path]:
+    """An existing file with an image suffix that the message is made of, else None."""
+    path = path_of(text)
+    if path is None or path.suffix.lower() not in IMAGE_SUFFIXES:
+        return None
+    try:
+        return path if path.is_file() else None
+    except OSError:
+        return None
+
+
+def load_attachment(path: Path | str, budget: int) -> Attachment:
+    """Read and check one image (AttachError, one line, when it cannot be sent)."""
+    path = Path(path).expanduser()
+    name = path.name or str(path)
+    try:
+        if not path.exists():
+            raise AttachError(f"{name}: no such file")
+        if not path.is_file():
+            raise AttachError(f"{name}: not a file")
+        size = path.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise AttachError(f"{name}: {human_bytes(size)} is over the {human_bytes(MAX_FILE_BYTES)} limit")
+        data = path.read_bytes()
+    except OSError as e:
+        raise AttachError(f"{name}: cannot read: {e.strerror or e}") from None
+    try:
+        image = as_image_input(data, budget, name=name)
+    except ValueError as e:  # models.gemma4_vision.ImageError / engine ImageRequestError: one line already
+        raise AttachError(str(e).splitlines()[0]) from None
+    return Attachment(name, data, image.n_tokens, budget, _ext(data, path), tuple(image.source_size))
+
+
+def _ext(data: bytes, path: Path) -> str:
+    from PIL import Image
+
+    try:
+        fmt = Image.open(io.BytesIO(data)).format or ""
+    except Exception:  # noqa: BLE001 - already checked by as_image_input; the suffix will do
+        fmt = ""
+    ext = {"JPEG": ".jpg", "TIFF": ".tif"}.get(fmt, f".{fmt.lower()}" if fmt else path.suffix.lower())
+    return ext or ".img"
+
+
+def half_block_preview(data: bytes, cols: int = 8, rows: int = 3) -> Optional[Text]:
+    """A tiny picture in text: each cell is `▀` with the upper pixel as foreground and the lower
+    one as background, so `rows` cells show 2·rows pixel rows (cells are about twice as tall as
+    wide, which makes the pixels roughly square). None when the bytes cannot be drawn."""
+    from PIL import Image
+
+    try:
+        img = Image.open(io.BytesIO(data))
+        img.draft("RGB", (cols * 4, rows * 8))  # JPEG: decode at a reduced scale, cheap for photos
+        img = img.convert("RGB")
+        img.thumbnail((cols, 2 * rows), Image.BILINEAR)
+    except Exception:  # noqa: BLE001 - a preview is optional; the chip still shows the name
+        return None
+    w, h = img.size  # thumbnail keeps at least 1 pixel per side
+    px = img.load()
+    out = Text()
+    for y in range(0, h, 2):
+        for x in range(w):
+            top, bottom = px[x, y], px[x, min(y + 1, h - 1)]  # an odd last row repeats itself
+            out.append("▀", Style(color=f"rgb{tuple(top)}", bgcolor=f"rgb{tuple(bottom)}"))
+        if y + 2 < h:
+            out.append("\n")
+    return out

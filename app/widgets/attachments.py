@@ -1,0 +1,104 @@
+"""Image chips: the pending attachments above the input, and a sent message's images.
+
+A pending chip shows a half-block preview (where the terminal draws colour), the file name, its
+size and its soft tokens, and a ✕ that removes it (click, or Tab to it and Enter). Sixel and kitty
+graphics are not used: the preview is text, so it works over SSH and in snapshots.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from textual.app import ComposeResult
+from textual.containers import Horizontal, Vertical
+from textual.message import Message
+from textual.widgets import Button, Label, Static
+
+from app.attachments import Attachment, chip_label, half_block_preview, human_bytes
+
+
+def can_draw_preview(app) -> bool:
+    """Colour cells are what the preview is made of: off with NO_COLOR or a monochrome terminal
+    (Textual downgrades the colours to 256 or 16 where the terminal has no more: cruder, still there)."""
+    return not getattr(app, "no_color", False) and app.console.color_system is not None
+
+
+class AttachmentChip(Horizontal):
+    """One pending image: preview, name, size · tokens, ✕."""
+
+    def __init__(self, attachment: Attachment, preview: bool) -> None:
+        super().__init__(classes="chip")
+        self.attachment, self.preview = attachment, preview
+
+    def compose(self) -> ComposeResult:
+        a = self.attachment
+        picture = half_block_preview(a.data) if self.preview else None
+        if picture is not None:
+            yield Static(picture, classes="preview")
+        with Vertical(classes="chip-text"):
+            yield Label(a.name, classes="chip-name", markup=False)
+            yield Label(f"{human_bytes(a.size)} · {a.n_tokens} tok", classes="chip-info", markup=False)
+        yield Button("✕", classes="remove", compact=True, tooltip=f"Remove {a.name}")
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        event.stop()
+        self.post_message(AttachmentBar.Remove(self.attachment))
+
+
+class AttachmentBar(Horizontal):
+    """The attachments of the message being written (hidden when there are none)."""
+
+    class Remove(Message):
+        def __init__(self, attachment: Attachment) -> None:
+            super().__init__()
+            self.attachment = attachment
+
+    class Changed(Message):
+        """The pending list changed (the status panel counts its tokens)."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.pending: list[Attachment] = []
+        self.display = False
+
+    @property
+    def tokens(self) -> int:
+        return sum(a.n_tokens for a in self.pending)
+
+    async def add(self, attachment: Attachment) -> None:
+        self.pending.append(attachment)
+        self.display = True
+        await self.mount(AttachmentChip(attachment, can_draw_preview(self.app)))
+        self.post_message(self.Changed())
+
+    async def remove_attachment(self, attachment: Optional[Attachment] = None) -> Optional[Attachment]:
+        """Remove `attachment` (default: the last one); returns what was removed."""
+        if not self.pending:
+            return None
+        attachment = attachment if attachment is not None else self.pending[-1]
+        index = next((i for i, a in enumerate(self.pending) if a is attachment), None)
+        if index is None:
+            return None
+        self.pending.pop(index)
+        await self.query(AttachmentChip)[index].remove()
+        self.display = bool(self.pending)
+        self.post_message(self.Changed())
+        return attachment
+
+    async def clear(self) -> None:
+        self.pending = []
+        await self.remove_children()
+        self.display = False
+        self.post_message(self.Changed())
+
+    async def on_attachment_bar_remove(self, event: "AttachmentBar.Remove") -> None:
+        event.stop()
+        await self.remove_attachment(event.attachment)
+
+
+class ImageChips(Static):
+    """A sent message's images, one line each: name · size · tokens (from the store's records)."""
+
+    def __init__(self, images: list[dict]) -> None:
+        lines = [f"▣ {chip_label(im['name'], im['bytes'], im['tokens'])}" for im in images]
+        super().__init__("\n".join(lines), classes="image-chips", markup=False)
+        self.images = images
