@@ -12,7 +12,7 @@ import sys
 import threading
 from pathlib import Path
 
-from . import cli_kvcheck, cli_tools
+from . import cli_chat, cli_kvcheck, cli_tools
 
 EXIT_BAD_INPUT = 2
 
@@ -485,83 +485,8 @@ def cmd_app(a) -> int:
     return app.return_code or 0
 
 
-def _chat_image(lm, arg: str, budget: int) -> list:
-    """`/image PATH` in `edgegem chat`: the image (an ImageInput) for the next message, or a
-    one-line refusal on stderr and nothing."""
-    from engine import api
-
-    from .attachments import path_of
-    if not arg:
-        print("edgegem: usage: /image PATH", file=sys.stderr)
-        return []
-    path = path_of(arg) or Path(arg).expanduser()
-    if not path.is_file():
-        print(f"edgegem: {path.name or arg}: no such file", file=sys.stderr)
-        return []
-    try:
-        (image,) = api.load_images(lm, [str(path)], budget)
-    except ValueError as e:
-        print(f"edgegem: {str(e).splitlines()[0]}", file=sys.stderr)
-        return []
-    print(f"[{image.name}: {image.n_tokens} image tokens, sent with your next message]")
-    return [image]
-
-
-def cmd_chat(a) -> int:
-    """Plain line chat (no full-screen UI, no saved history); the history stays in the prefix cache."""
-    from engine import api
-    path = api.resolve_model(a.model)
-    print(f"edgegem: plain terminal chat on {path.name} (run `edgegem` for the full-screen app).")
-    if a.model is None:
-        print("This is the bundled demo model, Gemma 3 270M: a small base model that rambles. "
-              "Load a Gemma-4 GGUF with --model PATH for real answers.")
-    print("Type a message and press Enter; `/image PATH` attaches an image to the next one; an empty line or "
-          "Ctrl-D quits.\n")
-    lm = api.open_model(path, exact=False, device=_device(a), embed_weights=a.embed_weights, mmproj=a.mmproj)
-    pending = api.load_images(lm, a.image, a.image_tokens)  # --image: refused in one line before the engine starts
-    client = _start_client(lm, _engine_options(a))
-    gen = api.GenerationParams(_params(a), thinking=a.thinking, kv_session=_kv_path(a), image_tokens=a.image_tokens)
-    history = [{"role": "system", "content": a.system}] if a.system else []
-    try:
-        while True:
-            try:
-                line = input("you> ").strip()
-            except EOFError:
-                break
-            if not line:
-                break
-            if line == "/image" or line.startswith("/image "):
-                pending += _chat_image(lm, line[len("/image"):].strip(), a.image_tokens)
-                continue
-            history.append({"role": "user", "content": line, **({"images": pending} if pending else {})})
-            try:
-                rid = client.submit(history, gen)
-            except ValueError as e:  # too long for the context, images included: say so, keep chatting
-                history.pop()
-                print(f"edgegem: {str(e).splitlines()[0]} (not sent{'; attach the images again' * bool(pending)})",
-                      file=sys.stderr)
-                pending = []
-                continue
-            pending = []  # the images stay in the history: later turns see them too
-            sys.stdout.write("model> ")
-            reply = ""
-            for ev in client.stream(rid):
-                reply += ev.text
-                _emit(ev.text)
-                if ev.finished and ev.error:
-                    print(f"\n[error: {ev.error}]", file=sys.stderr)
-                if ev.finished:
-                    _kv_note(ev.stats)
-            history.append({"role": "assistant", "content": reply})
-            sys.stdout.write("\n\n")
-    finally:
-        client.close()
-        _kv_note({}, client)
-    return 0
-
-
 COMMANDS = {"app": cmd_app, "score": cmd_score, "tokenize": cmd_tokenize, "run": cmd_run, "info": cmd_info,
-            "bench": cmd_bench, "chat": cmd_chat}
+            "bench": cmd_bench, "chat": cli_chat.cmd_chat}
 COMMANDS.update(cli_tools.COMMANDS)
 COMMANDS.update(cli_kvcheck.COMMANDS)
 

