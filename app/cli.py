@@ -84,10 +84,11 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", type=int, default=0, help="0: torch's default")
     b.add_argument("--no-llama-cpp", action="store_true", help="skip the llama-cpp-python run")
     b.add_argument("--engine", action="store_true",
-                   help="--device cpu --synthetic: time edgegem through the engine (as run and the app use it) "
-                        "rather than the model's own loop")
+                   help="--device cpu (a GGUF or --synthetic): time edgegem through the engine (as run and the app "
+                        "use it) rather than the model's own loop, each run in a process of its own")
     b.add_argument("--both", action="store_true",
-                   help="--device cpu --synthetic: the model loop, the engine and the engine without fast prefill")
+                   help="--device cpu (a GGUF or --synthetic): the model loop, the engine and the engine without "
+                        "fast prefill, beside llama.cpp")
     b.add_argument("--keep-gguf", metavar="PATH",
                    help="--device cpu --synthetic: write the synthetic GGUF here (reused when it exists)")
     g = b.add_argument_group("engine bench (--device cuda or --synthetic)")
@@ -425,10 +426,12 @@ def cmd_bench(a) -> int:
         out = spec_bench(api.resolve_model(a.model), Path(a.spec_draft_model), a.prompt_tokens, a.decode_tokens,
                          a.spec_tokens, device=a.device)
         out.pop("ids", None)
-    elif a.device == "cpu" and a.synthetic:  # the synthetic file on disk, each run in its own process
+    elif a.device == "cpu" and (a.synthetic or a.both or a.engine):  # each run in its own process
+        from engine import api
         from engine.cpu_bench import cpu_side_by_side
         kinds = ["loop", "engine", "engine-plain"] if a.both else ["engine" if a.engine else "loop"]
-        out = cpu_side_by_side(synthetic=a.synthetic, n_prompt=a.prompt_tokens, n_decode=a.decode_tokens,
+        out = cpu_side_by_side(path=None if a.synthetic else api.resolve_model(a.model), synthetic=a.synthetic,
+                               n_prompt=a.prompt_tokens, n_decode=a.decode_tokens,
                                threads=a.threads, kinds=([] if a.no_llama_cpp else ["llama.cpp"]) + kinds,
                                keep=Path(a.keep_gguf) if a.keep_gguf else None)
     elif a.device == "cpu" and not a.synthetic:  # the CPU bench beside llama.cpp, as before
