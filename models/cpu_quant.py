@@ -120,7 +120,8 @@ def _buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
     key = (dtype, numel)
     if key not in _buffers:
         _buffers.clear()  # one live buffer: the block size is the same for every matrix of a model
-        _buffers[key] = torch.empty(numel, dtype=dtype)
+        with torch.inference_mode(False):  # a normal tensor: writable under no_grad and inference_mode alike
+            _buffers[key] = torch.empty(numel, dtype=dtype)
     return _buffers[key]
 
 

@@ -40,7 +40,8 @@ class HalfWeight:
         step = max(1, min(n, BLOCK_VALUES // k))
         if step * k not in _upcast:
             _upcast.clear()
-            _upcast[step * k] = torch.empty(step * k, dtype=torch.float32)
+            with torch.inference_mode(False):  # writable under no_grad and inference_mode alike
+                _upcast[step * k] = torch.empty(step * k, dtype=torch.float32)
         buf, x2 = _upcast[step * k], x.reshape(-1, k).float()
         out = torch.empty(x2.shape[0], n, dtype=torch.float32)
         for r0 in range(0, n, step):

@@ -207,3 +207,17 @@ def test_int8_head_ranks_in_int8_and_its_top_rows_are_exact():
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
     assert torch.equal(head.rows(torch.tensor([0, 60])), big[[0, 60]])
     assert got.dtype == x.dtype and head.linear(x[0]).shape == (3000,)
+
+
+def test_prefill_buffers_survive_inference_mode_then_no_grad():
+    """The reused dequantization buffer made under inference_mode (a `score` or bench loop) must
+    stay writable for the engine's no_grad forwards, and the other way round."""
+    raw, w = _matrix("Q4_K")
+    q = Int4Weight(raw, int(T.Q4_K), SHAPES["Q4_K"])
+    x = torch.randn(cq.GEMV_ROWS + 3, SHAPES["Q4_K"][1])
+    cq._buffers.clear()
+    with torch.inference_mode():
+        a = q.linear(x)
+    with torch.no_grad():
+        b = q.linear(x)
+    assert torch.equal(a, b) and _rel(b, x @ w.t()) < GEMM_BOUND
