@@ -297,8 +297,9 @@ def cpu_weight(raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]):
     Why: their two int4 planes double the int4pack work (12288x1536 on one AVX2 core: ~6.5 ms),
     torch's float16 GEMV reads 2 bytes a weight in 4.6 ms. (fbgemm's float16 linear is faster still,
     2.9 ms, but its prepack costs ~50 ns a value: half a minute at load for E2B's Q6_K tensors.)
-    Bytes: E2B's Q6_K matrices and tied head are 660M values, 1.3 GB as float16, which keeps
-    its peak RSS near the file's size."""
+    Bytes: E2B's Q6_K matrices are 260M values, 0.5 GB as float16; its tied Q6_K head (403M
+    values) does not come here but goes to models/cpu_head.Int8Head (int8 ranking, exact top rows)
+    when fbgemm is there, which keeps its peak RSS near the file's size."""
     if Int4Weight.bits_of(ggml_type) > 4:
         return dequantize_half(raw, ggml_type, shape)
     return Int4Weight(raw, ggml_type, shape)
