@@ -73,7 +73,9 @@ class KVPool:
 
     def free(self, slots) -> None:
         slots = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
-        self._free.extend(s for s in slots if s >= 0)
+        # reversed onto the stack: slots freed together come back out in their order, so a
+        # sequence's window slots stay a few consecutive runs (read in place, not gathered)
+        self._free.extend(s for s in reversed(slots) if s >= 0)
 
     # --- data ------------------------------------------------------------------------------
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

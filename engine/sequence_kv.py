@@ -11,11 +11,12 @@ from typing import Optional
 
 import torch
 
-from models.ops import attention
+from models.ops import attention, decode_attention_parts
 
 from .kv_pool import HybridKVPool
 
 _EMPTY = torch.empty(0, dtype=torch.long)
+MAX_RUNS = 8  # a decode step attends over up to this many slot runs in place; more: one gather
 
 
 class SequenceKV:
@@ -118,11 +119,40 @@ class SequenceKV:
             self._reads[key] = int(slots[0]) if ok else None
         return self._reads[key]
 
+    def _parts(self, layer: int):
+        """(ks, vs, positions) of `layer`'s slab as views of its consecutive slot runs, or None
+        when the pool is scaled (8-bit: dequantized by the gather) or the slots break into more
+        than MAX_RUNS runs. Computed once a step per slab."""
+        slab = self.pools.slab(layer)
+        key = ("parts", slab)
+        if key not in self._reads:
+            pool = self.pools.pool_of(slab)
+            if pool is self.pools.window:
+                slots, positions = self.win_slots, self.win_pos
+            else:
+                slots, positions = self.full_slots, torch.arange(len(self))
+            parts, n = None, slots.numel()
+            if n and not pool.fmt.scaled:
+                edges = (torch.nonzero(slots[1:] - slots[:-1] != 1).flatten() + 1).tolist()
+                if len(edges) < MAX_RUNS:
+                    edges = [0] + edges + [n]
+                    firsts = slots[edges[:-1]].tolist()
+                    spans = [(f, a, b) for f, a, b in zip(firsts, edges[:-1], edges[1:])]
+                    ks = [pool.fmt.dequantize(pool.k[slab][f:f + b - a], None, self.dtype) for f, a, b in spans]
+                    vs = [pool.fmt.dequantize(pool.v[slab][f:f + b - a], None, self.dtype) for f, a, b in spans]
+                    dev = ks[0].device
+                    parts = (ks, vs, [positions[a:b].to(dev) for _, a, b in spans])
+            self._reads[key] = parts
+        return self._reads[key]
+
     def attend(self, layer: int, q: torch.Tensor, pos: torch.Tensor, window: Optional[int],
                scale: float) -> torch.Tensor:
         """Attention of `layer` over its slab (the source's when sharing, its own copy in the debug
         mode): the torch reference gathers once a step; a kernel backend reads the slots in place."""
         if self.backend is None:
+            parts = self._parts(layer) if q.shape[0] == 1 and q.device.type == "cpu" else None
+            if parts is not None:  # decode on the CPU: the slab's runs in place, no gather
+                return decode_attention_parts(q, parts[0], parts[1], pos, parts[2], window, scale)
             k, v, k_pos = self.read(layer)
             return attention(q, k, v, pos, k_pos, window, scale)
         slab = self.pools.slab(layer)

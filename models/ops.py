@@ -294,16 +294,34 @@ def _decode_attention(q, k, v, q_pos, k_pos, window, scale) -> torch.Tensor:
     """One query row on the CPU: two matmuls over the KV heads' query groups and a masked softmax,
     without SDPA's mask broadcast and dispatch (E2B on 2 threads: 380 us a full layer at 1024 keys
     against SDPA's 575; the time is reading K and V once)."""
+    return decode_attention_parts(q, [k], [v], q_pos, [k_pos], window, scale)
+
+
+def decode_attention_parts(q: torch.Tensor, ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor],
+                           q_pos: torch.Tensor, k_pos: Sequence[torch.Tensor], window: Optional[int],
+                           scale: float) -> torch.Tensor:
+    """`attention` for one query q [1, n_h, hd] over keys held in several parts (ks[i], vs[i]
+    [S_i, n_kv, hd] at positions k_pos[i] [S_i]): views of a pool's consecutive slot runs, so
+    the engine need not gather a sequence's K/V into one tensor every step. The scores of all
+    parts share one softmax; each part's V is read in place."""
     n_h, hd = q.shape[1], q.shape[2]
-    n_kv = k.shape[1]
-    qg = q[0].reshape(n_kv, n_h // n_kv, hd)                       # [n_kv, group, hd]
-    s = torch.matmul(qg, k.permute(1, 2, 0)).mul_(scale)           # [n_kv, group, S]
-    diff = q_pos[0].to(k_pos.device) - k_pos                       # [S]
+    n_kv = ks[0].shape[1]
+    qg = q[0].reshape(n_kv, n_h // n_kv, hd)                                   # [n_kv, group, hd]
+    s = torch.cat([torch.matmul(qg, k.permute(1, 2, 0)) for k in ks], dim=-1) if len(ks) > 1 else \
+        torch.matmul(qg, ks[0].permute(1, 2, 0))                               # [n_kv, group, S]
+    s.mul_(scale)
+    kp = torch.cat(list(k_pos)) if len(k_pos) > 1 else k_pos[0]
+    diff = q_pos[0].to(kp.device) - kp                                          # [S]
     hidden = diff < 0
     if window is not None:
         hidden |= diff >= window
-    s.masked_fill_(hidden, float("-inf"))
-    return torch.matmul(torch.softmax(s, dim=-1), v.permute(1, 0, 2)).reshape(1, n_h * hd)
+    p = torch.softmax(s.masked_fill_(hidden, float("-inf")), dim=-1)
+    o, start = None, 0
+    for v in vs:
+        part = torch.matmul(p[..., start:start + v.shape[0]], v.permute(1, 0, 2))  # [n_kv, group, hd]
+        o = part if o is None else o.add_(part)
+        start += v.shape[0]
+    return o.reshape(1, n_h * hd)
 
 
 def attend(cache, layer: int, source: int, q: torch.Tensor, pos: torch.Tensor, window: Optional[int],

@@ -192,3 +192,47 @@ def test_gemma3_270m_engine_matches_reference(gemma3_270m_path):
     a, b = eng.add(prompt, params), eng.add(prompt[:300], params)
     eng.run_to_completion()
     assert a.output_ids == ref and b.output_ids == generate(lm.model, prompt[:300], params).ids
+
+
+def test_decode_attention_over_slot_runs_equals_one_gather():
+    """One query over K/V split in runs (views of a pool's consecutive slots) equals attention over
+    the gathered K/V: causal and windowed, GQA 6 heads on 2 KV heads, odd run lengths."""
+    import torch
+
+    from models.ops import attention, decode_attention_parts
+
+    g = torch.Generator().manual_seed(5)
+    k, v = torch.randn(41, 2, 24, generator=g), torch.randn(41, 2, 24, generator=g)
+    k_pos = torch.arange(41)
+    q = torch.randn(1, 6, 24, generator=g)
+    cuts = [0, 7, 8, 30, 41]
+    for window in (None, 16):
+        for q_pos in (40, 35):  # the last key, and keys after the query (hidden)
+            want = attention(q.double(), k.double(), v.double(), torch.tensor([q_pos]), k_pos, window, 0.2)
+            got = decode_attention_parts(q, [k[a:b] for a, b in zip(cuts, cuts[1:])],
+                                         [v[a:b] for a, b in zip(cuts, cuts[1:])], torch.tensor([q_pos]),
+                                         [k_pos[a:b] for a, b in zip(cuts, cuts[1:])], window, 0.2)
+            assert torch.allclose(got.double(), want, atol=1e-5)
+
+
+def test_decode_reads_window_runs_in_place_after_chunked_prefill(tiny, monkeypatch):
+    """After a chunked prefill the window slots come back in order (a few runs), so decode steps
+    read them in place instead of gathering; the tokens equal the reference."""
+    import engine.sequence_kv as skv
+
+    seen = []
+    parts = skv.SequenceKV._parts
+
+    def spy(self, layer):
+        got = parts(self, layer)
+        seen.append(got is not None and len(got[0]))
+        return got
+    monkeypatch.setattr(skv.SequenceKV, "_parts", spy)
+    prompt = _prompt(45, seed=3)
+    out, eng = _run(tiny.model, [prompt], prefill_chunk=5)
+    assert out[0] == generate(tiny.model, prompt, GREEDY).ids
+    assert seen and all(seen) and max(seen) <= skv.MAX_RUNS
+    pool = eng.pools.window  # slots freed together are handed out again in the same order
+    got = pool.alloc(6)
+    pool.free(got)
+    assert pool.alloc(6).tolist() == got.tolist() == sorted(got.tolist())
