@@ -189,8 +189,9 @@ def _quant_weight(source, name: str, shape, device, lookup: bool = False) -> Qua
 
 def _gguf_rows(source, name: str, shape, mapped: bool) -> QuantWeight | None:
     """A 2-D GGUF matrix of a type Int4Weight repacks, as GGUF rows (QuantWeight lookup form), else
-    None. `mapped`: a lookup table read straight from the file's memory map (only the pages of the
-    rows looked up ever become resident, as llama.cpp's mmap does); otherwise copied by a file
+    None. `mapped`: a lookup table whose rows are read from the file on demand (a RowReader:
+    pread, so only the rows looked up are copied and no mapped page joins the RSS; the map
+    only describes the bytes); otherwise copied by a file
     read, to be repacked (`repack_cpu`)."""
     from .quant import row_bytes
 
@@ -265,7 +266,8 @@ def load_weights(source, plan: dict, dtype: torch.dtype = torch.float32, device=
     is then the lookup copy). `progress(done, total, bytes_done, bytes_total)` is called after
     each tensor (bytes as stored in the file: what a loading bar should count). `cpu_quant` (the
     CPU runtime format): matrices of the types Int4Weight reads are repacked for torch's int4 CPU
-    matmul, lookup-only tables stay in the file's bytes (memory-mapped), the rest as `weight_dtype`."""
+    matmul, lookup-only tables stay in the file (rows read by pread), a tied 5- to 8-bit head
+    becomes models.cpu_head.Int8Head, the rest `weight_dtype`."""
     out = {}
     # Tables only ever gathered from: the PLE table, and the token table when the head is untied.
     lookup_only = frozenset(["per_layer_token_embd.weight"] + (
@@ -289,7 +291,7 @@ def load_weights(source, plan: dict, dtype: torch.dtype = torch.float32, device=
     host = host_embeddings and torch.device(device).type != "cpu"
     for i, (name, shape) in enumerate(plan.items()):
         if cpu_quant and name == "token_embd.weight" and name not in lookup_only:
-            # the tied head: repacked for the matmul; lookups read the file's rows through the map
+            # the tied head: repacked for the matmul; lookups read the file's rows (pread)
             out[name] = one(name, shape, "cpu")
             out["token_embd.host"] = one(name, shape, "cpu", lookup=True)
             if not isinstance(out[name], QuantWeight):
