@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -79,7 +80,9 @@ class Int8Head:
         n, k = self.shape
         step = max(1, CHUNK // k)
         self.chunks = [(r0, min(r0 + step, n)) for r0 in range(0, n, step)]
-        self.packed = [_prepack(source(r0, r1)) for r0, r1 in self.chunks]
+        # two chunks at a time: dequantize and prepack release the GIL (E2B's head 5.6 -> 4.3 s at load)
+        with ThreadPoolExecutor(max_workers=max(1, min(2, torch.get_num_threads()))) as pool:
+            self.packed = list(pool.map(lambda c: _prepack(source(*c)), self.chunks))
         self.exact_rows = exact_rows
         self.nbytes = n * k + n * 8  # int8 values + a double scale per row (fbgemm keeps them)
 
