@@ -13,8 +13,8 @@ the file's own bytes (`exact_rows`, the lookup table's pread rows), and the samp
 looks at the top of the distribution (greedy, top-k, top-p over the top 256 tokens; plain
 temperature sampling sees the int8 values in the tail, whose mass they barely move).
 
-Cost: a per-row int8 prepack at load (~20 ns a value: E2B ~6-9 s), done in row chunks of CHUNK
-values so no float32 copy of the whole matrix ever exists.
+Cost: dequantizing and prepacking at load, in row chunks of CHUNK values (two at a time) so no
+float32 copy of the whole matrix ever exists: E2B's head 4.3 s on the 2-core VM.
 """
 from __future__ import annotations
 
