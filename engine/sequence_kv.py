@@ -89,78 +89,76 @@ class SequenceKV:
             self._reads["slots"] = tuple(s.to(dev) for s in self._step)
         return self.pools.slab_target(layer, *self._reads["slots"])
 
-    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        slab = self.pools.slab(layer)
-        if slab not in self._reads:  # KV-shared layers re-read their source's slab: gather once a step
-            pool = self.pools.pool_of(slab)
-            if pool is self.pools.window:
-                slots, positions = self.win_slots, self.win_pos
-            else:
-                slots, positions = self.full_slots, torch.arange(len(self))
-            run = self._run_start(pool, slots)
-            if run is None:
-                k, v = pool.read(slab, slots, self.dtype)
-            else:  # consecutive slots (a sequence alone in a fresh pool): views, no gather
-                n = slots.numel()
-                k = pool.fmt.dequantize(pool.k[slab][run:run + n], None, self.dtype)
-                v = pool.fmt.dequantize(pool.v[slab][run:run + n], None, self.dtype)
-            self._reads[slab] = (k, v, positions.to(k.device))
-        return self._reads[slab]
+    def _slots(self, pool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots, positions) of this sequence in `pool`, in position order."""
+        if pool is self.pools.window:
+            return self.win_slots, self.win_pos
+        return self.full_slots, torch.arange(len(self))
 
-    def _run_start(self, pool, slots: torch.Tensor) -> Optional[int]:
-        """The first slot when `slots` are consecutive ascending in an unscaled pool, else None:
-        the reference attention then reads slab views instead of gathering the whole KV every
-        step (checked once a step per pool)."""
-        key = ("run", pool.name)
+    def _spans(self, pool) -> Optional[list[tuple[int, int, int]]]:
+        """The maximal runs of consecutive ascending slots of this sequence in `pool`, as (first
+        slot, start, end) over its slot list, or None when the pool is scaled (8-bit: dequantized by
+        the gather), empty, or broken into more than MAX_RUNS runs. Once a step per pool."""
+        key = ("spans", pool.name)
         if key not in self._reads:
+            slots, spans = self._slots(pool)[0], None
             n = slots.numel()
-            ok = n > 0 and not pool.fmt.scaled and int(slots[-1]) - int(slots[0]) == n - 1 and \
-                (n < 2 or bool((slots[1:] - slots[:-1] == 1).all()))
-            self._reads[key] = int(slots[0]) if ok else None
-        return self._reads[key]
-
-    def _parts(self, layer: int):
-        """(ks, vs, positions) of `layer`'s slab as views of its consecutive slot runs, or None
-        when the pool is scaled (8-bit: dequantized by the gather) or the slots break into more
-        than MAX_RUNS runs. Computed once a step per slab."""
-        slab = self.pools.slab(layer)
-        key = ("parts", slab)
-        if key not in self._reads:
-            pool = self.pools.pool_of(slab)
-            if pool is self.pools.window:
-                slots, positions = self.win_slots, self.win_pos
-            else:
-                slots, positions = self.full_slots, torch.arange(len(self))
-            parts, n = None, slots.numel()
             if n and not pool.fmt.scaled:
                 edges = (torch.nonzero(slots[1:] - slots[:-1] != 1).flatten() + 1).tolist()
                 if len(edges) < MAX_RUNS:
                     edges = [0] + edges + [n]
-                    firsts = slots[edges[:-1]].tolist()
-                    spans = [(f, a, b) for f, a, b in zip(firsts, edges[:-1], edges[1:])]
-                    ks = [pool.fmt.dequantize(pool.k[slab][f:f + b - a], None, self.dtype) for f, a, b in spans]
-                    vs = [pool.fmt.dequantize(pool.v[slab][f:f + b - a], None, self.dtype) for f, a, b in spans]
-                    dev = ks[0].device
-                    parts = (ks, vs, [positions[a:b].to(dev) for _, a, b in spans])
+                    spans = list(zip(slots[edges[:-1]].tolist(), edges[:-1], edges[1:]))
+            self._reads[key] = spans
+        return self._reads[key]
+
+    def _views(self, pool, slab: int, spans) -> tuple[list, list]:
+        """K and V of each span as (dequantized) views of the slab: no gather."""
+        def run(t, f, a, b):
+            return pool.fmt.dequantize(t[slab][f:f + b - a], None, self.dtype)
+        return [run(pool.k, *sp) for sp in spans], [run(pool.v, *sp) for sp in spans]
+
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        slab = self.pools.slab(layer)
+        if slab not in self._reads:  # KV-shared layers re-read their source's slab: gather once a step
+            pool = self.pools.pool_of(slab)
+            slots, positions = self._slots(pool)
+            spans = self._spans(pool)
+            if spans is not None and len(spans) == 1:  # consecutive slots (a sequence alone in a fresh pool)
+                (k,), (v,) = self._views(pool, slab, spans)
+            else:
+                k, v = pool.read(slab, slots, self.dtype)
+            self._reads[slab] = (k, v, positions.to(k.device))
+        return self._reads[slab]
+
+    def _parts(self, layer: int):
+        """(ks, vs, positions) of `layer`'s slab as views of its slot runs (`_spans`), or None.
+        Once a step per slab."""
+        slab = self.pools.slab(layer)
+        key = ("parts", slab)
+        if key not in self._reads:
+            pool = self.pools.pool_of(slab)
+            spans, parts = self._spans(pool), None
+            if spans is not None:
+                ks, vs = self._views(pool, slab, spans)
+                positions = self._slots(pool)[1].to(ks[0].device)
+                parts = (ks, vs, [positions[a:b] for _, a, b in spans])
             self._reads[key] = parts
         return self._reads[key]
 
     def attend(self, layer: int, q: torch.Tensor, pos: torch.Tensor, window: Optional[int],
                scale: float) -> torch.Tensor:
         """Attention of `layer` over its slab (the source's when sharing, its own copy in the debug
-        mode): the torch reference gathers once a step; a kernel backend reads the slots in place."""
+        mode): the torch reference reads the slab's slot runs in place for a CPU decode step and
+        gathers once a step otherwise; a kernel backend reads the slots in place."""
         if self.backend is None:
             parts = self._parts(layer) if q.shape[0] == 1 and q.device.type == "cpu" else None
-            if parts is not None:  # decode on the CPU: the slab's runs in place, no gather
+            if parts is not None:
                 return decode_attention_parts(q, parts[0], parts[1], pos, parts[2], window, scale)
             k, v, k_pos = self.read(layer)
             return attention(q, k, v, pos, k_pos, window, scale)
         slab = self.pools.slab(layer)
         pool = self.pools.pool_of(slab)
-        if pool is self.pools.window:
-            slots, k_pos = self.win_slots, self.win_pos
-        else:
-            slots, k_pos = self.full_slots, torch.arange(len(self))
+        slots, k_pos = self._slots(pool)
         return self.backend.attend(pool, slab, slots, k_pos, q, pos, window, scale)
 
     def end(self) -> None:

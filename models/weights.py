@@ -145,12 +145,10 @@ class QuantWeight:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 rows `ids` [n, n_in] (on the table's device)."""
         if self.packed is None:
-            from .quant import dequantize, dequantize_rows
+            from .quant import dequantize
 
-            if self.reader is not None:
-                sel = self.reader.rows(ids)
-                return dequantize(sel, self.ggml_type, (sel.shape[0], self.shape[1]))
-            return dequantize_rows(self.raw, self.ggml_type, ids.to(self.raw.device), self.shape[1])
+            sel = self.raw_rows(ids.reshape(-1))
+            return dequantize(sel, self.ggml_type, (sel.shape[0], self.shape[1]))
         from kernels.launch import use_kernels
         from kernels.qpack import dequantize_packed_ref
 
