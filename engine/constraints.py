@@ -171,11 +171,17 @@ class _Vocab:
         self.special_token_ids = sorted(special)
         self.tokens = [b"\xff" + tok.token_bytes(i) if i in special else tok.token_bytes(i)
                        for i in range(tok.vocab_size)]
+        # text that spells a special token (USER_DEFINED ones match even without parse_special)
+        # tokenizes to its bytes here: llguidance's tokens must decode to the text they came from
+        byte_ids = [tok.piece_to_id(f"<0x{b:02X}>") for b in range(256)]
+        self._spelled = {i: [byte_ids[b] for b in tok.token_bytes(i)] for i in special
+                         if all(byte_ids[b] is not None for b in tok.token_bytes(i))}
 
     def __call__(self, text):
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
-        return self._tok.encode(text, add_bos=False, parse_special=False)
+        ids = self._tok.encode(text, add_bos=False, parse_special=False)
+        return [b for i in ids for b in self._spelled.get(i, (i,))]
 
 
 def ll_tokenizer(tok):
@@ -208,6 +214,8 @@ class GrammarState:
             raise _one_line(f"invalid {constraint.kind.replace('_', ' ')}", self._m.get_error())
         self._bits = np.zeros((self.vocab_size + 31) // 32, dtype=np.int32)
         self.error: Optional[str] = None   # set if the matcher ever fails (one line)
+        self.n_consumed = 0
+        self.stopped_at: Optional[int] = None   # tokens consumed when the grammar became complete
 
     def allowed(self) -> torch.Tensor:
         """[V] bool CPU: the tokens the grammar allows next (bit j of word w is token 32w + j)."""
@@ -228,6 +236,15 @@ class GrammarState:
     def consume(self, token: int) -> None:
         if not self._m.consume_token(int(token)) and self.error is None:
             self.error = " ".join(self._m.get_error().split())[:200]
+        self.n_consumed += 1
+        if self.stopped_at is None and self._m.is_stopped():
+            self.stopped_at = self.n_consumed
+
+    def complete_after(self, n_tokens: int) -> bool:
+        """Whether the first n_tokens consumed already complete the grammar (nothing but the end may
+        follow). By count, not the live state: a verify round samples several tokens before the
+        scheduler commits them one by one."""
+        return self.stopped_at is not None and n_tokens >= self.stopped_at
 
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of `tokens` (drafts) the grammar accepts from here, without advancing."""
@@ -240,9 +257,6 @@ class GrammarState:
     def is_accepting(self) -> bool:
         return self._m.is_accepting()
 
-    @property
-    def is_stopped(self) -> bool:
-        return self._m.is_stopped()
 
 
 class ConstrainedSampler:

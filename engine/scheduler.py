@@ -391,6 +391,8 @@ class Engine:
             at = req.text.find(stop)
             if at >= 0:
                 req.text, reason = req.text[:at], "stop"
+        if reason is None and req.grammar is not None and req.grammar.complete_after(len(req.output_ids)):
+            reason = "stop"  # the grammar is complete and allows only the end: no step spent sampling it
         if reason is None and (len(req.output_ids) >= req.params.max_tokens
                                or len(req.all_ids) >= self.context_limit):
             reason = "length"

@@ -198,7 +198,7 @@ def _call_at(s: str, i: int, at_end: bool) -> tuple[str, dict, int]:
         return m.group(), args, r.i + len(CLOSE)
     if s.startswith(OPEN, r.i) or (at_end and r.i == len(s)):
         return m.group(), args, r.i
-    if r.i == len(s) or CLOSE.startswith(s[r.i:]):
+    if CLOSE.startswith(s[r.i:]) or OPEN.startswith(s[r.i:]):   # also: nothing after the body yet
         raise _Incomplete
     raise _Malformed(f"expected {CLOSE!r} after the arguments")
 
