@@ -112,6 +112,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--spec-draft-model", metavar="PATH",
                    help="assistant GGUF: decode tok/s with and without it, acceptance, verify cost")
     b.add_argument("--spec-tokens", type=int, default=2)
+    b.add_argument("--constraints", action="store_true",
+                   help="structured output: the token mask's cost per token on --model's vocabulary "
+                        "(llguidance, and xgrammar if installed)")
     g = b.add_argument_group("KV files (--kv-resume)")
     g.add_argument("--kv-resume", action="store_true",
                    help="reopening a conversation from its KV file against prefilling it, and file size per "
@@ -429,7 +432,11 @@ def cmd_bench(a) -> int:
         raise ValueError("give --model or --synthetic, not both")
     _int_list(a.prompt_lengths, "--prompt-lengths")  # bad lists fail before any work starts
     _int_list(a.contexts, "--contexts")
-    if a.static:  # compiled, not run: kernels per step, bytes per token, GEMV instructions per byte
+    if a.constraints:  # the grammar mask per token on the model's vocabulary (no weights loaded)
+        from engine import api
+        from engine.constraint_bench import constraint_bench
+        out = constraint_bench(api.resolve_model(a.model), threads=a.threads)
+    elif a.static:  # compiled, not run: kernels per step, bytes per token, GEMV instructions per byte
         if not a.synthetic:
             raise ValueError("--static needs --synthetic e2b or e4b")
         from engine.static_bench import static_report
