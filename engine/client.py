@@ -122,8 +122,8 @@ class LocalClient(EngineClient):
     # --- the interface ---------------------------------------------------------------------
     def submit(self, messages: Sequence[dict], params: GenerationParams = GenerationParams()) -> int:
         """messages: [{"role", "content", optional "images": [ImageInput | path | bytes, ...]}]."""
+        grammar = request_grammar(params, self.loaded.tokenizer)   # ConstraintError: bad schema/tools
         ids, images = self._prompt_ids(messages, params.thinking, params.image_tokens, params.tools)
-        grammar = request_grammar(params, self.loaded.tokenizer)   # ConstraintError: a bad schema
         reply: "queue.Queue[Any]" = queue.Queue()
         self._commands.put(("add", ids, params, reply, images, grammar))
         out = reply.get()

@@ -2,7 +2,7 @@
 a per-step token mask (llguidance: see the README's "Structured output" for the measurement that
 picked it over xgrammar).
 
-A `Constraint` is a checked grammar description (llguidance's JSON form); `GrammarState` is one
+A `Constraint` is a checked grammar (llguidance's Lark dialect, JSON schemas inline as `%json`); `GrammarState` is one
 request's matcher: `mask(logits)` sets every token the grammar forbids to -inf before sampling,
 `consume(token)` advances it, `valid_prefix(drafts)` says how many drafted tokens the grammar
 allows (the speculative round drafts only those; the matcher consumes only committed tokens, so
@@ -31,7 +31,7 @@ import torch
 
 __all__ = ["Constraint", "ConstraintError", "ConstrainedSampler", "GrammarState", "json_schema_constraint",
            "json_object_constraint", "grammar_constraint", "from_response_format", "from_ollama_format",
-           "ll_tokenizer"]
+           "ll_tokenizer", "checked"]
 
 # JSON output layout: `{"a": 1, "b": [2, 3]}` (json.dumps' separators). No free whitespace: a
 # random (or distracted) model could otherwise spend its whole budget on spaces between tokens.
@@ -90,7 +90,7 @@ def json_schema_constraint(schema: Mapping | str | bool, strict: bool = False, n
         raise ConstraintError(f"a JSON schema must be an object, not {type(schema).__name__}")
     s = _closed(copy.deepcopy(dict(schema))) if strict else copy.deepcopy(dict(schema))
     s["x-guidance"] = {**_JSON_OPTIONS, "lenient": not strict, **(s.get("x-guidance") or {})}
-    return _checked(Constraint("json_schema", "start: %json " + json.dumps(s, ensure_ascii=False), name))
+    return checked(Constraint("json_schema", "start: %json " + json.dumps(s, ensure_ascii=False), name))
 
 
 def json_object_constraint() -> Constraint:
@@ -111,7 +111,7 @@ def grammar_constraint(text: str, syntax: str = "auto") -> Constraint:
             raise _one_line("bad GBNF grammar", str(e) or type(e).__name__) from None
     elif syntax != "lark":
         raise ConstraintError(f"grammar syntax must be lark, gbnf or auto, not {syntax!r}")
-    return _checked(Constraint("grammar", text, "grammar"))
+    return checked(Constraint("grammar", text, "grammar"))
 
 
 def from_response_format(rf: Optional[Mapping]) -> Optional[Constraint]:
@@ -145,7 +145,7 @@ def from_ollama_format(fmt: Any) -> Optional[Constraint]:
     raise ConstraintError('format must be "json" or a JSON schema object')
 
 
-def _checked(c: Constraint) -> Constraint:
+def checked(c: Constraint) -> Constraint:
     """Refuse what llguidance rejects without a tokenizer (grammar syntax, schemas). Special tokens
     are checked when a request compiles it against the model's tokenizer (GrammarState)."""
     import llguidance as llg

@@ -13,29 +13,34 @@
 """
 from __future__ import annotations
 
+import json
 import re
 from typing import Optional
 
 from models.tool_calls import ToolCallStream
 
-from .constraints import Constraint, ConstraintError, GrammarState, _checked
+from .constraints import Constraint, ConstraintError, GrammarState, checked
 from .request import StreamEvent
-from .tool_grammar import tool_call_constraint, tool_choice_mode, tool_names
+from .tool_grammar import check_tools, tool_call_constraint, tool_choice_mode, tool_names
 
-__all__ = ["request_grammar", "ToolEvents", "tool_events_for", "ConstraintError"]
+__all__ = ["request_grammar", "ToolEvents", "tool_events_for", "ollama_tool_calls", "ConstraintError"]
 
 
 def _union(a: Constraint, b: Constraint) -> Constraint:
     """`start: a | b` of a single-rule JSON constraint and a tool-call grammar."""
     a_body = re.sub(r"^start\s*:", "json_reply:", a.lark, count=1, flags=re.M)
     b_body = re.sub(r"^start\s*:", "tool_reply:", b.lark, count=1, flags=re.M)
-    return _checked(Constraint(a.kind, "start: json_reply | tool_reply\n" + a_body + "\n" + b_body, a.name))
+    return checked(Constraint(a.kind, "start: json_reply | tool_reply\n" + a_body + "\n" + b_body, a.name))
 
 
 def request_grammar(params, tokenizer) -> Optional[GrammarState]:
     """The GrammarState for a request's GenerationParams (ConstraintError: a one-line 400)."""
     constraint: Optional[Constraint] = params.constraint
     tools, choice = params.tools, params.tool_choice
+    if tools is not None:
+        if not isinstance(tools, (list, tuple)):
+            raise ConstraintError("tools must be a list")
+        check_tools(tools)
     if constraint is None and not tools and choice in (None, "auto", "none"):
         return None
     if tokenizer is None:
@@ -79,3 +84,9 @@ def tool_events_for(params) -> Optional[ToolEvents]:
     if not params.tools or params.tool_choice == "none":
         return None
     return ToolEvents(tool_names(params.tools))
+
+
+def ollama_tool_calls(calls: list[dict]) -> list[dict]:
+    """OpenAI-style calls -> Ollama's `message.tool_calls` (arguments as an object)."""
+    return [{"function": {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}}
+            for c in calls]

@@ -20,9 +20,9 @@ from typing import Any, Mapping, Optional, Sequence
 
 from models.tool_calls import BARE_KEY
 
-from .constraints import Constraint, ConstraintError, _checked
+from .constraints import Constraint, ConstraintError, checked
 
-__all__ = ["tool_call_constraint", "tool_names", "tool_choice_mode"]
+__all__ = ["tool_call_constraint", "tool_names", "tool_choice_mode", "check_tools"]
 
 # Gemma 4 markers (spec §5.3); named as tokens when the vocabulary has them, else as text.
 _MARKERS = {"open": "<|tool_call>", "close": "<tool_call|>", "quote": '<|"|>'}
@@ -33,7 +33,8 @@ def tool_names(tools: Optional[Sequence[Mapping]]) -> list[str]:
     return [t["function"]["name"] for t in tools or ()]
 
 
-def _check_tools(tools: Sequence[Mapping]) -> None:
+def check_tools(tools: Sequence[Mapping]) -> None:
+    """Each tool is {"type": "function", "function": {"name": NAME, ...}} (ConstraintError if not)."""
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, Mapping) else None
         if not isinstance(t, Mapping) or t.get("type", "function") != "function" or not isinstance(fn, Mapping):
@@ -41,6 +42,8 @@ def _check_tools(tools: Sequence[Mapping]) -> None:
         name = fn.get("name")
         if not isinstance(name, str) or not name or not all(c.isalnum() or c in "_-." for c in name):
             raise ConstraintError(f"tools[{i}].function.name must be letters, digits, '_', '-' or '.'")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], Mapping):
+            raise ConstraintError(f"tools[{i}].function.parameters must be a JSON schema object")
 
 
 def tool_choice_mode(tool_choice: Any, tools: Optional[Sequence[Mapping]]) -> tuple[str, Optional[str]]:
@@ -201,7 +204,7 @@ def tool_call_constraint(tools: Optional[Sequence[Mapping]], tool_choice: Any, t
         if tool_choice not in (None, "auto", "none"):
             raise ConstraintError("tool_choice needs tools")
         return None
-    _check_tools(tools)
+    check_tools(tools)
     mode, name = tool_choice_mode(tool_choice, tools)
     ids = {k: (tokenizer.piece_to_id(v) if tokenizer is not None else None) for k, v in _MARKERS.items()}
 
@@ -213,7 +216,7 @@ def tool_call_constraint(tools: Optional[Sequence[Mapping]], tool_choice: Any, t
     if mode == "none":
         if ids["open"] is None:
             return None
-        return _checked(Constraint("tool_call", f"start: <[^{ids['open']}]>*", "none"))
+        return checked(Constraint("tool_call", f"start: <[^{ids['open']}]>*", "none"))
     chosen = [t for t in tools if mode == "required" or t["function"]["name"] == name]
     rules, calls = _Rules(marker), []
     for k, t in enumerate(chosen):
@@ -230,4 +233,4 @@ def tool_call_constraint(tools: Optional[Sequence[Mapping]], tool_choice: Any, t
     start = "start: " + ("(" + " | ".join(calls) + ")+" if mode == "required" else calls[0])
     strings = [f"GTEXT: {_NO_QUOTE}", f"gstring: {marker('quote')} GTEXT {marker('quote')}"]
     c = Constraint("tool_call", "\n".join([start] + rules.lines + strings) + _GENERIC, name or "required")
-    return _checked(c.with_thinking() if thinking else c)
+    return checked(c.with_thinking() if thinking else c)

@@ -184,6 +184,25 @@ def test_bad_schemas_and_grammars_are_refused_in_one_line(make, msg):
     assert "\n" not in str(e.value) and len(str(e.value)) < 400
 
 
+@pytest.mark.parametrize("tools, choice, msg", [
+    ({"type": "function"}, None, "tools must be a list"),
+    ([{"type": "function"}], None, r"tools\[0\] must be"),
+    ([{"type": "function", "function": {"name": "f", "parameters": [1]}}], "auto", "parameters must be"),
+    ([WEATHER], {"type": "function", "function": {"name": "now"}}, "not in tools"),
+    (None, "required", "needs tools"),
+])
+def test_submit_refuses_bad_tools_in_one_line(client, tools, choice, msg):
+    with pytest.raises(ConstraintError, match=msg) as e:
+        client.submit(ASK, GenerationParams(tools=tools, tool_choice=choice))
+    assert "\n" not in str(e.value)
+
+
+def test_ollama_tool_calls_carry_argument_objects():
+    from engine.structured import ollama_tool_calls
+    calls = parse_tool_calls('<|tool_call>call:get_weather{city:<|"|>Oslo<|"|>,days:2}<tool_call|>').tool_calls
+    assert ollama_tool_calls(calls) == [{"function": {"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}}]
+
+
 def test_submit_refuses_a_grammar_with_an_unknown_token(client):
     with pytest.raises(ConstraintError, match="invalid grammar") as e:
         client.submit(ASK, GenerationParams(constraint=grammar_constraint("start: <|no_such_token|>")))
@@ -300,3 +319,30 @@ def test_tool_call_grammar_without_marker_tokens_spells_them(tiny):
         state.consume(allowed[0])
     assert state.is_accepting() and state.error is None
     assert parse_tool_calls(text).tool_calls[0]["function"]["name"] == "now"
+
+
+def test_cli_run_json_schema_and_grammar(tiny, tmp_path, capsys):
+    from app.cli import main
+    model = str(next(tiny[1].glob("tools.gguf")))
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(PERSON))
+    assert main(["run", "--model", model, "--prompt", "hi", "--json-schema", str(schema), "--max-tokens", "128",
+                 "--temperature", "1", "--seed", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    jsonschema.validate(json.loads(out["text"]), PERSON)
+    grammar = tmp_path / "yn.gbnf"
+    grammar.write_text('root ::= "yes" | "no"\n')
+    assert main(["run", "--model", model, "--prompt", "hi", "--grammar", str(grammar), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["text"] in ("yes", "no")
+
+
+@pytest.mark.parametrize("name, text, msg", [("bad.json", '{"type": "nope"}', "bad.json: invalid json schema"),
+                                             ("bad.gbnf", 'root ::= "a" | b', "bad.gbnf: bad GBNF grammar")])
+def test_cli_run_refuses_a_bad_file_in_one_line_before_loading(tmp_path, capsys, name, text, msg):
+    from app.cli import main
+    path = tmp_path / name
+    path.write_text(text)
+    flag = "--json-schema" if name.endswith(".json") else "--grammar"
+    assert main(["run", "--model", str(tmp_path / "absent.gguf"), "--prompt", "hi", flag, str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"edgegem: error: {msg}") and "\n" not in err   # the model was never opened
