@@ -31,7 +31,7 @@ import torch
 
 __all__ = ["Constraint", "ConstraintError", "ConstrainedSampler", "GrammarState", "json_schema_constraint",
            "json_object_constraint", "grammar_constraint", "from_response_format", "from_ollama_format",
-           "ll_tokenizer", "checked"]
+           "ll_tokenizer", "warm_up", "checked"]
 
 # JSON output layout: `{"a": 1, "b": [2, 3]}` (json.dumps' separators). No free whitespace: a
 # random (or distracted) model could otherwise spend its whole budget on spaces between tokens.
@@ -195,6 +195,14 @@ def ll_tokenizer(tok):
         return llt
 
 
+def warm_up(tok) -> threading.Thread:
+    """Build `tok`'s llguidance tokenizer in a background thread (a server calls this at start, so
+    the first constrained request does not wait the seconds it takes); returns the thread."""
+    t = threading.Thread(target=ll_tokenizer, args=(tok,), name="edgegem-llguidance-tokenizer", daemon=True)
+    t.start()
+    return t
+
+
 # --- one request's matcher ----------------------------------------------------------------------------
 
 class GrammarState:
@@ -220,8 +228,8 @@ class GrammarState:
     def allowed(self) -> torch.Tensor:
         """[V] bool CPU: the tokens the grammar allows next (bit j of word w is token 32w + j)."""
         self._m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-        bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self.vocab_size]
-        return torch.from_numpy(bits.astype(bool))
+        bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self.vocab_size]   # 0/1 uint8
+        return torch.from_numpy(bits.view(bool))
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """[V] logits with every forbidden token at -inf (a new tensor: logits may be a graph's output)."""

@@ -346,3 +346,10 @@ def test_cli_run_refuses_a_bad_file_in_one_line_before_loading(tmp_path, capsys,
     assert main(["run", "--model", str(tmp_path / "absent.gguf"), "--prompt", "hi", flag, str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"edgegem: error: {msg}") and "\n" not in err   # the model was never opened
+
+
+def test_warm_up_builds_the_tokenizer_once(tiny):
+    from engine.constraints import ll_tokenizer, warm_up
+    tok = tiny[0].tokenizer
+    warm_up(tok).join(timeout=60)
+    assert ll_tokenizer(tok) is ll_tokenizer(tok) and ll_tokenizer(tok).vocab_size == tok.vocab_size
