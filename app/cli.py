@@ -55,6 +55,11 @@ def _parser() -> argparse.ArgumentParser:
     _image_args(r)
     _sampling_args(r)
     r.add_argument("--raw", action="store_true", help="no chat template: continue the text as is")
+    out = r.add_mutually_exclusive_group()
+    out.add_argument("--json-schema", metavar="FILE", help="the reply is JSON valid under this JSON schema")
+    out.add_argument("--grammar", metavar="FILE",
+                     help="the reply follows this grammar: llguidance Lark (`start: ...`) or llama.cpp GBNF "
+                          "(`root ::= ...`)")
     r.add_argument("--json", action="store_true", help="end with one JSON object (ids, text, timings)")
     r.add_argument("--exact", action="store_true",
                    help="float32 weights (reference numerics) instead of the faster float16 CPU format")
@@ -107,6 +112,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--spec-draft-model", metavar="PATH",
                    help="assistant GGUF: decode tok/s with and without it, acceptance, verify cost")
     b.add_argument("--spec-tokens", type=int, default=2)
+    b.add_argument("--constraints", action="store_true",
+                   help="structured output: the token mask's cost per token on --model's vocabulary "
+                        "(llguidance, and xgrammar if installed)")
     g = b.add_argument_group("KV files (--kv-resume)")
     g.add_argument("--kv-resume", action="store_true",
                    help="reopening a conversation from its KV file against prefilling it, and file size per "
@@ -292,10 +300,12 @@ def cmd_tokenize(a) -> int:
 
 def cmd_run(a) -> int:
     from engine import api
+    constraint = _constraint(a)  # a bad schema or grammar is refused before the model loads
     lm = api.open_model(api.resolve_model(a.model), exact=a.exact, device=_device(a),
                         embed_weights=a.embed_weights, mmproj=a.mmproj)
     images = api.load_images(lm, a.image, a.image_tokens)  # refused in one line before the engine starts
-    gen = api.GenerationParams(_params(a), kv_session=_kv_path(a), image_tokens=a.image_tokens)
+    gen = api.GenerationParams(_params(a), kv_session=_kv_path(a), image_tokens=a.image_tokens,
+                               constraint=constraint)
     client = _start_client(lm, _engine_options(a))
     try:
         out = api.run_prompt(client, lm, a.prompt, gen, raw=a.raw, system=a.system,
@@ -314,6 +324,23 @@ def cmd_run(a) -> int:
               f"{t['prefill_tok_s']:.1f} tok/s, {t['output_tokens']} generated at {t['decode_tok_s']:.1f} tok/s]",
               file=sys.stderr)
     return 0
+
+
+def _constraint(a):
+    """--json-schema / --grammar FILE as an engine constraint (a bad file: one-line ValueError)."""
+    from engine.constraints import grammar_constraint, json_schema_constraint
+    path = a.json_schema or a.grammar
+    if path is None:
+        return None
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read {path}: {e.strerror if isinstance(e, OSError) else e}") from None
+    where = f"{Path(path).name}: "
+    try:
+        return json_schema_constraint(text) if a.json_schema else grammar_constraint(text)
+    except ValueError as e:
+        raise ValueError(where + str(e)) from None
 
 
 def _emit(text: str) -> None:
@@ -405,7 +432,11 @@ def cmd_bench(a) -> int:
         raise ValueError("give --model or --synthetic, not both")
     _int_list(a.prompt_lengths, "--prompt-lengths")  # bad lists fail before any work starts
     _int_list(a.contexts, "--contexts")
-    if a.static:  # compiled, not run: kernels per step, bytes per token, GEMV instructions per byte
+    if a.constraints:  # the grammar mask per token on the model's vocabulary (no weights loaded)
+        from engine import api
+        from engine.constraint_bench import constraint_bench
+        out = constraint_bench(api.resolve_model(a.model), threads=a.threads)
+    elif a.static:  # compiled, not run: kernels per step, bytes per token, GEMV instructions per byte
         if not a.synthetic:
             raise ValueError("--static needs --synthetic e2b or e4b")
         from engine.static_bench import static_report

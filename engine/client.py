@@ -18,6 +18,8 @@ from .images import ImageRequestError, as_image_input, expand_markers, place_mar
 from .request import StreamEvent
 from .sampler import SamplingParams
 from .scheduler import ContextOverflowError, Engine, EngineConfig
+from .constraints import Constraint
+from .structured import request_grammar, tool_events_for
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,12 @@ class GenerationParams:
     stop_strings: tuple[str, ...] = ()
     kv_session: Optional[str] = None  # a KV file: serves the prompt's common prefix, saved after
     image_tokens: int = 280  # soft-token budget of images given as paths/bytes: 70|140|280|560|1120
+    # structured output (engine/constraints.py: json_schema_constraint, from_response_format, ...)
+    constraint: Optional[Constraint] = None
+    # OpenAI function tools, rendered by the chat template; tool_choice: "auto" | "none" |
+    # "required" | {"type": "function", "function": {"name": ...}} (engine/structured.py)
+    tools: Optional[Sequence[dict]] = None
+    tool_choice: Any = None
 
 
 def _with_image_markers(message: dict, image_tokens: int) -> dict:
@@ -76,13 +84,14 @@ class LocalClient(EngineClient):
         self._commands: "queue.Queue[tuple]" = queue.Queue()
         self._events: dict[int, queue.Queue] = {}
         self._prompts: dict[int, list[int]] = {}
+        self._tool_events: dict = {}   # request id -> engine.structured.ToolEvents (requests with tools)
         self._status: dict = self.engine.status()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="edgegem-engine", daemon=True)
         self._thread.start()
 
     # --- prompt building ---------------------------------------------------------------------
-    def _prompt_ids(self, messages: Sequence[dict], thinking: bool, image_tokens: int = 280
+    def _prompt_ids(self, messages: Sequence[dict], thinking: bool, image_tokens: int = 280, tools=None
                     ) -> tuple[list[int], list]:
         """(ids, images): the rendered conversation, each message's `images` (ImageInput, paths or
         bytes) placed as `<|image|>` markers (before its text unless the text has them) and
@@ -91,7 +100,8 @@ class LocalClient(EngineClient):
         limit = self.engine.context_limit
         vision = self.engine.vision
         while True:
-            text = lm.chat.render(msgs, add_generation_prompt=True, thinking=thinking)
+            extra = {"tools": tools} if tools else {}   # chat formats without tool support never see the key
+            text = lm.chat.render(msgs, add_generation_prompt=True, thinking=thinking, **extra)
             ids = lm.tokenizer.encode(text, add_bos=not lm.chat.bos_in_template)
             images = [im for m in msgs for im in m.get("images", ())]
             if images and vision is None:
@@ -112,9 +122,10 @@ class LocalClient(EngineClient):
     # --- the interface ---------------------------------------------------------------------
     def submit(self, messages: Sequence[dict], params: GenerationParams = GenerationParams()) -> int:
         """messages: [{"role", "content", optional "images": [ImageInput | path | bytes, ...]}]."""
-        ids, images = self._prompt_ids(messages, params.thinking, params.image_tokens)
+        grammar = request_grammar(params, self.loaded.tokenizer)   # ConstraintError: bad schema/tools
+        ids, images = self._prompt_ids(messages, params.thinking, params.image_tokens, params.tools)
         reply: "queue.Queue[Any]" = queue.Queue()
-        self._commands.put(("add", ids, params, reply, images))
+        self._commands.put(("add", ids, params, reply, images, grammar))
         out = reply.get()
         if isinstance(out, Exception):
             raise out
@@ -125,8 +136,9 @@ class LocalClient(EngineClient):
         """Already expanded ids: each image's N placeholders in order (`images`: ImageInput, paths
         or bytes, in prompt order)."""
         images = [as_image_input(im, params.image_tokens) for im in images]
+        grammar = request_grammar(params, self.loaded.tokenizer)
         reply: "queue.Queue[Any]" = queue.Queue()
-        self._commands.put(("add", list(prompt_ids), params, reply, images))
+        self._commands.put(("add", list(prompt_ids), params, reply, images, grammar))
         out = reply.get()
         if isinstance(out, Exception):
             raise out
@@ -138,11 +150,15 @@ class LocalClient(EngineClient):
 
     def stream(self, request_id: int, timeout: Optional[float] = None) -> Iterator[StreamEvent]:
         q = self._events[request_id]
+        tools = self._tool_events.get(request_id)
         while True:
             ev = q.get(timeout=timeout)
+            if tools is not None:
+                ev = tools.apply(ev)   # content only in `text`, calls in tool_call_deltas / tool_calls
             yield ev
             if ev.finished:
                 self._events.pop(request_id, None)
+                self._tool_events.pop(request_id, None)
                 return
 
     def abort(self, request_id: int) -> None:
@@ -202,11 +218,14 @@ class LocalClient(EngineClient):
     def _handle(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, ids, params, reply, images = cmd
+            _, ids, params, reply, images, grammar = cmd
             try:
                 req = self.engine.add(ids, params.sampling, params.stop_strings, kv_session=params.kv_session,
-                                      images=images)
+                                      images=images, grammar=grammar)
                 self._events[req.id] = req.events
+                tools = tool_events_for(params)
+                if tools is not None:
+                    self._tool_events[req.id] = tools
                 self._prompts[req.id] = req.prompt_ids
                 reply.put(req.id)
             except Exception as e:  # noqa: BLE001 - handed to the caller's thread

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Optional
 from .sampler import Sampler, SamplingParams
 
 if TYPE_CHECKING:
+    from .constraints import GrammarState
     from .images import PromptImages
 
 _ids = itertools.count(1)
@@ -34,6 +35,11 @@ class StreamEvent:
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
     error: Optional[str] = None
     stats: Optional[dict] = None
+    # requests with tools (engine/structured.py): calls completed in this event, OpenAI stream
+    # deltas {"index", "id", "type", "function": {"name", "arguments"}}; on the final event
+    # `tool_calls` is every call of the reply ({"id", "type", "function"})
+    tool_call_deltas: Optional[list] = None
+    tool_calls: Optional[list] = None
 
 
 @dataclass(eq=False)
@@ -64,11 +70,15 @@ class Request:
     kv_error: Optional[str] = None  # why the file was not used (one line)
     kv_checked: bool = False
     images: Optional["PromptImages"] = None  # image inputs of the prompt (engine/images.py)
+    grammar: Optional["GrammarState"] = None  # structured output: masks every sampled token
 
     def __post_init__(self):
         if not self.prompt_ids:
             raise ValueError("empty prompt")
         self.sampler = Sampler(self.params)
+        if self.grammar is not None:
+            from .constraints import ConstrainedSampler
+            self.sampler = ConstrainedSampler(self.sampler, self.grammar)
 
     @property
     def all_ids(self) -> list[int]:

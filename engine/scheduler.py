@@ -116,16 +116,17 @@ class Engine:
 
     # --- requests ----------------------------------------------------------------------------
     def add(self, prompt_ids: list[int], params: SamplingParams, stop_strings=(),
-            kv_session: Optional[str] = None, images=()) -> Request:
+            kv_session: Optional[str] = None, images=(), grammar=None) -> Request:
         """`images`: models.gemma4_vision.ImageInput, one per `<|image|>` run of `prompt_ids` (each
-        image's N placeholders, in order); encoded at admission unless the cache covers them."""
+        image's N placeholders, in order); encoded at admission unless the cache covers them.
+        `grammar`: an engine.constraints.GrammarState that masks every token sampled for it."""
         limit = self.context_limit
         pimg = prompt_images(prompt_ids, images, self.vision)
         if len(prompt_ids) >= limit:
             what = f" ({sum(im.n_tokens for im in images)} of them for {len(images)} images)" if images else ""
             raise ContextOverflowError(
                 f"prompt of {len(prompt_ids)} tokens{what} does not fit the {limit}-token context")
-        req = Request(list(prompt_ids), params, tuple(stop_strings), kv_session=kv_session)
+        req = Request(list(prompt_ids), params, tuple(stop_strings), kv_session=kv_session, grammar=grammar)
         req.images = pimg
         if self.tokenizer is not None:
             req.detok = self.tokenizer.stream_decoder()
@@ -277,7 +278,10 @@ class Engine:
             return []
         k = max_draft(self.spec.tokens, len(req.all_ids), len(req.output_ids), req.params.max_tokens,
                       self.context_limit)
-        return draft_tokens(self.spec, self.model, req.kv, req.all_ids[-1], req.h, req.computed_len, k) if k else []
+        drafts = draft_tokens(self.spec, self.model, req.kv, req.all_ids[-1], req.h, req.computed_len, k) if k else []
+        if req.grammar is not None:  # a draft the grammar forbids is never accepted: verify only the valid prefix
+            drafts = drafts[:req.grammar.valid_prefix(drafts)]
+        return drafts
 
     def _spec_round(self, req: Request) -> None:
         """Draft, verify in one target forward, accept by sample-then-match, roll back (speculative.py)."""
@@ -387,6 +391,8 @@ class Engine:
             at = req.text.find(stop)
             if at >= 0:
                 req.text, reason = req.text[:at], "stop"
+        if reason is None and req.grammar is not None and req.grammar.complete_after(len(req.output_ids)):
+            reason = "stop"  # the grammar is complete and allows only the end: no step spent sampling it
         if reason is None and (len(req.output_ids) >= req.params.max_tokens
                                or len(req.all_ids) >= self.context_limit):
             reason = "length"

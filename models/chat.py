@@ -12,6 +12,7 @@ from typing import Any, Mapping, Sequence
 
 from .chat_sandbox import ChatTemplateError, compile_template, render_budget, render_template
 from .metadata import MetadataReader
+from .tool_format import ToolFormatError, has_tool_parts, prepare_tool_messages, render_gemma4_tools
 
 __all__ = ["ChatFormat", "ChatTemplateError", "Message", "split_thinking",
            "GEMMA4_STOP_STRINGS", "GEMMA3_STOP_STRINGS"]
@@ -145,15 +146,29 @@ class ChatFormat:
         return fmt
 
     def render(self, messages: Sequence[Message | Mapping[str, Any]], add_generation_prompt: bool = True,
-               thinking: bool = False) -> str:
+               thinking: bool = False, tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """`tools`: OpenAI function tools (`{"type": "function", "function": {...}}`); assistant
+        `tool_calls` and `role: tool` messages are rendered too (models/tool_format.py)."""
         msgs = [_as_dict(m) for m in messages]
         if not msgs:
             raise ChatTemplateError("cannot render an empty conversation")
+        with_tools = bool(tools) or has_tool_parts(msgs)
+        if with_tools:
+            try:
+                msgs = prepare_tool_messages(msgs)
+            except ToolFormatError as e:
+                raise ChatTemplateError(str(e)) from None
         if self._tmpl is None:
+            if with_tools:
+                if self.family != "gemma4":
+                    raise ChatTemplateError(f"the built-in {self.family} chat format has no tool syntax")
+                return render_gemma4_tools(msgs, bool(add_generation_prompt), bool(thinking), self.bos_token,
+                                           tools)
             return _BUILTINS[self.family](msgs, bool(add_generation_prompt), bool(thinking), self.bos_token)
         ctx = {"messages": msgs, "add_generation_prompt": bool(add_generation_prompt),
                "enable_thinking": bool(thinking),   # always an explicit bool (undefined may read as true)
-               "bos_token": self.bos_token, "eos_token": self.eos_token, "tools": None}
+               "bos_token": self.bos_token, "eos_token": self.eos_token,
+               "tools": [dict(t) for t in tools] if tools else None}
         return render_template(self._tmpl, ctx, len(msgs))
 
     def _probe_bos(self) -> bool:

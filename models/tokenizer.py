@@ -347,6 +347,12 @@ class Tokenizer:
     def piece_to_id(self, piece: str) -> int | None:
         return self._ids.get(piece)
 
+    def special_ids(self) -> list[int]:
+        """Ids no text encodes to by accident: CONTROL and UNKNOWN tokens, and USER_DEFINED ones
+        written `<...>` (`<|tool_call>`, `<|"|>`, ...): grammars name them as tokens, never as text."""
+        return [i for i, (t, a) in enumerate(zip(self._tokens, self._attrs))
+                if a & (CONTROL | UNKNOWN) or (a & USER_DEFINED and t.startswith("<") and t.endswith(">"))]
+
     def is_control(self, token_id: int) -> bool:
         (i,) = self._check((token_id,))
         return bool(self._attrs[i] & CONTROL)

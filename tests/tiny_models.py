@@ -14,6 +14,9 @@ from gguf import GGUFWriter
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>", "<|think|>"]
 USER_DEFINED = ["<|channel>", "<channel|>", "<|tool_response>"]
+# Gemma-4's tool markers (spec §5.3), placed on `<unusedN>` ids of a 384-token tiny vocab
+TOOL_TOKENS = {370: "<|tool>", 371: "<tool|>", 372: "<|tool_call>", 373: "<tool_call|>", 374: "<tool_response|>",
+               375: '<|"|>'}
 WORDS = ["\n", "\n\n", "▁", "▁t", "th", "▁th", "he", "▁the", "in", "er", "an", "▁a", "on", "re"]
 
 
@@ -38,12 +41,16 @@ def tiny_vocab(n_vocab: int) -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
-def add_tiny_tokenizer(w: GGUFWriter, n_vocab: int, special: Optional[dict] = None) -> None:
+def add_tiny_tokenizer(w: GGUFWriter, n_vocab: int, special: Optional[dict] = None,
+                       user_defined: Optional[dict] = None) -> None:
     """The tiny `gemma4` tokenizer keys (llama.cpp needs a vocabulary to load a model); `special`:
-    id -> text of extra control tokens (e.g. the image markers)."""
+    id -> text of extra control tokens (e.g. the image markers); `user_defined`: id -> text of
+    extra USER_DEFINED tokens (e.g. TOOL_TOKENS)."""
     tokens, types, merges = tiny_vocab(n_vocab)
     for i, text in (special or {}).items():
         tokens[i], types[i] = text, 3
+    for i, text in (user_defined or {}).items():
+        tokens[i], types[i] = text, 4
     w.add_string("tokenizer.ggml.model", "gemma4")
     w.add_array("tokenizer.ggml.tokens", tokens)
     w.add_array("tokenizer.ggml.scores", [-1000.0] * n_vocab)
@@ -104,6 +111,7 @@ class TinySpec:
     n_expert: int = 0
     n_expert_used: int = 0
     expert_ffn: int = 0
+    tool_tokens: bool = False  # the Gemma-4 tool markers as USER_DEFINED tokens (TOOL_TOKENS)
     v_on_full_layers: bool = True  # False: 31B-style, no attn_v on full layers (V = raw K)
     double_wide: bool = True  # E2B-style 2x FFN on KV-shared layers (written as an array)
     tied: bool = True
@@ -153,7 +161,7 @@ def write_tiny_gemma4(path: Path, spec: TinySpec, seed: int = 0) -> Path:
         w.add_uint32(f"{arch}.expert_count", spec.n_expert)
         w.add_uint32(f"{arch}.expert_used_count", spec.n_expert_used)
         w.add_uint32(f"{arch}.expert_feed_forward_length", spec.expert_ffn)
-    add_tiny_tokenizer(w, V)
+    add_tiny_tokenizer(w, V, user_defined=TOOL_TOKENS if spec.tool_tokens else None)
     for k, v in spec.extra.items():
         w.add_key_value(k, v[0], v[1])
 
