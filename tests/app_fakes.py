@@ -13,7 +13,7 @@ from typing import Optional
 
 from app.backend import Session
 from engine.api import EngineOptions
-from engine.images import ImageRequestError, as_image_input
+from engine.media import ImageRequestError, as_image_input
 from engine.request import StreamEvent
 
 
