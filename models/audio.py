@@ -198,8 +198,10 @@ def load_audio(source: str | Path | bytes, name: str = "") -> AudioInput:
     try:
         f = sf.SoundFile(io.BytesIO(data))
     except (sf.LibsndfileError, RuntimeError, TypeError, ValueError) as e:
-        why = " ".join(str(e).split(": ")[-1].split()) or type(e).__name__
-        raise AudioError(f"{label}: not audio, or a format libsndfile cannot read ({why})") from None
+        why = " ".join(str(e).split(": ", 1)[-1].split()) or type(e).__name__
+        if "SF_INFO struct incomplete" in why:  # libsndfile's word for a 0 Hz or 0-channel header
+            raise AudioError(f"{label}: the header has no usable sample rate or channel count (0 Hz?)") from None
+        raise AudioError(f"{label}: not audio, or a format or codec libsndfile cannot decode ({why})") from None
     with f:
         rate, channels = int(f.samplerate), int(f.channels)
         _check_header(label, rate, channels, int(f.frames) if f.frames >= 0 else None)

@@ -83,7 +83,7 @@ def build_tiny_audio(folder: Path):
     return ref
 
 
-def test_clip(seconds: float, seed: int = 0, rate: int = 16000) -> np.ndarray:
+def make_clip(seconds: float, seed: int = 0, rate: int = 16000) -> np.ndarray:
     """Tones + a chirp + noise, PCM16-scaled float32 in [-1, 1] (§9 check 1)."""
     rng = np.random.default_rng(seed)
     t = np.arange(int(round(seconds * rate))) / rate
@@ -138,3 +138,16 @@ def convert_mmproj(folder: Path, out: Path, outtype: str = "f32") -> Path:
     if r.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{r.stderr[-3000:]}")
     return out
+
+
+def write_text_gguf_with_audio(folder: Path, path: Path) -> Path:
+    """The text model as a `gemma4` GGUF (tests/tiny_vision.py's writer) whose vocabulary also
+    holds the audio markers at 503/504/505."""
+    from tiny_vision import write_text_gguf
+    return write_text_gguf(folder, path, {BOA: "<|audio>", EOA: "<audio|>", AUD: "<|audio|>"})
+
+
+def wav_file(path: Path, samples: np.ndarray, rate: int = 16000, subtype: str = "PCM_16") -> Path:
+    import soundfile as sf
+    sf.write(str(path), samples, rate, subtype=subtype)
+    return path
