@@ -154,14 +154,17 @@ def _mono_float(a: np.ndarray) -> np.ndarray:
     return x.mean(axis=1, dtype=np.float32) if x.ndim == 2 else x
 
 
+def _limit() -> str:
+    return f"{MAX_SECONDS // 60}-minute limit" if MAX_SECONDS % 60 == 0 else f"{MAX_SECONDS} s limit"
+
+
 def _check_header(label: str, rate: int, channels: int, frames: Optional[int]) -> None:
     if not MIN_RATE <= rate <= MAX_RATE:
         raise AudioError(f"{label}: sample rate {rate} Hz is outside {MIN_RATE}-{MAX_RATE} Hz")
     if not 1 <= channels <= MAX_CHANNELS:
         raise AudioError(f"{label}: {channels} channels (at most {MAX_CHANNELS})")
     if frames is not None and frames > MAX_SECONDS * rate:
-        raise AudioError(f"{label}: {frames / rate / 60:.0f} minutes of audio is over the "
-                         f"{MAX_SECONDS // 60}-minute limit")
+        raise AudioError(f"{label}: {frames / rate / 60:.0f} minutes of audio is over the {_limit()}")
 
 
 def _finish(x: np.ndarray, label: str, source_rate: int, channels: int) -> AudioInput:
@@ -171,7 +174,7 @@ def _finish(x: np.ndarray, label: str, source_rate: int, channels: int) -> Audio
         raise AudioError(f"{label}: {1000 * x.shape[0] / SAMPLE_RATE:.1f} ms of audio is too short "
                          f"(at least {1000 * MIN_SAMPLES / SAMPLE_RATE:.1f} ms for one token)")
     if x.shape[0] > MAX_SECONDS * SAMPLE_RATE:
-        raise AudioError(f"{label}: over the {MAX_SECONDS // 60}-minute limit")
+        raise AudioError(f"{label}: over the {_limit()}")
     samples = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
     return AudioInput(samples, n_tokens(samples.shape[0]), _digest(samples), label, source_rate, channels)
 
@@ -223,7 +226,7 @@ def _decode(f, label: str, rate: int, channels: int) -> AudioInput:
                 break
             read += block.shape[0]
             if read > cap:
-                raise AudioError(f"{label}: over the {MAX_SECONDS // 60}-minute limit")
+                raise AudioError(f"{label}: over the {_limit()}")
             x = _mono_float(block)
             out.append(stream.resample_chunk(x) if stream is not None else x)
         if stream is not None:
