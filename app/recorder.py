@@ -17,8 +17,8 @@ from typing import Callable, Optional
 import numpy as np
 
 MAX_RECORD_SECONDS = 10 * 60  # stops by itself there: 15,000 tokens (longer audio: attach a file)
-NO_SOUNDDEVICE = ("Recording needs the sounddevice package and PortAudio: pip install sounddevice "
-                  "(on Linux also the libportaudio2 package)")
+NO_SOUNDDEVICE = "Recording needs the sounddevice package: pip install 'edgegem[mic]'"
+NO_PORTAUDIO = "Recording needs the PortAudio library (on Linux: the libportaudio2 package)"
 
 
 class RecorderError(RuntimeError):
@@ -31,7 +31,7 @@ def _default_stream(**kw):
     except ImportError:
         raise RecorderError(NO_SOUNDDEVICE) from None
     except OSError:  # the package is there, the PortAudio library is not
-        raise RecorderError(NO_SOUNDDEVICE.replace("the sounddevice package and ", "")) from None
+        raise RecorderError(NO_PORTAUDIO) from None
     try:
         device = sd.query_devices(kind="input")
     except (sd.PortAudioError, ValueError):

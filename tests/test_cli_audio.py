@@ -176,3 +176,37 @@ def test_client_messages_carry_audio_and_the_next_turn_reuses_its_kv(tiny):
         assert stats["cached_tokens"] <= ids1.index(AUD) and stats["audio_tokens"] == 13
     finally:
         client.close()
+
+
+async def test_the_app_on_the_real_engine_sends_a_clip_and_counts_its_tokens(tiny, tmp_path):
+    """`edgegem app --mmproj`: EngineBackend loads the audio tower from the flag; the chip's count
+    is the engine's, the answer streams, and the status panel shows the request's audio tokens."""
+    from app.app import EdgegemApp
+    from app.backend import EngineBackend
+    from app.screens.chat import ChatScreen
+    from app.store import Store
+    from app.widgets.attachments import AttachmentBar
+    from app.widgets.status_panel import StatusPanel
+    from engine.api import EngineOptions
+    from tests.test_app import until
+
+    backend = EngineBackend(str(tiny["text_only"]), EngineOptions(max_running_requests=1), "cpu",
+                            mmproj=str(tiny["mmproj"]))
+    app = EdgegemApp(backend, Store(tmp_path / "data"), plan_seconds=0.0,
+                     default_settings={"max_tokens": 3, "temperature": 0.0})
+    async with app.run_test(size=(120, 36)) as pilot:
+        await until(pilot, lambda: isinstance(app.screen, ChatScreen) and app.screen.is_mounted, timeout=120)
+        chat = app.screen
+        box = chat.query_one("#input")
+        box.text = f"/audio {tiny['one']}"
+        await pilot.press("enter")
+        await until(pilot, lambda: len(chat.query_one(AttachmentBar).pending) == 1)
+        assert chat.query_one(AttachmentBar).pending[0].n_tokens == 25
+        box.text = "what do you hear?"
+        await pilot.press("enter")
+        await until(pilot, lambda: chat.gen is None and len(chat.messages) == 2, timeout=120)
+        answer = chat.messages[1]
+        assert answer.status == "done" and answer.stats["audio_tokens"] == 25, answer.stats
+        await pilot.pause(0.6)
+        panel = str(chat.query_one(StatusPanel).render())
+        assert "audio   yes" in panel and "last prompt 25 audio tokens" in panel
