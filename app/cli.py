@@ -110,6 +110,12 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--spec-draft-model", metavar="PATH",
                    help="assistant GGUF: decode tok/s with and without it, acceptance, verify cost")
     b.add_argument("--spec-tokens", type=int, default=2)
+    g = b.add_argument_group("audio tower (--audio)")
+    g.add_argument("--audio", action="store_true",
+                   help="encode time of the audio tower per clip length (--mmproj's tower, else the E2B/E4B "
+                        "geometry with random weights)")
+    g.add_argument("--audio-seconds", default="1,10,30", metavar="S,S,...", help="clip lengths in seconds")
+    g.add_argument("--mmproj", metavar="FILE", help="--audio: the mmproj whose audio tower to time")
     g = b.add_argument_group("KV files (--kv-resume)")
     g.add_argument("--kv-resume", action="store_true",
                    help="reopening a conversation from its KV file against prefilling it, and file size per "
@@ -420,6 +426,19 @@ def cmd_bench(a) -> int:
             raise ValueError("--static needs --synthetic e2b or e4b")
         from engine.static_bench import static_report
         out = static_report(a.synthetic, a.arch, kv=a.kv_cache_dtype)
+    elif a.audio:  # the audio tower's encode time per clip length
+        from engine.audio_bench import audio_bench
+        if a.threads:
+            import torch
+            torch.set_num_threads(a.threads)
+        try:
+            lengths = [float(x) for x in a.audio_seconds.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"--audio-seconds must be comma-separated numbers, got {a.audio_seconds!r}") from None
+        if not lengths or min(lengths) <= 0.01:
+            raise ValueError("--audio-seconds needs lengths over 0.01 s")
+        out = audio_bench(lengths, a.mmproj, "cuda" if a.device == "cuda" else "cpu",
+                          progress=lambda s: print(s, file=sys.stderr))
     elif a.kv_resume:  # restore from a KV file vs cold prefill, through the engine
         from engine import api
         from engine.kv_bench import kv_resume_bench

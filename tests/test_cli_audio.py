@@ -210,3 +210,16 @@ async def test_the_app_on_the_real_engine_sends_a_clip_and_counts_its_tokens(tin
         await pilot.pause(0.6)
         panel = str(chat.query_one(StatusPanel).render())
         assert "audio   yes" in panel and "last prompt 25 audio tokens" in panel
+
+
+def test_bench_audio_times_each_clip_length(tiny, capsys):
+    """`edgegem bench --audio --mmproj`: one row per length with its token count (timings are
+    measured, never asserted)."""
+    code, out, err = edgegem(capsys, "bench", "--audio", "--mmproj", tiny["mmproj"], "--audio-seconds", "0.5,1",
+                             "--json")
+    assert code == 0, err
+    res = json.loads(out)
+    assert [(r["seconds"], r["tokens"]) for r in res["rows"]] == [(0.5, 13), (1.0, 25)]
+    assert all(r["tower_s"] > 0 for r in res["rows"]) and "| 1 s | 25 |" in res["table"]
+    code, _, err = edgegem(capsys, "bench", "--audio", "--audio-seconds", "x")
+    assert code != 0 and err.count("\n") == 1
