@@ -55,6 +55,12 @@ class RecordMixin:
             return
         self._rec_chip.show(r.elapsed, level_meter(r.level))
 
+    def on_unmount(self) -> None:
+        """Leaving (quitting) while recording: the microphone is released, nothing is attached."""
+        if self.recorder is not None:
+            self.recorder.stop()
+            self.recorder = None
+
     async def stop_recording(self) -> bool:
         """Stop the microphone and attach the recording (False: nothing attached, said why)."""
         r, self.recorder = self.recorder, None
