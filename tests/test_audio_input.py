@@ -13,7 +13,7 @@ import pytest
 sf = pytest.importorskip("soundfile")
 
 from engine.media import audio_from_base64  # noqa: E402
-from models.audio import MAX_SECONDS, AudioError, audio_from_samples, load_audio, wav_bytes  # noqa: E402
+from models.audio import MAX_SECONDS, AudioError, audio_from_samples, load_audio  # noqa: E402
 
 
 def _encoded(x, rate=16000, fmt="WAV", subtype=None) -> bytes:
@@ -95,12 +95,6 @@ def test_same_sound_same_digest_whatever_the_container():
     b = load_audio(_encoded(pcm, fmt="FLAC"))
     c = load_audio(_encoded((pcm + 1).astype(np.int16), subtype="PCM_16"))
     assert a.digest == b.digest != c.digest and a.n_tokens == 25
-
-
-def test_a_recording_round_trips_through_wav_bytes():
-    x = _tone(200, 0.5, 48000)
-    clip = load_audio(wav_bytes(x, 48000), name="rec.wav")
-    assert clip.source_rate == 48000 and clip.samples.shape[0] == 8000 and clip.n_tokens == 13
 
 
 # --- hostile input: a one-line refusal each ---------------------------------------------------
