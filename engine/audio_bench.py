@@ -3,8 +3,10 @@
 The tower is an mmproj's (`--mmproj FILE`) or, without one, the E2B/E4B geometry (H 1024, 12
 layers, 8 heads, SSCP 128/32, P 1536, d 1536) with random weights: the time does not depend on
 the values. Each length is encoded once to warm up, then `repeats` times (the best is reported,
-with the median); features and tower are timed apart. The memory column is the tower's planned
-activation peak (engine/memory_plan.py) and the process's peak resident size after the run.
+with the median); features and tower are timed apart, in wall time and in the process's CPU time
+(all threads: on a machine shared with other jobs the wall time grows with the load, the CPU time
+much less). The memory column is the tower's planned activation peak (engine/memory_plan.py); the
+process's peak resident size is printed after the run.
 """
 from __future__ import annotations
 
@@ -65,19 +67,21 @@ def audio_bench(lengths=(1.0, 10.0, 30.0), mmproj: Optional[str] = None, device:
         clip = _clip(seconds)
         feats = [log_mel(p) for p in clip.pieces()]
         tower.encode([clip])  # warm-up
-        feat_s, tower_s = [], []
+        feat_s, tower_s, cpu_s = [], [], []
         for _ in range(repeats):
             t0 = time.perf_counter()
             feats = [log_mel(p) for p in clip.pieces()]
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.process_time()
             for f in feats:
                 tower.encode_features(f[None])
             sync()
-            t2 = time.perf_counter()
+            t2, c2 = time.perf_counter(), time.process_time()
             feat_s.append(t1 - t0)
             tower_s.append(t2 - t1)
+            cpu_s.append(c2 - c1)
         rows.append({"seconds": seconds, "tokens": clip.n_tokens, "features_s": min(feat_s),
                      "tower_s": min(tower_s), "tower_median_s": statistics.median(tower_s),
+                     "tower_cpu_s": min(cpu_s),
                      "tokens_per_s": clip.n_tokens / min(tower_s),
                      "planned_peak_bytes": tower.activation_bytes(min(feats[0].shape[0], 2999))})
         if progress:
@@ -85,11 +89,11 @@ def audio_bench(lengths=(1.0, 10.0, 30.0), mmproj: Optional[str] = None, device:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     lines = [f"audio tower: {source}; {tower.n_params / 1e6:.0f} M weights, {tower.nbytes / 2**20:.0f} MiB "
              f"{str(tower.dtype).replace('torch.', '')} on {device}, {torch.get_num_threads()} threads",
-             "| audio | tokens | features | tower (best) | tower (median) | tokens/s | planned peak |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| audio | tokens | features | tower (best) | tower (median) | tower CPU time | tokens/s | planned peak |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['seconds']:g} s | {r['tokens']} | {r['features_s'] * 1000:.0f} ms | {r['tower_s']:.2f} s | "
-              f"{r['tower_median_s']:.2f} s | {r['tokens_per_s']:.0f} | {r['planned_peak_bytes'] / 2**20:.0f} MiB |"
-              for r in rows]
+              f"{r['tower_median_s']:.2f} s | {r['tower_cpu_s']:.2f} s | {r['tokens_per_s']:.0f} | "
+              f"{r['planned_peak_bytes'] / 2**20:.0f} MiB |" for r in rows]
     lines.append(f"process peak resident: {rss / 2**20:.0f} MiB")
     return {"source": source, "device": device, "threads": torch.get_num_threads(), "rows": rows,
             "weights_bytes": tower.nbytes, "peak_rss_bytes": rss, "table": "\n".join(lines)}
