@@ -10,10 +10,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 from engine.api import EngineOptions, GenerationParams, SamplingParams, split_thinking
-from engine.images import as_image_input  # (path | bytes, budget, name) -> ImageInput, or a one-line ValueError
+from engine.media import as_audio_input, as_image_input  # path | bytes -> ImageInput / AudioInput, or a one-line ValueError
 
 __all__ = ["EngineBackend", "EngineOptions", "GenerationParams", "SamplingParams", "Session", "size",
-           "split_thinking", "plan_lines", "kv_pools", "exiting_on_signal", "as_image_input"]
+           "split_thinking", "plan_lines", "kv_pools", "exiting_on_signal", "as_image_input", "as_audio_input"]
 
 # progress(fraction 0..1, one-line description)
 Progress = Callable[[float, str], None]

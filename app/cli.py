@@ -42,17 +42,20 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--tokens", required=True, help="comma-separated token ids, e.g. 2,17,300")
     s.add_argument("--out", required=True, help="output .npy file")
     _image_args(s)
+    _audio_args(s)
 
     t = sub.add_parser("tokenize", help="print the token ids of a text as a JSON list")
     t.add_argument("--model", required=True)
     t.add_argument("--text", required=True)
     _image_args(t)
+    _audio_args(t)
 
     r = sub.add_parser("run", help="generate a reply to one prompt, streamed to stdout")
     r.add_argument("--model", help="GGUF file or HF folder (default: the demo model)")
     r.add_argument("--prompt", required=True)
     r.add_argument("--system", help="system prompt (chat mode)")
     _image_args(r)
+    _audio_args(r)
     _sampling_args(r)
     r.add_argument("--raw", action="store_true", help="no chat template: continue the text as is")
     out = r.add_mutually_exclusive_group()
@@ -73,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     _fit_args(i)
     i.add_argument("--spec-draft-model", metavar="PATH", help="draft (assistant) GGUF kept on the device")
     i.add_argument("--mmproj", metavar="FILE",
-                   help="image encoder to plan for (default: an mmproj*.gguf beside the model)")
+                   help="image/audio encoders to plan for (default: an mmproj*.gguf beside the model)")
     i.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="target of the plan")
     i.add_argument("--json", action="store_true")
 
@@ -115,6 +118,12 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--constraints", action="store_true",
                    help="structured output: the token mask's cost per token on --model's vocabulary "
                         "(llguidance, and xgrammar if installed)")
+    g = b.add_argument_group("audio tower (--audio)")
+    g.add_argument("--audio", action="store_true",
+                   help="encode time of the audio tower per clip length (--mmproj's tower, else the E2B/E4B "
+                        "geometry with random weights)")
+    g.add_argument("--audio-seconds", default="1,10,30", metavar="S,S,...", help="clip lengths in seconds")
+    g.add_argument("--mmproj", metavar="FILE", help="--audio: the mmproj whose audio tower to time")
     g = b.add_argument_group("KV files (--kv-resume)")
     g.add_argument("--kv-resume", action="store_true",
                    help="reopening a conversation from its KV file against prefilling it, and file size per "
@@ -127,6 +136,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--system")
     c.add_argument("--thinking", action="store_true", help="let the model think first (Gemma-4)")
     _image_args(c, what="an image for the first message (repeatable; later ones: a line `/image PATH`)")
+    _audio_args(c, what="an audio file for the first message (repeatable; later ones: a line `/audio PATH`)")
     _sampling_args(c, temperature=0.7)
     _engine_args(c)
     _kv_session_arg(c)
@@ -267,13 +277,18 @@ def _image_args(p, what: str = "an image for the prompt (repeatable; placed befo
     _image_model_args(p)
 
 
+def _audio_args(p, what: str = "an audio file for the prompt (WAV/FLAC/OGG/MP3, repeatable, mixed with --image; "
+                                  "placed before the text unless it has <|audio|> markers)") -> None:
+    p.add_argument("--audio", action="append", default=[], metavar="FILE", help=what)
+
+
 def _image_model_args(p, budget_default=280) -> None:
     """--image-tokens and --mmproj (the app: no default budget, so each conversation's setting wins)."""
     p.add_argument("--image-tokens", type=int, default=budget_default, choices=[70, 140, 280, 560, 1120],
                    help="soft-token budget per image (default 280: 256 tokens for a square image)"
                         + ("; the app: for conversations that did not set their own" if budget_default is None else ""))
     p.add_argument("--mmproj", metavar="FILE",
-                   help="image encoder of a GGUF model (default: an mmproj*.gguf beside the model)")
+                   help="image/audio encoders of a GGUF model (default: an mmproj*.gguf beside the model)")
 
 
 def cmd_score(a) -> int:
@@ -288,13 +303,13 @@ def cmd_score(a) -> int:
         raise ValueError("--tokens is empty")
     lm = api.open_model(Path(a.model), mmproj=a.mmproj)
     images = api.load_images(lm, a.image, a.image_tokens)
-    np.save(a.out, api.score(lm, tokens, images))
+    np.save(a.out, api.score(lm, tokens, images, api.load_audio(lm, a.audio)))
     return 0
 
 
 def cmd_tokenize(a) -> int:
     from engine import api
-    print(json.dumps(api.tokenize(Path(a.model), a.text, a.image, a.image_tokens, a.mmproj)))
+    print(json.dumps(api.tokenize(Path(a.model), a.text, a.image, a.image_tokens, a.mmproj, a.audio)))
     return 0
 
 
@@ -304,12 +319,13 @@ def cmd_run(a) -> int:
     lm = api.open_model(api.resolve_model(a.model), exact=a.exact, device=_device(a),
                         embed_weights=a.embed_weights, mmproj=a.mmproj)
     images = api.load_images(lm, a.image, a.image_tokens)  # refused in one line before the engine starts
+    audio = api.load_audio(lm, a.audio)
     gen = api.GenerationParams(_params(a), kv_session=_kv_path(a), image_tokens=a.image_tokens,
                                constraint=constraint)
     client = _start_client(lm, _engine_options(a))
     try:
         out = api.run_prompt(client, lm, a.prompt, gen, raw=a.raw, system=a.system,
-                             on_text=None if a.json else _emit, images=images)
+                             on_text=None if a.json else _emit, images=images, audio=audio)
         out["speculative"] = client.status().get("speculative")
     finally:
         client.close()  # waits for the KV file to be written
@@ -441,6 +457,19 @@ def cmd_bench(a) -> int:
             raise ValueError("--static needs --synthetic e2b or e4b")
         from engine.static_bench import static_report
         out = static_report(a.synthetic, a.arch, kv=a.kv_cache_dtype)
+    elif a.audio:  # the audio tower's encode time per clip length
+        from engine.audio_bench import audio_bench
+        if a.threads:
+            import torch
+            torch.set_num_threads(a.threads)
+        try:
+            lengths = [float(x) for x in a.audio_seconds.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"--audio-seconds must be comma-separated numbers, got {a.audio_seconds!r}") from None
+        if not lengths or min(lengths) <= 0.01:
+            raise ValueError("--audio-seconds needs lengths over 0.01 s")
+        out = audio_bench(lengths, a.mmproj, "cuda" if a.device == "cuda" else "cpu",
+                          progress=lambda s: print(s, file=sys.stderr))
     elif a.kv_resume:  # restore from a KV file vs cold prefill, through the engine
         from engine import api
         from engine.kv_bench import kv_resume_bench

@@ -1,31 +1,38 @@
 """`edgegem chat`: the plain line-by-line chat (no full-screen UI, no saved history), with `/image
-PATH` lines. Registered by app/cli.py, whose engine and sampling flags it shares."""
+PATH` and `/audio PATH` lines. Registered by app/cli.py, whose engine and sampling flags it shares."""
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
+COMMANDS = {"/image": "images", "/audio": "audio"}  # line command -> the message key it fills
 
-def _chat_image(lm, arg: str, budget: int) -> list:
-    """`/image PATH` in `edgegem chat`: the image (an ImageInput) for the next message, or a
-    one-line refusal on stderr and nothing."""
+
+def _chat_media(lm, command: str, arg: str, budget: int) -> list:
+    """`/image PATH` or `/audio PATH` in `edgegem chat`: the item (ImageInput / AudioInput) for the
+    next message, or a one-line refusal on stderr and nothing."""
     from engine import api
 
     from .attachments import path_of
     if not arg:
-        print("edgegem: usage: /image PATH", file=sys.stderr)
+        print(f"edgegem: usage: {command} PATH", file=sys.stderr)
         return []
     path = path_of(arg) or Path(arg).expanduser()
     if not path.is_file():
         print(f"edgegem: {path.name or arg}: no such file", file=sys.stderr)
         return []
     try:
-        (image,) = api.load_images(lm, [str(path)], budget)
+        if command == "/image":
+            (item,) = api.load_images(lm, [str(path)], budget)
+            what = f"{item.n_tokens} image tokens"
+        else:
+            (item,) = api.load_audio(lm, [str(path)])
+            what = f"{item.seconds:.1f} s, {item.n_tokens} audio tokens"
     except ValueError as e:
         print(f"edgegem: {str(e).splitlines()[0]}", file=sys.stderr)
         return []
-    print(f"[{image.name}: {image.n_tokens} image tokens, sent with your next message]")
-    return [image]
+    print(f"[{item.name}: {what}, sent with your next message]")
+    return [item]
 
 
 def cmd_chat(a) -> int:
@@ -38,10 +45,11 @@ def cmd_chat(a) -> int:
     if a.model is None:
         print("This is the bundled demo model, Gemma 3 270M: a small base model that rambles. "
               "Load a Gemma-4 GGUF with --model PATH for real answers.")
-    print("Type a message and press Enter; `/image PATH` attaches an image to the next one; an empty line or "
-          "Ctrl-D quits.\n")
+    print("Type a message and press Enter; `/image PATH` or `/audio PATH` attaches a file to the next one; an "
+          "empty line or Ctrl-D quits.\n")
     lm = api.open_model(path, exact=False, device=_device(a), embed_weights=a.embed_weights, mmproj=a.mmproj)
-    pending = api.load_images(lm, a.image, a.image_tokens)  # --image: refused in one line before the engine starts
+    # --image / --audio: refused in one line before the engine starts
+    pending = {"images": api.load_images(lm, a.image, a.image_tokens), "audio": api.load_audio(lm, a.audio)}
     client = _start_client(lm, _engine_options(a))
     gen = api.GenerationParams(_params(a), thinking=a.thinking, kv_session=_kv_path(a), image_tokens=a.image_tokens)
     history = [{"role": "system", "content": a.system}] if a.system else []
@@ -53,19 +61,21 @@ def cmd_chat(a) -> int:
                 break
             if not line:
                 break
-            if line == "/image" or line.startswith("/image "):
-                pending += _chat_image(lm, line[len("/image"):].strip(), a.image_tokens)
+            command = next((c for c in COMMANDS if line == c or line.startswith(c + " ")), None)
+            if command is not None:
+                pending[COMMANDS[command]] += _chat_media(lm, command, line[len(command):].strip(), a.image_tokens)
                 continue
-            history.append({"role": "user", "content": line, **({"images": pending} if pending else {})})
+            history.append({"role": "user", "content": line, **{k: v for k, v in pending.items() if v}})
+            attached = any(pending.values())
+            pending = {"images": [], "audio": []}  # sent or not, they go with this message only
             try:
                 rid = client.submit(history, gen)
-            except ValueError as e:  # too long for the context, images included: say so, keep chatting
+            except ValueError as e:  # too long for the context, media included: say so, keep chatting
                 history.pop()
-                print(f"edgegem: {str(e).splitlines()[0]} (not sent{'; attach the images again' * bool(pending)})",
+                print(f"edgegem: {str(e).splitlines()[0]} (not sent{'; attach the files again' * attached})",
                       file=sys.stderr)
-                pending = []
                 continue
-            pending = []  # the images stay in the history: later turns see them too
+            # the media stay in the history: later turns see them too
             sys.stdout.write("model> ")
             reply = ""
             for ev in client.stream(rid):

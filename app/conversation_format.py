@@ -1,8 +1,9 @@
 """The export format of a conversation (`edgegem.conversation`, JSON) and its strict import check.
 
 Version 2 adds `images` to a message: [{"file", "name", "bytes", "tokens"}], where `file` is a
-path relative to the JSON file (the export writes the copies into `<stem>-images/` beside it).
-Version 1 files (no images) still import. An import is untrusted input: anything malformed is
+path relative to the JSON file (the export writes the copies into `<stem>-images/` beside it);
+version 3 adds `audio`: [{"file", "name", "bytes", "tokens", "seconds"}] (copies in
+`<stem>-audio/`). Version 1 and 2 files still import. An import is untrusted input: anything malformed is
 refused in one line (ValueError) before anything is written.
 """
 from __future__ import annotations
@@ -13,8 +14,8 @@ import time
 from pathlib import PurePosixPath
 
 FORMAT = "edgegem.conversation"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 ROLES = ("system", "user", "assistant")
 STATUSES = ("done", "stopped", "error")
 MAX_TITLE = 200
@@ -22,8 +23,9 @@ MAX_IMPORT_MESSAGES = 10_000
 MAX_IMPORT_BYTES = 8 << 20
 MAX_MESSAGE_IMAGES = 64
 DEFAULT_TITLE = "New chat"
-MESSAGE_KEYS = {"role", "content", "thinking", "status", "created", "stats", "images"}
+MESSAGE_KEYS = {"role", "content", "thinking", "status", "created", "stats", "images", "audio"}
 IMAGE_KEYS = {"file", "name", "bytes", "tokens"}
+AUDIO_KEYS = IMAGE_KEYS | {"seconds"}
 
 
 def clean_title(title: str) -> str:
@@ -67,19 +69,23 @@ def _text(value: object, where: str) -> str:
     return value
 
 
-def _image(value: object, where: str) -> dict:
-    """One image reference: `file` must stay inside the export's folder (no absolute path, no ..)."""
+def _media(value: object, where: str, keys: set = IMAGE_KEYS) -> dict:
+    """One image or audio reference: `file` must stay inside the export's folder (no absolute
+    path, no ..)."""
     if not isinstance(value, dict):
         raise _refuse(f"{where} is not an object")
-    if extra := set(value) - IMAGE_KEYS:
+    if extra := set(value) - keys:
         raise _refuse(f"{where}: unknown key {_short(min(extra, key=str))}")
     file = _text(value.get("file"), f"{where}: file")
     path = PurePosixPath(file)
     if not file or path.is_absolute() or ".." in path.parts or "\\" in file or "\0" in file:
         raise _refuse(f"{where}: file {_short(file)} is not a path inside the export's folder")
-    return {"file": file, "name": _text(value.get("name", path.name), f"{where}: name")[:200],
-            "bytes": _count(value.get("bytes", 0), f"{where}: bytes"),
-            "tokens": _count(value.get("tokens", 0), f"{where}: tokens")}
+    out = {"file": file, "name": _text(value.get("name", path.name), f"{where}: name")[:200],
+           "bytes": _count(value.get("bytes", 0), f"{where}: bytes"),
+           "tokens": _count(value.get("tokens", 0), f"{where}: tokens")}
+    if "seconds" in keys:
+        out["seconds"] = _number(value.get("seconds", 0.0), f"{where}: seconds")
+    return out
 
 
 def parse_import(data: bytes | str | dict, max_bytes: int) -> dict:
@@ -137,14 +143,16 @@ def parse_import(data: bytes | str | dict, max_bytes: int) -> dict:
             raise _refuse(f"{where}: status {_short(m.get('status'))} is not one of {', '.join(STATUSES)}")
         if not isinstance(m.get("stats", {}), dict):
             raise _refuse(f"{where}: stats must be an object")
-        images = m.get("images", [])
-        if not isinstance(images, list) or len(images) > MAX_MESSAGE_IMAGES:
-            raise _refuse(f"{where}: images must be a list of at most {MAX_MESSAGE_IMAGES}")
+        images, audio = m.get("images", []), m.get("audio", [])
+        for key, items in (("images", images), ("audio", audio)):
+            if not isinstance(items, list) or len(items) > MAX_MESSAGE_IMAGES:
+                raise _refuse(f"{where}: {key} must be a list of at most {MAX_MESSAGE_IMAGES}")
         clean.append({"role": m["role"], "content": _text(m.get("content"), f"{where}: content"),
                       "thinking": _text(m.get("thinking", ""), f"{where}: thinking"),
                       "status": m.get("status", "done"), "stats": m.get("stats", {}),
                       "created": _number(m.get("created", created), f"{where}: created"),
-                      "images": [_image(im, f"{where}: image {j}") for j, im in enumerate(images)]})
+                      "images": [_media(im, f"{where}: image {j}") for j, im in enumerate(images)],
+                      "audio": [_media(a, f"{where}: audio {j}", AUDIO_KEYS) for j, a in enumerate(audio)]})
     return {"title": clean_title(title), "created": created, "settings": settings, "messages": clean}
 
 
@@ -153,14 +161,18 @@ def _joined(folder: str, file: str) -> str:
     return f"{folder}/{file}" if folder else file
 
 
-def render_markdown(conv, messages: list, image_folder: str = "") -> str:
-    """app.store Conversation + Messages as Markdown; each image `![name](image_folder/file)`."""
+def render_markdown(conv, messages: list, image_folder: str = "", audio_folder: str = "") -> str:
+    """app.store Conversation + Messages as Markdown; each image `![name](image_folder/file)`, each
+    clip a link `[▶ name · 12.3 s](audio_folder/file)`."""
     out = [f"# {conv.title}", ""]
     for m in messages:
         out += [f"## {m.role.capitalize()}", ""]
         for im in m.images:
             alt = im["name"].replace("[", "(").replace("]", ")")
             out += [f"![{alt}]({_joined(image_folder, im['file'])})", ""]
+        for clip in getattr(m, "audio", []):
+            alt = clip["name"].replace("[", "(").replace("]", ")")
+            out += [f"[▶ {alt} · {clip.get('seconds', 0.0):.1f} s]({_joined(audio_folder, clip['file'])})", ""]
         if m.thinking:
             out += ["<details><summary>Thinking</summary>", "", m.thinking, "", "</details>", ""]
         out += [m.content, ""]
@@ -169,13 +181,16 @@ def render_markdown(conv, messages: list, image_folder: str = "") -> str:
     return "\n".join(out)
 
 
-def render_json(conv, messages: list, image_folder: str = "") -> dict:
-    """The export document; a message's images only when it has some, `file` relative to the JSON."""
+def render_json(conv, messages: list, image_folder: str = "", audio_folder: str = "") -> dict:
+    """The export document; a message's images and clips only when it has some, `file` relative
+    to the JSON."""
     def message(m) -> dict:
         out = {"role": m.role, "content": m.content, "thinking": m.thinking, "status": m.status,
                "created": m.created, "stats": m.stats}
         if m.images:
             out["images"] = [{**im, "file": _joined(image_folder, im["file"])} for im in m.images]
+        if getattr(m, "audio", None):
+            out["audio"] = [{**a, "file": _joined(audio_folder, a["file"])} for a in m.audio]
         return out
     return {"format": FORMAT, "version": FORMAT_VERSION, "title": conv.title, "created": conv.created,
             "settings": conv.settings, "messages": [message(m) for m in messages]}

@@ -14,7 +14,8 @@ so the UI thread and a generation worker can both call the store.
 Images: a user message's images are copied into `<data-dir>/images/<sha256 of the file>.<ext>`
 (content-addressed: the same picture twice is one file) and the message records
 [{"file", "name", "bytes", "tokens"}], so the history survives the originals moving. Files no
-message refers to any more go when their conversation is deleted.
+message refers to any more go when their conversation is deleted. Audio clips the same way, in
+`<data-dir>/audio/` ([{"file", "name", "bytes", "tokens", "seconds"}]).
 """
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ from engine import failpoints
 
 AUTO_TITLE_CHARS = 48
 MAX_IMAGE_BYTES = 64 << 20  # one image file; a photo is a few MB, a bigger "image" is refused
+# one audio file: 30 minutes (the decoder's cap) of 16 kHz mono WAV is 58 MB, of 44.1 kHz stereo
+# 16-bit WAV 318 MB (over: FLAC or MP3 carry it)
+MAX_AUDIO_BYTES = 256 << 20
 _HEX = set("0123456789abcdef")
 
 
@@ -60,6 +64,7 @@ class Message:
     created: float = 0.0
     stats: dict = field(default_factory=dict)  # e.g. {"prefill_tps": .., "decode_tps": .., "tokens": ..}
     images: list = field(default_factory=list)  # [{"file", "name", "bytes", "tokens"}] (user messages)
+    audio: list = field(default_factory=list)  # [{"file", "name", "bytes", "tokens", "seconds"}]
 
 
 @dataclass
@@ -98,9 +103,14 @@ def _schema_v2(db: sqlite3.Connection) -> None:
     db.execute("ALTER TABLE messages ADD COLUMN images TEXT NOT NULL DEFAULT '[]'")
 
 
+def _schema_v3(db: sqlite3.Connection) -> None:
+    """Audio clips of a message (JSON list of the copies in <data-dir>/audio/)."""
+    db.execute("ALTER TABLE messages ADD COLUMN audio TEXT NOT NULL DEFAULT '[]'")
+
+
 # _MIGRATIONS[i] takes the schema from version i to i + 1; the version lives in PRAGMA
 # user_version (in the database header, changed in the same transaction as the migration).
-_MIGRATIONS = [_schema_v1, _schema_v2]
+_MIGRATIONS = [_schema_v1, _schema_v2, _schema_v3]
 SCHEMA_VERSION = len(_MIGRATIONS)
 
 
@@ -131,6 +141,7 @@ class Store:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.data_dir / "conversations.sqlite3"
         self.images_dir = self.data_dir / "images"
+        self.audio_dir = self.data_dir / "audio"
         self._lock = threading.Lock()
         self._last_time = 0.0
         # isolation_level=None: no implicit transactions; _tx() issues BEGIN/COMMIT itself.
@@ -193,7 +204,7 @@ class Store:
     def _message(row: sqlite3.Row) -> Message:
         return Message(row["id"], row["conversation_id"], row["role"], row["content"],
                        row["thinking"], row["status"], row["created"], json.loads(row["stats"]),
-                       json.loads(row["images"]))
+                       json.loads(row["images"]), json.loads(row["audio"]))
 
     @staticmethod
     def title_from(text: str) -> str:
@@ -236,34 +247,48 @@ class Store:
             self._touch(db, conversation_id, ", title = ?", (clean_title(title),))
 
     def delete(self, conversation_id: int) -> None:
-        files = {im["file"] for m in self.messages(conversation_id) for im in m.images}
+        msgs = self.messages(conversation_id)
+        files = {"images": {im["file"] for m in msgs for im in m.images}, "audio": {a["file"] for m in msgs for a in m.audio}}
         with self._tx() as db:  # messages go with it: ON DELETE CASCADE
             if db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,)).rowcount == 0:
                 raise KeyError(f"no conversation {conversation_id}")
-            still = {im["file"] for (js,) in db.execute("SELECT images FROM messages WHERE images != '[]'")
-                     for im in json.loads(js)}
-        for name in files - still:  # after the commit: a crash before this leaves a file, never a dangling row
-            (self.images_dir / name).unlink(missing_ok=True)
+            still = {col: {r["file"] for (js,) in db.execute(f"SELECT {col} FROM messages WHERE {col} != '[]'")
+                           for r in json.loads(js)} for col in files}
+        for col, folder in (("images", self.images_dir), ("audio", self.audio_dir)):
+            for name in files[col] - still[col]:  # after the commit: a crash leaves a file, never a dangling row
+                (folder / name).unlink(missing_ok=True)
 
-    # --- image files ---
+    # --- image and audio files ---
 
-    def keep_image(self, data: bytes, name: str, tokens: int, ext: str) -> dict:
-        """Copy an image's bytes to images_dir/<sha256>.<ext> (once: same bytes, same file) and
-        return the record a message stores. Written to a temporary name and renamed, so a crash
-        never leaves half a file under the final name."""
+    def _keep(self, folder: Path, data: bytes, name: str, tokens: int, ext: str) -> dict:
+        """Copy bytes to folder/<sha256>.<ext> (once: same bytes, same file) and return the record a
+        message stores. Written to a temporary name and renamed, so a crash never leaves half a
+        file under the final name."""
         ext = "." + "".join(c for c in ext.lower().lstrip(".") if c.isalnum())[:8] if ext.strip(".") else ""
         file = hashlib.sha256(data).hexdigest() + ext
-        dest = self.images_dir / file
+        dest = folder / file
         if not dest.exists():
-            self.images_dir.mkdir(parents=True, exist_ok=True)
+            folder.mkdir(parents=True, exist_ok=True)
             tmp = dest.with_name(f".{file}.{os.getpid()}.tmp")
             tmp.write_bytes(data)
             os.replace(tmp, dest)
         return {"file": file, "name": name, "bytes": len(data), "tokens": int(tokens)}
 
+    def keep_image(self, data: bytes, name: str, tokens: int, ext: str) -> dict:
+        """An image's copy in images_dir and its record (see _keep)."""
+        return self._keep(self.images_dir, data, name, tokens, ext)
+
+    def keep_audio(self, data: bytes, name: str, tokens: int, ext: str, seconds: float) -> dict:
+        """A clip's copy in audio_dir and its record, with its duration (see _keep)."""
+        return {**self._keep(self.audio_dir, data, name, tokens, ext), "seconds": round(float(seconds), 3)}
+
     def image_path(self, image: dict) -> Path:
         """Where a message's image record lives (the copy, not the original)."""
         return self.images_dir / Path(image["file"]).name
+
+    def audio_path(self, clip: dict) -> Path:
+        """Where a message's audio record lives (the copy, not the original)."""
+        return self.audio_dir / Path(clip["file"]).name
 
     def update_settings(self, conversation_id: int, settings: dict) -> None:
         """Shallow merge into the stored settings; a key set to None is removed (back to default)."""
@@ -278,20 +303,22 @@ class Store:
     # --- messages ---
 
     def add_message(self, conversation_id: int, role: str, content: str, thinking: str = "",
-                    status: str = "done", stats: dict | None = None, images: list | None = None) -> Message:
-        """`images`: records `keep_image` returned (the files are already in images_dir)."""
+                    status: str = "done", stats: dict | None = None, images: list | None = None,
+                    audio: list | None = None) -> Message:
+        """`images` / `audio`: records `keep_image` / `keep_audio` returned (the files are already
+        in images_dir / audio_dir)."""
         if role not in ROLES or status not in STATUSES:
             raise ValueError(f"bad role {role!r} or status {status!r}")
-        images = [dict(im) for im in images or []]
+        images, audio = [dict(im) for im in images or []], [dict(a) for a in audio or []]
         with self._tx() as db:
             created = self._now()
             self._touch(db, conversation_id)
             cur = db.execute("INSERT INTO messages (conversation_id, role, content, thinking, status, "
-                             "created, stats, images) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                             "created, stats, images, audio) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                              (conversation_id, role, content, thinking, status, created,
-                              json.dumps(stats or {}), json.dumps(images)))
+                              json.dumps(stats or {}), json.dumps(images), json.dumps(audio)))
         return Message(cur.lastrowid, conversation_id, role, content, thinking, status, created,
-                       dict(stats or {}), images)
+                       dict(stats or {}), images, audio)
 
     def update_message(self, message_id: int, content: str | None = None, thinking: str | None = None,
                        status: str | None = None, stats: dict | None = None) -> None:
@@ -341,30 +368,36 @@ class Store:
 
     # --- export / import ---
 
-    def export_markdown(self, conversation_id: int, image_folder: str = "") -> str:
-        """Markdown; images as `![name](image_folder/file)` (the copies export_to writes)."""
-        return render_markdown(self.get(conversation_id), self.messages(conversation_id), image_folder)
+    def export_markdown(self, conversation_id: int, image_folder: str = "", audio_folder: str = "") -> str:
+        """Markdown; images as `![name](image_folder/file)`, clips as links into `audio_folder`
+        (the copies export_to writes)."""
+        return render_markdown(self.get(conversation_id), self.messages(conversation_id), image_folder, audio_folder)
 
-    def export_json(self, conversation_id: int, image_folder: str = "") -> dict:
-        """The export document; image files as paths relative to it (in `image_folder`)."""
-        return render_json(self.get(conversation_id), self.messages(conversation_id), image_folder)
+    def export_json(self, conversation_id: int, image_folder: str = "", audio_folder: str = "") -> dict:
+        """The export document; image and audio files as paths relative to it."""
+        return render_json(self.get(conversation_id), self.messages(conversation_id), image_folder, audio_folder)
 
     def export_to(self, conversation_id: int, directory: Path) -> tuple[Path, Path]:
         """Write <slug>-<id>.md and .json into `directory` (created if missing), and the
-        conversation's images into <slug>-<id>-images/ beside them (both files refer to them)."""
+        conversation's images and clips into <slug>-<id>-images/ and -audio/ beside them (both
+        files refer to them)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         stem = f"{_slug(self.get(conversation_id).title)}-{conversation_id}"
         md, js = directory / f"{stem}.md", directory / f"{stem}.json"
-        files = {im["file"] for m in self.messages(conversation_id) for im in m.images}
-        folder = f"{stem}-images" if files else ""
-        for file in sorted(files):
-            (directory / folder).mkdir(exist_ok=True)
-            if self.image_path({"file": file}).exists():
-                shutil.copyfile(self.image_path({"file": file}), directory / folder / file)
-        md.write_text(self.export_markdown(conversation_id, folder), encoding="utf-8")
-        js.write_text(json.dumps(self.export_json(conversation_id, folder), ensure_ascii=False, indent=1) + "\n",
-                      encoding="utf-8")
+        msgs = self.messages(conversation_id)
+        folders = {}
+        for kind, records, where in (("images", [im for m in msgs for im in m.images], self.image_path),
+                                     ("audio", [a for m in msgs for a in m.audio], self.audio_path)):
+            files = sorted({r["file"] for r in records})
+            folders[kind] = f"{stem}-{kind}" if files else ""
+            for file in files:
+                (directory / folders[kind]).mkdir(exist_ok=True)
+                if where({"file": file}).exists():
+                    shutil.copyfile(where({"file": file}), directory / folders[kind] / file)
+        md.write_text(self.export_markdown(conversation_id, folders["images"], folders["audio"]), encoding="utf-8")
+        js.write_text(json.dumps(self.export_json(conversation_id, folders["images"], folders["audio"]),
+                                 ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
         return md, js
 
     def import_file(self, path: Path | str, max_bytes: int = MAX_IMPORT_BYTES,
@@ -382,48 +415,55 @@ class Store:
                     ) -> Conversation:
         """Add a conversation from `export_json` output. Anything malformed is refused with a
         one-line ValueError and nothing is written (one transaction). Images are copied in from
-        `base_dir` (the JSON file's folder); those missing there (or with other bytes than their
-        name's sha256) are left out and `report` gets one line saying so: the text still imports."""
+        `base_dir` (the JSON file's folder), clips too; those missing there (or with other bytes
+        than their name's sha256) are left out and `report` gets one line saying so: the text
+        still imports."""
         doc = parse_import(data, max_bytes)
         missing = []
         for m in doc["messages"]:
-            kept = []
-            for im in m["images"]:
-                record = self._import_image(im, base_dir)
-                if record is None:
-                    missing.append(im["name"])
-                else:
-                    kept.append(record)
-            m["images"] = kept
+            for key in ("images", "audio"):
+                kept = []
+                for item in m[key]:
+                    record = self._import_file(item, base_dir, key)
+                    if record is None:
+                        missing.append((key, item["name"]))
+                    else:
+                        kept.append(record)
+                m[key] = kept
         with self._tx() as db:
             now = self._now()
             cur = db.execute("INSERT INTO conversations (title, created, updated, settings) "
                              "VALUES (?, ?, ?, ?)",
                              (doc["title"], doc["created"], now, json.dumps(doc["settings"])))
             db.executemany("INSERT INTO messages (conversation_id, role, content, thinking, status, created, "
-                           "stats, images) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                           "stats, images, audio) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                            [(cur.lastrowid, m["role"], m["content"], m["thinking"], m["status"],
-                             m["created"], json.dumps(m["stats"]), json.dumps(m["images"]))
+                             m["created"], json.dumps(m["stats"]), json.dumps(m["images"]), json.dumps(m["audio"]))
                             for m in doc["messages"]])
         if missing and report is not None:
-            names = ", ".join(missing[:3]) + (", …" if len(missing) > 3 else "")
-            report(f"{len(missing)} image{'s' * (len(missing) > 1)} not found beside the file ({names}); "
-                   "imported the text without them")
+            names = ", ".join(n for _, n in missing[:3]) + (", …" if len(missing) > 3 else "")
+            counts = [(sum(k == key for k, _ in missing), what) for key, what in (("images", "image"),
+                                                                                 ("audio", "audio clip"))]
+            what = " and ".join(f"{n} {w}{'s' * (n > 1)}" for n, w in counts if n)
+            report(f"{what} not found beside the file ({names}); imported the text without them")
         return self.get(cur.lastrowid)
 
-    def _import_image(self, image: dict, base_dir: Optional[Path]) -> Optional[dict]:
-        """Copy one referenced image into images_dir; None when it is not there (or not intact)."""
+    def _import_file(self, item: dict, base_dir: Optional[Path], key: str) -> Optional[dict]:
+        """Copy one referenced image or clip into its folder; None when it is not there (or not intact)."""
         if base_dir is None:
             return None
         base = Path(base_dir).resolve()
-        src = (base / image["file"]).resolve()
-        if base not in src.parents or not src.is_file() or src.stat().st_size > MAX_IMAGE_BYTES:
+        src = (base / item["file"]).resolve()
+        cap = MAX_IMAGE_BYTES if key == "images" else MAX_AUDIO_BYTES
+        if base not in src.parents or not src.is_file() or src.stat().st_size > cap:
             return None  # a link out of the folder counts as missing too
         data = src.read_bytes()
         stem = src.name.split(".")[0]
         if len(stem) == 64 and set(stem) <= _HEX and hashlib.sha256(data).hexdigest() != stem:
             return None  # our exports name copies by their sha256: other bytes are a damaged copy
-        return self.keep_image(data, image["name"], image["tokens"], src.suffix)
+        if key == "audio":
+            return self.keep_audio(data, item["name"], item["tokens"], src.suffix, item.get("seconds", 0.0))
+        return self.keep_image(data, item["name"], item["tokens"], src.suffix)
 
     # --- maintenance ---
 

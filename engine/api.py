@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -24,6 +23,7 @@ from .scheduler import EngineConfig
 
 __all__ = ["GGUFError", "LoadedModel", "SamplingParams", "GenerationParams", "EngineOptions",
            "demo_model_path", "resolve_model", "open_model", "tokenize", "score", "prompt_ids", "load_images",
+           "load_audio", "audio_from_base64",
            "engine_config", "engine_plan", "split_thinking", "start_client", "run_prompt", "describe",
            "open_layout", "memory_plan", "gpu_support"]
 
@@ -81,40 +81,78 @@ def gpu_support(capability: tuple[int, int], triton_installed: bool = True):
     return support(tuple(capability), triton_installed)
 
 
-def tokenize(path: Path, text: str, images=(), image_tokens: int = 280, mmproj: Optional[str] = None) -> list[int]:
-    """The ids of `text`; with `images` (files) a `<|image|>` marker each (before the text unless it
-    has them), each expanded to boi + N×image + eoi. Needs only the vocabulary and the images."""
+def _mmproj_has(path: Path, mmproj: Optional[str], kind: str) -> bool:
+    """Whether a GGUF model's mmproj (given, or beside it) holds a `kind` ("vision"/"audio") encoder."""
+    from models.gemma4_vision import find_mmproj
+    from models.metadata import MetadataReader
+
+    found = Path(mmproj) if mmproj is not None else find_mmproj(path)
+    if found is None:
+        return False
+    f = GGUFFile(found)
+    return f.architecture == "clip" and MetadataReader(f.metadata, "clip.").bool(f"has_{kind}_encoder", False)
+
+
+def tokenize(path: Path, text: str, images=(), image_tokens: int = 280, mmproj: Optional[str] = None,
+             audio=()) -> list[int]:
+    """The ids of `text`; with `images` / `audio` (files) a `<|image|>` / `<|audio|>` marker each
+    (images, then clips, before the text unless it has them), each expanded to its block
+    (begin + N×placeholder + end). Needs only the vocabulary, the mmproj's header and the files."""
     from models.tokenizer import Tokenizer
 
     f = open_gguf(path)
     tok = Tokenizer.from_metadata(f.metadata)
-    if not images:
+    if not images and not audio:
         return tok.encode(text)
-    from models.gemma4_vision import IMAGE, find_mmproj, token_ids_from_vocab
+    from models import gemma4_audio, gemma4_vision
 
-    from .images import ImageRequestError, as_image_input, expand_markers, place_markers
-    if f.architecture != "gemma4" or (mmproj is None and find_mmproj(path) is None):
-        raise ImageRequestError(f"{Path(path).name} has no image encoder (for a GGUF model: --mmproj FILE, "
-                                f"or an mmproj*.gguf beside it)")
-    boi, img, eoi, _ = token_ids_from_vocab(tok.piece_to_id)
-    ids_cfg = SimpleNamespace(boi_id=boi, image_id=img, eoi_id=eoi)  # all expand_markers reads
-    inputs = [as_image_input(Path(p).expanduser(), image_tokens) for p in images]
-    return expand_markers(tok.encode(place_markers(text, len(inputs), IMAGE)), inputs, ids_cfg)
+    from .media import NO_ENCODER, MediaKind, MediaRequestError, as_audio_input, as_image_input, expand_markers, \
+        place_markers
+    kinds = {}
+    for name, xs, module, enc in (("image", images, gemma4_vision, "vision"), ("audio", audio, gemma4_audio, "audio")):
+        if not xs:
+            continue
+        if f.architecture != "gemma4" or not _mmproj_has(path, mmproj, enc):
+            raise MediaRequestError(f"{Path(path).name}: {NO_ENCODER[name]}")
+        begin, mark, end, _ = module.token_ids_from_vocab(tok.piece_to_id)
+        kinds[name] = MediaKind(name, None, begin, mark, end)  # all expand_markers reads
+    inputs = {"image": [as_image_input(Path(p).expanduser(), image_tokens) for p in images],
+              "audio": [as_audio_input(Path(p).expanduser()) for p in audio]}
+    text = place_markers(place_markers(text, len(inputs["audio"]), gemma4_audio.AUDIO), len(inputs["image"]),
+                         gemma4_vision.IMAGE)
+    return expand_markers(tok.encode(text), inputs, kinds)
 
 
 def load_images(lm: LoadedModel, files, image_tokens: int = 280) -> list:
     """Images for a model (one-line errors: a model without vision, a bad file, a bad budget)."""
-    from .images import ImageRequestError, as_image_input
+    from .media import NO_ENCODER, MediaRequestError, as_image_input
 
     if files and lm.vision is None:
-        raise ImageRequestError(f"{Path(lm.path).name} has no image encoder (for a GGUF model: --mmproj FILE, "
-                                f"or an mmproj*.gguf beside it)")
+        raise MediaRequestError(f"{Path(lm.path).name}: {NO_ENCODER['image']}")
     return [as_image_input(Path(f).expanduser() if isinstance(f, str) else f, image_tokens) for f in files]
 
 
-def score(lm: LoadedModel, tokens: list[int], images=()) -> np.ndarray:
+def load_audio(lm: LoadedModel, files) -> list:
+    """Audio clips for a model (one-line errors: a model without an audio tower, a bad file)."""
+    from .media import NO_ENCODER, MediaRequestError, as_audio_input
+
+    if files and getattr(lm, "audio", None) is None:
+        raise MediaRequestError(f"{Path(lm.path).name}: {NO_ENCODER['audio']}")
+    return [as_audio_input(Path(f).expanduser() if isinstance(f, str) else f) for f in files]
+
+
+def audio_from_base64(data: str, fmt: Optional[str] = None, name: str = "input_audio"):
+    """An OpenAI `input_audio` part ({"data": base64, "format": "wav" | "mp3"}) as the engine's
+    models.audio.AudioInput, for the API server: one-line ValueError (models.audio.AudioError) for
+    a bad format name, bad base64, over-size data or audio that does not decode (engine/media.py)."""
+    from .media import audio_from_base64 as decode
+    return decode(data, fmt, name)
+
+
+def score(lm: LoadedModel, tokens: list[int], images=(), audio=()) -> np.ndarray:
     """float32 logits [n_tokens, vocab] of every position (one pass, no cache reuse). `images`
-    (ImageInput) fill the already expanded placeholders in order (a count mismatch: one line)."""
+    (ImageInput) and `audio` (AudioInput) fill the already expanded placeholders of their kind
+    in order (a count mismatch: one line)."""
     vocab = lm.config.vocab_size
     bad = [t for t in tokens if not 0 <= t < vocab]
     if bad:
@@ -122,38 +160,41 @@ def score(lm: LoadedModel, tokens: list[int], images=()) -> np.ndarray:
     n_ctx = lm.config.context_length
     if len(tokens) > n_ctx:
         raise ValueError(f"{len(tokens)} tokens do not fit the {n_ctx}-token context")
+    from .media import media_kinds, prompt_media
+
     rows = None
-    if images or (lm.vision is not None and lm.vision.cfg.image_id in tokens):
-        from models.gemma4_vision import image_rows
-        if lm.vision is None:
-            raise ValueError("this model has no image encoder")
+    pm = prompt_media(tokens, {"image": images, "audio": audio}, media_kinds(lm.vision, getattr(lm, "audio", None)),
+                      strict=True)  # placeholders with no items are a count mismatch here
+    if pm is not None:
         with torch.inference_mode():
-            rows = image_rows(tokens, lm.vision.encode(list(images)), lm.vision.cfg)
+            pm.encode()
+        rows = pm.chunk(0, len(tokens))
     with torch.inference_mode():
-        return lm.model.forward(torch.tensor(tokens, dtype=torch.long), images=rows).float().cpu().numpy()
+        return lm.model.forward(torch.tensor(tokens, dtype=torch.long), media=rows).float().cpu().numpy()
 
 
 def prompt_ids(lm: LoadedModel, prompt: str, raw: bool = False, system: Optional[str] = None,
-               thinking: bool = False, images=()) -> list[int]:
+               thinking: bool = False, images=(), audio=()) -> list[int]:
     """Token ids for a prompt: chat-formatted by the model's template unless `raw`. `images`
-    (ImageInput): a `<|image|>` marker each (before the text unless it has them), expanded."""
+    (ImageInput) and `audio` (AudioInput): a marker each (images, then clips, before the text
+    unless it has them), expanded to their blocks."""
     tok = lm.tokenizer
     if tok is None:
         raise GGUFError(lm.path, "the model has no tokenizer")
-    if images:
-        from models.gemma4_vision import IMAGE
+    from models.gemma4_audio import AUDIO
+    from models.gemma4_vision import IMAGE
 
-        from .images import place_markers
-        prompt = place_markers(prompt, len(images), IMAGE)
+    from .media import expand_markers, media_kinds, place_markers
+    prompt = place_markers(place_markers(prompt, len(audio), AUDIO), len(images), IMAGE)
     if raw:
         ids = tok.encode(prompt)
     else:
         msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         text = lm.chat.render(msgs, add_generation_prompt=True, thinking=thinking)
         ids = tok.encode(text, add_bos=not lm.chat.bos_in_template)
-    if lm.vision is not None:
-        from .images import expand_markers
-        ids = expand_markers(ids, list(images), lm.vision.cfg)
+    kinds = media_kinds(lm.vision, getattr(lm, "audio", None))
+    if kinds or images or audio:
+        ids = expand_markers(ids, {"image": list(images), "audio": list(audio)}, kinds)
     return ids
 
 
@@ -250,15 +291,16 @@ def start_client(lm: LoadedModel, opts: EngineOptions = EngineOptions()) -> Loca
 
 def run_prompt(client: LocalClient, lm: LoadedModel, prompt: str, gen: GenerationParams, raw: bool = False,
                system: Optional[str] = None, on_text: Optional[Callable[[str], None]] = None,
-               images=()) -> dict:
+               images=(), audio=()) -> dict:
     """One prompt through the engine, streaming text; returns ids, text, finish reason, timings.
-    `images` (ImageInput, paths or bytes) go with the user message, before its text unless it
-    has `<|image|>` markers."""
+    `images` / `audio` (ImageInput / AudioInput, paths or bytes) go with the user message, before
+    its text unless it has `<|image|>` / `<|audio|>` markers."""
     if raw:
-        rid = client.submit_ids(prompt_ids(lm, prompt, raw=True, images=images) if images else
-                                lm.tokenizer.encode(prompt), gen, images=images)
+        rid = client.submit_ids(prompt_ids(lm, prompt, raw=True, images=images, audio=audio) if images or audio else
+                                lm.tokenizer.encode(prompt), gen, images=images, audio=audio)
     else:
-        user = {"role": "user", "content": prompt, **({"images": list(images)} if images else {})}
+        user = {"role": "user", "content": prompt, **({"images": list(images)} if images else {}),
+                **({"audio": list(audio)} if audio else {})}
         msgs = ([{"role": "system", "content": system}] if system else []) + [user]
         rid = client.submit(msgs, gen)
     ids, text, last = [], "", None

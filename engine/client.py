@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-from .images import ImageRequestError, as_image_input, expand_markers, place_markers
+from .media import as_audio_input, as_image_input, expand_markers, place_markers
 from .request import StreamEvent
 from .sampler import SamplingParams
 from .scheduler import ContextOverflowError, Engine, EngineConfig
@@ -37,15 +37,20 @@ class GenerationParams:
     tool_choice: Any = None
 
 
-def _with_image_markers(message: dict, image_tokens: int) -> dict:
-    """A message with `images` turned into ImageInput and `<|image|>` markers in its text."""
-    if not message.get("images"):
+def _with_media_markers(message: dict, image_tokens: int) -> dict:
+    """A message with `images` / `audio` turned into ImageInput / AudioInput and a `<|image|>` /
+    `<|audio|>` marker each in its text (images first, then clips, then the text, unless the text
+    places them)."""
+    if not message.get("images") and not message.get("audio"):
         return message
-    from models.gemma4_vision import IMAGE
     from models.chat import _text
+    from models.gemma4_audio import AUDIO
+    from models.gemma4_vision import IMAGE
 
-    images = [as_image_input(im, image_tokens) for im in message["images"]]
-    return {**message, "images": images, "content": place_markers(_text(message), len(images), IMAGE)}
+    images = [as_image_input(im, image_tokens) for im in message.get("images", ())]
+    audio = [as_audio_input(clip) for clip in message.get("audio", ())]
+    text = place_markers(place_markers(_text(message), len(audio), AUDIO), len(images), IMAGE)
+    return {**message, "images": images, "audio": audio, "content": text}
 
 
 class EngineClient(abc.ABC):
@@ -80,7 +85,7 @@ class LocalClient(EngineClient):
             path = getattr(loaded, "path", None)
             model_id = model_identity(path) if path is not None and Path(path).exists() else ""
         self.engine = Engine(loaded.model, loaded.tokenizer, config, spec=spec, model_id=model_id,
-                             vision=getattr(loaded, "vision", None))
+                             vision=getattr(loaded, "vision", None), audio=getattr(loaded, "audio", None))
         self._commands: "queue.Queue[tuple]" = queue.Queue()
         self._events: dict[int, queue.Queue] = {}
         self._prompts: dict[int, list[int]] = {}
@@ -92,25 +97,23 @@ class LocalClient(EngineClient):
 
     # --- prompt building ---------------------------------------------------------------------
     def _prompt_ids(self, messages: Sequence[dict], thinking: bool, image_tokens: int = 280, tools=None
-                    ) -> tuple[list[int], list]:
-        """(ids, images): the rendered conversation, each message's `images` (ImageInput, paths or
-        bytes) placed as `<|image|>` markers (before its text unless the text has them) and
-        expanded to their blocks; images of turns dropped by truncation go with them."""
-        lm, msgs = self.loaded, [_with_image_markers(m, image_tokens) for m in messages]
+                    ) -> tuple[list[int], dict]:
+        """(ids, media): the rendered conversation, each message's `images` and `audio`
+        (ImageInput / AudioInput, paths or bytes) placed as markers (before its text unless the
+        text has them) and expanded to their blocks; media of turns dropped by truncation go
+        with them. `media`: {"image": [...], "audio": [...]} in prompt order. `tools`: rendered
+        by the chat template."""
+        lm, msgs = self.loaded, [_with_media_markers(m, image_tokens) for m in messages]
         limit = self.engine.context_limit
-        vision = self.engine.vision
         while True:
             extra = {"tools": tools} if tools else {}   # chat formats without tool support never see the key
             text = lm.chat.render(msgs, add_generation_prompt=True, thinking=thinking, **extra)
             ids = lm.tokenizer.encode(text, add_bos=not lm.chat.bos_in_template)
-            images = [im for m in msgs for im in m.get("images", ())]
-            if images and vision is None:
-                raise ImageRequestError("this model has no image encoder (for a GGUF model: --mmproj FILE, or "
-                                        "an mmproj*.gguf beside it)")
-            if vision is not None:
-                ids = expand_markers(ids, images, vision.cfg)
+            media = {k: [x for m in msgs for x in m.get(key, ())] for k, key in (("image", "images"), ("audio", "audio"))}
+            if any(media.values()) or self.engine.media_kinds:
+                ids = expand_markers(ids, media, self.engine.media_kinds)
             if len(ids) < limit or self.context_overflow == "error":
-                return ids, images
+                return ids, media
             first = 1 if msgs and msgs[0].get("role") == "system" else 0
             # Drop the oldest whole turn (a user message and the replies after it), keep the last.
             nxt = next((i for i in range(first + 1, len(msgs)) if msgs[i].get("role") == "user"), None)
@@ -121,24 +124,26 @@ class LocalClient(EngineClient):
 
     # --- the interface ---------------------------------------------------------------------
     def submit(self, messages: Sequence[dict], params: GenerationParams = GenerationParams()) -> int:
-        """messages: [{"role", "content", optional "images": [ImageInput | path | bytes, ...]}]."""
+        """messages: [{"role", "content", optional "images": [ImageInput | path | bytes, ...],
+        optional "audio": [AudioInput | path | bytes, ...]}]."""
         grammar = request_grammar(params, self.loaded.tokenizer)   # ConstraintError: bad schema/tools
-        ids, images = self._prompt_ids(messages, params.thinking, params.image_tokens, params.tools)
+        ids, media = self._prompt_ids(messages, params.thinking, params.image_tokens, params.tools)
         reply: "queue.Queue[Any]" = queue.Queue()
-        self._commands.put(("add", ids, params, reply, images, grammar))
+        self._commands.put(("add", ids, params, reply, media, grammar))
         out = reply.get()
         if isinstance(out, Exception):
             raise out
         return out
 
     def submit_ids(self, prompt_ids: list[int], params: GenerationParams = GenerationParams(),
-                   images: Sequence = ()) -> int:
-        """Already expanded ids: each image's N placeholders in order (`images`: ImageInput, paths
-        or bytes, in prompt order)."""
-        images = [as_image_input(im, params.image_tokens) for im in images]
+                   images: Sequence = (), audio: Sequence = ()) -> int:
+        """Already expanded ids: each image's / clip's N placeholders in order (`images`:
+        ImageInput, `audio`: AudioInput, or paths or bytes of either, in prompt order)."""
+        media = {"image": [as_image_input(im, params.image_tokens) for im in images],
+                 "audio": [as_audio_input(clip) for clip in audio]}
         grammar = request_grammar(params, self.loaded.tokenizer)
         reply: "queue.Queue[Any]" = queue.Queue()
-        self._commands.put(("add", list(prompt_ids), params, reply, images, grammar))
+        self._commands.put(("add", list(prompt_ids), params, reply, media, grammar))
         out = reply.get()
         if isinstance(out, Exception):
             raise out
@@ -218,10 +223,10 @@ class LocalClient(EngineClient):
     def _handle(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, ids, params, reply, images, grammar = cmd
+            _, ids, params, reply, media, grammar = cmd
             try:
                 req = self.engine.add(ids, params.sampling, params.stop_strings, kv_session=params.kv_session,
-                                      images=images, grammar=grammar)
+                                      images=media["image"], audio=media["audio"], grammar=grammar)
                 self._events[req.id] = req.events
                 tools = tool_events_for(params)
                 if tools is not None:

@@ -82,7 +82,7 @@ class PlanOptions:
     prefill_chunk: Optional[int] = None  # None: 2048 on CUDA, 512 on the CPU, halved to fit the budget
     max_running: Optional[int] = None  # None: DEFAULT_RUNNING, lowered to fit the budget
     draft: Any = None  # path of a draft GGUF, or an opened layout
-    mmproj: Any = None  # path of the image encoder's mmproj GGUF, or an opened layout
+    mmproj: Any = None  # path of the image/audio encoders' mmproj GGUF, or an opened layout
     runtime_reserve: int = 300 * MiB
     spec_margin: int = 8  # draft tokens verified per request and step
     prefix_windows: int = 2  # cached prefix windows kept per running request
@@ -180,19 +180,44 @@ def _read_tensors(layout, cfg) -> set[str]:
     return set(layout.tensors)
 
 
+def _mmproj(mmproj):
+    from models.gguf import GGUFFile
+    return GGUFFile(mmproj) if isinstance(mmproj, (str, bytes)) or hasattr(mmproj, "__fspath__") else mmproj
+
+
 def vision_bytes(mmproj, device: str) -> tuple[int, int]:
     """(weights, activation peak) of the image encoder on `device`: its tensors dequantized to the
-    activation dtype (bf16 on CUDA, fp32 on the CPU), and one image at the largest budget (1120)."""
+    activation dtype (bf16 on CUDA, fp32 on the CPU), and one image at the largest budget (1120).
+    (0, 0) when the mmproj holds no vision encoder."""
     from models.gemma4_vision import BUDGETS, activation_bytes
-    from models.gguf import GGUFFile
 
-    f = GGUFFile(mmproj) if isinstance(mmproj, (str, bytes)) or hasattr(mmproj, "__fspath__") else mmproj
+    f = _mmproj(mmproj)
     elem = 2 if device == "cuda" else 4
     m = f.metadata
     D, FF, H = (int(m.get(f"clip.vision.{k}", 0)) for k in ("embedding_length", "feed_forward_length",
                                                              "attention.head_count"))
-    weights = sum(t.n_elements for t in f if t.name.startswith(("v.", "mm."))) * elem
-    return weights, activation_bytes(D, FF, max(H, 1), 9 * BUDGETS[-1], elem)
+    weights = sum(t.n_elements for t in f if t.name.startswith(("v.", "mm.")) and not t.name.startswith("mm.a."))
+    if not weights:
+        return 0, 0
+    return weights * elem, activation_bytes(D, FF, max(H, 1), 9 * BUDGETS[-1], elem)
+
+
+def audio_bytes(mmproj, device: str) -> tuple[int, int]:
+    """(weights, activation peak) of the audio encoder on `device`, like vision_bytes: the `a.` and
+    `mm.a.` tensors in the activation dtype, and one 30 s piece (2999 frames; longer clips are
+    encoded a piece at a time). (0, 0) when the mmproj holds no audio encoder (or an unreadable one)."""
+    from models.gemma4_audio import Gemma4AudioConfig, activation_bytes
+
+    f = _mmproj(mmproj)
+    elem = 2 if device == "cuda" else 4
+    weights = sum(t.n_elements for t in f if t.name.startswith(("a.", "mm.a.")))
+    if not weights:
+        return 0, 0
+    try:
+        cfg = Gemma4AudioConfig.from_gguf(f)
+    except ValueError:  # ConfigError / GGUFError: the weights still count
+        return weights * elem, 0
+    return weights * elem, activation_bytes(cfg, 2999, elem)
 
 
 def _draft_bytes(draft) -> int:
@@ -309,8 +334,13 @@ def _place(layout, opt: PlanOptions, cfg, budget: int, source: str, sizes: dict[
         add("draft model", _draft_bytes(opt.draft))
     if opt.mmproj is not None:
         vw, va = vision_bytes(opt.mmproj, opt.device)
-        add("image encoder (mmproj)", vw + va, 0,
-            f"weights {fmt_size(vw)} + activation peak {fmt_size(va)} (one image at 1120 tokens)")
+        if vw:
+            add("image encoder (mmproj)", vw + va, 0,
+                f"weights {fmt_size(vw)} + activation peak {fmt_size(va)} (one image at 1120 tokens)")
+        aw, aa = audio_bytes(opt.mmproj, opt.device)
+        if aw:
+            add("audio encoder (mmproj)", aw + aa, 0,
+                f"weights {fmt_size(aw)} + activation peak {fmt_size(aa)} (one 30 s piece, 750 tokens)")
     ws = activation_workspace(cfg, opt)
     add("activation workspace", sum(ws.values()), 0,
         f"{opt.step_tokens} tokens/step: " + ", ".join(f"{k} {fmt_size(v)}" for k, v in ws.items()))

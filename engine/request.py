@@ -12,7 +12,7 @@ from .sampler import Sampler, SamplingParams
 
 if TYPE_CHECKING:
     from .constraints import GrammarState
-    from .images import PromptImages
+    from .media import PromptMedia
 
 _ids = itertools.count(1)
 
@@ -69,7 +69,7 @@ class Request:
     restored_len: int = 0  # prompt tokens whose KV came from that file
     kv_error: Optional[str] = None  # why the file was not used (one line)
     kv_checked: bool = False
-    images: Optional["PromptImages"] = None  # image inputs of the prompt (engine/images.py)
+    media: Optional["PromptMedia"] = None  # image and audio inputs of the prompt (engine/media.py)
     grammar: Optional["GrammarState"] = None  # structured output: masks every sampled token
 
     def __post_init__(self):
@@ -86,11 +86,12 @@ class Request:
 
     @property
     def key_ids(self) -> list[int]:
-        """The prefix cache's and KV files' key of every token: its id, except at image positions,
-        where it is the image's content key (engine/images.py), so a different image never reuses KV."""
-        if self.images is None:
+        """The prefix cache's and KV files' key of every token: its id, except at media positions,
+        where it is the item's content key (engine/media.py), so a different image or clip never
+        reuses KV."""
+        if self.media is None:
             return self.all_ids
-        return self.images.key_prompt + self.output_ids
+        return self.media.key_prompt + self.output_ids
 
     @property
     def n_prompt(self) -> int:
@@ -106,7 +107,8 @@ class Request:
         return {"prompt_tokens": self.n_prompt, "cached_tokens": self.cached_len,
                 "restored_tokens": self.restored_len, "kv_session_error": self.kv_error,
                 "prefilled_tokens": self.n_prompt - self.cached_len, "output_tokens": n_out,
-                "image_tokens": int(self.images.mask.sum()) if self.images is not None else 0,
+                "image_tokens": self.media.counts.get("image", 0) if self.media is not None else 0,
+                "audio_tokens": self.media.counts.get("audio", 0) if self.media is not None else 0,
                 "prefill_s": prefill_s, "decode_s": decode_s,
                 "prefill_tok_s": (self.n_prompt - self.cached_len) / prefill_s if prefill_s > 0 else 0.0,
                 "decode_tok_s": (n_out - 1) / decode_s if decode_s > 0 and n_out > 1 else 0.0}

@@ -25,11 +25,11 @@ class ModelRunner:
 
     @torch.no_grad()  # not inference_mode: slot bookkeeping tensors made here are updated in place later
     def forward(self, kv: SequenceKV, tokens: list[int], start: int, want_logits: bool,
-                all_rows: bool = False, return_hidden: bool = False, images=None):
+                all_rows: bool = False, return_hidden: bool = False, media=None):
         """Compute `tokens` at positions start.. into `kv`; logits [V] of the last row if
         `want_logits` ([T, V] for every row if `all_rows`, e.g. speculative verification).
         `return_hidden`: (logits, y) with y the post-final-norm rows (the assistant's h).
-        `images`: models.gemma4.ImageRows of this chunk (image soft tokens replace its rows)."""
+        `media`: models.gemma4.MediaRows of this chunk (image/audio soft tokens replace its rows)."""
         model, L = self.model, self.model.cfg.n_layer
         ids = torch.tensor(tokens, dtype=torch.long)
         pos_host = torch.arange(start, start + len(tokens))  # CPU int64 [T]: slot bookkeeping, no device sync
@@ -39,7 +39,7 @@ class ModelRunner:
         try:
             if failpoints.ACTIVE:
                 failpoints.maybe_fail("forward.oom")
-            x, pl = model.embed(ids) if images is None else model.embed(ids, images)
+            x, pl = model.embed(ids) if media is None else model.embed(ids, media)
             for i in range(self.first_shared):
                 x = model.layer(i, x, pos, None if pl is None else pl[:, i], kv)
                 watch.layer(i, x)

@@ -20,7 +20,7 @@ from .attention_backend import get_attention_backend
 from .batch_decode import BUCKETS, BatchDecoder
 from .kv_format import resolve_format
 from .kv_pool import HybridKVPool, KVPoolFull
-from .images import prompt_images
+from .media import describe_counts, media_kinds, prompt_media
 from .kv_sessions import KVDisk, KVSessions
 from .prefix_cache import make_prefix_cache
 from .request import Request, RequestState, StreamEvent
@@ -61,9 +61,11 @@ class EngineConfig:
 
 class Engine:
     def __init__(self, model, tokenizer=None, config: Optional[EngineConfig] = None,
-                 spec: Optional[SpecConfig] = None, model_id: str = "", vision=None):
+                 spec: Optional[SpecConfig] = None, model_id: str = "", vision=None, audio=None):
         self.model, self.tokenizer, self.config = model, tokenizer, config or EngineConfig()
-        self.vision = vision  # models.gemma4_vision.Gemma4Vision or None (text only)
+        self.vision = vision  # models.gemma4_vision.Gemma4Vision or None (no images)
+        self.audio = audio  # models.gemma4_audio.Gemma4Audio or None (no audio)
+        self.media_kinds = media_kinds(vision, audio)  # engine/media.py: what requests may carry
         if spec is not None:
             check_draft(spec.draft, model.cfg)
         self.spec, self.spec_stats = spec, SpecStats()
@@ -116,18 +118,20 @@ class Engine:
 
     # --- requests ----------------------------------------------------------------------------
     def add(self, prompt_ids: list[int], params: SamplingParams, stop_strings=(),
-            kv_session: Optional[str] = None, images=(), grammar=None) -> Request:
-        """`images`: models.gemma4_vision.ImageInput, one per `<|image|>` run of `prompt_ids` (each
-        image's N placeholders, in order); encoded at admission unless the cache covers them.
-        `grammar`: an engine.constraints.GrammarState that masks every token sampled for it."""
+            kv_session: Optional[str] = None, images=(), audio=(), grammar=None) -> Request:
+        """`images` (models.gemma4_vision.ImageInput) and `audio` (models.audio.AudioInput), one per
+        `<|image|>` / `<|audio|>` run of `prompt_ids` (each item's N placeholders, in order);
+        encoded at admission unless the cache covers them. `grammar`: an
+        engine.constraints.GrammarState that masks every token sampled for it."""
         limit = self.context_limit
-        pimg = prompt_images(prompt_ids, images, self.vision)
+        media = {"image": list(images), "audio": list(audio)}
+        pmedia = prompt_media(prompt_ids, media, self.media_kinds)
         if len(prompt_ids) >= limit:
-            what = f" ({sum(im.n_tokens for im in images)} of them for {len(images)} images)" if images else ""
+            what = f" ({describe_counts(media)})" if images or audio else ""
             raise ContextOverflowError(
                 f"prompt of {len(prompt_ids)} tokens{what} does not fit the {limit}-token context")
         req = Request(list(prompt_ids), params, tuple(stop_strings), kv_session=kv_session, grammar=grammar)
-        req.images = pimg
+        req.media = pmedia
         if self.tokenizer is not None:
             req.detok = self.tokenizer.stream_decoder()
         self.requests[req.id] = req
@@ -189,12 +193,13 @@ class Engine:
                         continue
                     return
             self.waiting.popleft()
-            if req.images is not None and match.length <= req.images.last_image_pos:
-                try:  # once per request, before its prefill: every image of the prompt in one batch
-                    req.images.encode(self.vision)
+            if req.media is not None and match.length <= req.media.last_media_pos:
+                try:  # once per request, before its prefill: each kind's encoder over all its items
+                    req.media.encode()
                 except Exception as e:  # noqa: BLE001 (an encoder failure ends this request only)
                     self.cache.release(match.nodes)
-                    self._finish(req, "error", f"image encoder: {str(e).splitlines()[0] if str(e) else e!r}")
+                    kinds = " and ".join(req.media.items)
+                    self._finish(req, "error", f"{kinds} encoder: {str(e).splitlines()[0] if str(e) else e!r}")
                     continue
             req.kv = SequenceKV(self.pools, self.window, self.model.dtype, self.config.window_margin,
                                 self.attention_backend)
@@ -209,12 +214,12 @@ class Engine:
         hidden = self.spec is not None and last_of_prompt  # the draft's first h
         try:
             self._reserve(len(tokens))
-            images = None
-            if req.images is not None and req.state == RequestState.PREFILL:
-                images = req.images.chunk(req.computed_len, len(tokens))
+            media = None
+            if req.media is not None and req.state == RequestState.PREFILL:
+                media = req.media.chunk(req.computed_len, len(tokens))
             logits = self._retry_oom(lambda: self.runner.forward(req.kv, tokens, req.computed_len,
                                                                  want_logits=last_of_prompt, return_hidden=hidden,
-                                                                 images=images),
+                                                                 media=media),
                                      lambda: req.kv.truncate(req.computed_len))
         except KVPoolFull as e:
             self._finish(req, "error", str(e))
@@ -433,6 +438,7 @@ class Engine:
                 "cached_prefix_tokens": self.cache.cached_tokens(), "running": len(self.running),
                 "waiting": len(self.waiting), "context_limit": self.context_limit,
                 "images": self.vision is not None,  # whether requests may carry images
+                "audio": self.audio is not None,  # and audio clips
                 "speculative": self.spec_stats.as_dict() if self.spec is not None else None,
                 "device_memory": self._device_memory()}
 

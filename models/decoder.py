@@ -126,14 +126,14 @@ class DecoderModel:
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, pos: Optional[torch.Tensor] = None,
                 cache: Optional[KVStore] = None, logits_rows: Optional[torch.Tensor] = None,
-                trace: Trace = None, images=None) -> torch.Tensor:
+                trace: Trace = None, media=None) -> torch.Tensor:
         """tokens [T] int64 at positions pos [T] (default 0..T-1) -> logits [R, V] for `logits_rows`
         (default: every row). Writes K/V of the owning layers into `cache` (a fresh one if None).
-        `images` (Gemma 4: models.gemma4.ImageRows): image rows merged into the embedding."""
+        `media` (Gemma 4: models.gemma4.MediaRows): image/audio rows merged into the embedding."""
         tokens = tokens.to(self.device)
         pos = torch.arange(tokens.shape[0], device=self.device) if pos is None else pos.to(self.device)
         cache = DenseKVCache() if cache is None else cache
-        x, pl = self.embed(tokens) if images is None else self.embed(tokens, images)
+        x, pl = self.embed(tokens) if media is None else self.embed(tokens, media)
         if trace:
             trace("inp_scaled", -1, x)
         watch = FiniteWatch(self.device, self.cfg.n_layer)

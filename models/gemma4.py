@@ -277,9 +277,10 @@ HF_LAYER_NAMES = {
 
 
 @dataclass
-class ImageRows:
-    """Image soft tokens of one forward: `rows` [n, d] (embed_vision's output) fill the positions
-    where `mask` [T] bool is set, in order; `pad_id` is the PLE row those positions read."""
+class MediaRows:
+    """Image and audio soft tokens of one forward: `rows` [n, d] (embed_vision / embed_audio
+    output, in prompt order) fill the positions where `mask` [T] bool is set; `pad_id` is the PLE
+    row those positions read. Both kinds follow the same rules (vision spec §4.2-4.3, audio §5)."""
     mask: torch.Tensor
     rows: torch.Tensor
     pad_id: int = 0
@@ -287,7 +288,10 @@ class ImageRows:
     def __post_init__(self):
         n = int(self.mask.sum())
         if n != self.rows.shape[0]:
-            raise ValueError(f"{n} image positions for {self.rows.shape[0]} image rows")
+            raise ValueError(f"{n} media positions for {self.rows.shape[0]} media rows")
+
+
+ImageRows = MediaRows  # the name from when images were the only media
 
 
 def tensor_plan(cfg: Gemma4Config, present: set[str]) -> dict[str, Optional[tuple[int, ...]]]:
@@ -364,20 +368,20 @@ class Gemma4Model(DecoderModel):
         ])
 
     # --- pieces ----------------------------------------------------------------------------
-    def embed(self, tokens: torch.Tensor, images: Optional["ImageRows"] = None
+    def embed(self, tokens: torch.Tensor, media: Optional["MediaRows"] = None
               ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """x0 = E[t]·√d  [T, d]; and the per-layer inputs pl [T, L, P] (§3.3) or None.
-        `images`: soft-token rows that replace x0 at image positions (gemma4-vision.md §4.2-4.3)."""
+        `media`: image/audio soft-token rows that replace x0 at their positions."""
         cfg, w = self.cfg, self.w
-        if images is None and self._quant_tables() is not None:
+        if media is None and self._quant_tables() is not None:
             return self._embed_kernels(tokens)
-        # Image positions: the token part reads the <pad> row; image rows go in unscaled (only token
-        # rows get √d), and the PLE context part reads the merged x0 (vision spec §4.3).
-        ids = tokens if images is None else tokens.masked_fill(images.mask.to(tokens.device), images.pad_id)
+        # Media positions: the token part reads the <pad> row; media rows go in unscaled (only token
+        # rows get √d), and the PLE context part reads the merged x0 (vision spec §4.3, audio §5).
+        ids = tokens if media is None else tokens.masked_fill(media.mask.to(tokens.device), media.pad_id)
         x = rows_to_device(embedding_rows(w.get("token_embd.host", w["token_embd.weight"]), ids),
                            self.device, self.dtype) * math.sqrt(cfg.d_model)
-        if images is not None:
-            x[images.mask.to(x.device)] = images.rows.to(x.device, x.dtype)
+        if media is not None:
+            x[media.mask.to(x.device)] = media.rows.to(x.device, x.dtype)
         if not cfg.ple_width:
             return x, None
         T, L, P = tokens.shape[0], cfg.n_layer, cfg.ple_width

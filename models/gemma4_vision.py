@@ -449,10 +449,11 @@ def load_vision_hf(folder: str | Path, dtype=torch.float32, device="cpu") -> Gem
     return load_vision(ckpt, cfg, dtype, device)
 
 
-def load_vision_gguf(path: str | Path, token_ids=None, dtype=torch.float32, device="cpu") -> Gemma4Vision:
+def load_vision_gguf(path, token_ids=None, dtype=torch.float32, device="cpu") -> Gemma4Vision:
+    """From an mmproj path (or an opened `GGUFFile`)."""
     from .gguf import GGUFError, GGUFFile
 
-    f = GGUFFile(path)
+    f = path if isinstance(path, GGUFFile) else GGUFFile(path)
     if f.architecture != "clip":
         raise GGUFError(f.path, f"not an mmproj file (architecture {f.architecture!r}, expected 'clip')")
     try:

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import torch
 
-from .metadata import ConfigError
+from .metadata import ConfigError, MetadataReader
 from .gguf import GGUFError, GGUFFile, UnsupportedArchitectureError
 
 SUPPORTED_ARCHITECTURES = ("gemma4", "gemma3")
@@ -26,7 +26,8 @@ class LoadedModel:
     chat: Optional[Any] = None  # models.chat.ChatFormat
     source: Any = None  # the GGUFFile / HFCheckpoint
     vision: Optional[Any] = None  # models.gemma4_vision.Gemma4Vision: the image encoder, when present
-    mmproj: Optional[Path] = None  # the GGUF file it came from (GGUF models)
+    audio: Optional[Any] = None  # models.gemma4_audio.Gemma4Audio: the audio encoder, when present
+    mmproj: Optional[Path] = None  # the GGUF file they came from (GGUF models)
 
     @property
     def config(self):
@@ -50,13 +51,14 @@ def load_model(path: str | Path, dtype=torch.float32, device="cpu", with_tokeniz
     `cpu_quant`: the CPU runtime format, GGUF matrices repacked for torch's int4 CPU matmul
     (models/cpu_quant.py; other matrices as `weight_dtype`).
     `progress(done, total, bytes_done, bytes_total)`: called after each tensor (GGUF files).
-    `mmproj`: the image encoder of a GGUF model (default: an `mmproj*.gguf` beside it); HF folders
-    carry theirs. `vision=False`: never load one."""
+    `mmproj`: the image and audio encoders of a GGUF model (default: an `mmproj*.gguf` beside it;
+    one file may hold either or both); HF folders carry theirs. `vision=False`: never load them."""
     path = Path(path)
     if path.is_dir():
         loaded = _load_hf(path, dtype, device, weight_dtype)
         if vision:
             loaded.vision = _hf_vision(path, loaded.source, dtype, device)
+            loaded.audio = _hf_audio(path, loaded.source, dtype, device)
         return loaded
     f = open_gguf(path)
     try:
@@ -84,21 +86,60 @@ def load_model(path: str | Path, dtype=torch.float32, device="cpu", with_tokeniz
         from .gemma4_vision import find_mmproj
         found = Path(mmproj) if mmproj is not None else find_mmproj(path)
         if found is not None:
-            loaded.vision = _gguf_vision(found, tok, dtype, device, model.cfg.d_model)
+            loaded.vision, loaded.audio = _gguf_encoders(found, tok, dtype, device, model.cfg.d_model)
             loaded.mmproj = found
     elif mmproj is not None:
         raise GGUFError(Path(mmproj), f"an image encoder for a {f.architecture} model (Gemma 4 only)")
     return loaded
 
 
-def _gguf_vision(mmproj: Path, tok, dtype, device, text_width: int):
-    from .gemma4_vision import load_vision_gguf, token_ids_from_vocab
+def _gguf_encoders(mmproj: Path, tok, dtype, device, text_width: int):
+    """(vision, audio) from one mmproj file: either may be None, not both."""
+    from . import gemma4_audio, gemma4_vision
 
-    ids = token_ids_from_vocab(tok.piece_to_id) if tok is not None else None
-    vision = load_vision_gguf(mmproj, ids, dtype=dtype, device=device)
-    if vision.cfg.text_width != text_width:
-        raise GGUFError(mmproj, f"projects images to width {vision.cfg.text_width}; the model's is {text_width}")
-    return vision
+    f = GGUFFile(mmproj)
+    if f.architecture != "clip":
+        raise GGUFError(f.path, f"not an mmproj file (architecture {f.architecture!r}, expected 'clip')")
+    key = MetadataReader(f.metadata, "clip.", f.path.name)
+    try:
+        has_vision, has_audio = (key.bool(f"has_{k}_encoder", False) for k in ("vision", "audio"))
+    except ConfigError as e:
+        raise GGUFError(f.path, str(e)) from None
+    if not has_vision and not has_audio:
+        raise GGUFError(f.path, "the mmproj file has neither a vision nor an audio encoder")
+    vision = audio = None
+    if has_vision:
+        ids = gemma4_vision.token_ids_from_vocab(tok.piece_to_id) if tok is not None else None
+        vision = gemma4_vision.load_vision_gguf(f, ids, dtype=dtype, device=device)
+        if vision.cfg.text_width != text_width:
+            raise GGUFError(mmproj, f"projects images to width {vision.cfg.text_width}; the model's is {text_width}")
+    if has_audio:
+        ids = gemma4_audio.token_ids_from_vocab(tok.piece_to_id) if tok is not None else None
+        try:
+            cfg = gemma4_audio.Gemma4AudioConfig.from_gguf(f, ids)
+        except ConfigError as e:
+            raise GGUFError(f.path, str(e)) from None
+        audio = gemma4_audio.load_audio_tower(f, cfg, dtype=dtype, device=device)
+        if cfg.text_width != text_width:
+            raise GGUFError(mmproj, f"projects audio to width {cfg.text_width}; the model's is {text_width}")
+    return vision, audio
+
+
+def _hf_audio(path: Path, ckpt, dtype, device):
+    """The folder's audio tower, when its config and weights have one (else None)."""
+    from .gemma4_audio import Gemma4AudioConfig, hf_names, load_audio_tower
+    from .hf import HFCheckpoint
+
+    if not ckpt.config.get("audio_config"):
+        return None
+    try:
+        cfg = Gemma4AudioConfig.from_hf(ckpt.config)
+    except (ConfigError, KeyError, TypeError, ValueError) as e:
+        raise GGUFError(path, f"bad audio_config: {e}") from None
+    ack = HFCheckpoint(path, hf_names(cfg.n_layer), {})
+    if "a.conv1d.0.weight" not in ack:
+        return None  # a save without the tower
+    return load_audio_tower(ack, cfg, dtype, device)
 
 
 def _hf_vision(path: Path, ckpt, dtype, device):

@@ -13,7 +13,7 @@ from typing import Optional
 
 from app.backend import Session
 from engine.api import EngineOptions
-from engine.images import ImageRequestError, as_image_input
+from engine.media import ImageRequestError, MediaRequestError, as_audio_input, as_image_input
 from engine.request import StreamEvent
 
 
@@ -25,6 +25,7 @@ class FakeClient:
     error: Optional[str] = None  # finish with this error instead of the last piece
     prompt_tokens: int = 17
     images: bool = True  # status()["images"]: the model has a vision encoder
+    audio: bool = True  # status()["audio"]: and an audio encoder
     submit_error: Optional[Exception] = None  # submit raises this (e.g. the engine's context refusal)
     speculative: Optional[dict] = field(default_factory=lambda: {
         "rounds": 10, "drafted": 20, "accepted": 13, "acceptance_rate": 0.65, "mean_accepted_length": 1.3,
@@ -36,12 +37,13 @@ class FakeClient:
         self.aborted: set[int] = set()
         self.submitted: list[tuple] = []  # (messages, GenerationParams)
         self.image_tokens = 0  # of the last submitted prompt, counted as the engine does
+        self.audio_tokens = 0
         self.closed = False
         self.cached = 0
 
     def submit(self, messages, params) -> int:
-        """Records the messages; their images are opened and counted like the real client does
-        (a missing or broken file raises its one-line error), so tests see what the engine gets."""
+        """Records the messages; their images and clips are opened and counted like the real client
+        does (a missing or broken file raises its one-line error), so tests see what the engine gets."""
         self.submitted.append(([dict(m) for m in messages], params))
         if self.submit_error is not None:
             raise self.submit_error
@@ -49,6 +51,10 @@ class FakeClient:
         if images and not self.images:
             raise ImageRequestError("this model has no image encoder")
         self.image_tokens = sum(as_image_input(im, params.image_tokens).n_tokens for im in images)
+        clips = [c for m in messages for c in m.get("audio", ())]
+        if clips and not self.audio:
+            raise MediaRequestError("this model has no audio encoder")
+        self.audio_tokens = sum(as_audio_input(c).n_tokens for c in clips)
         return next(self._ids)
 
     def last_prompt_ids(self, rid: int) -> list[int]:
@@ -76,7 +82,7 @@ class FakeClient:
     def _stats(self, n: int) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "cached_tokens": 5, "prefilled_tokens": self.prompt_tokens - 5,
                 "output_tokens": n, "prefill_s": 0.1, "decode_s": 0.5, "prefill_tok_s": 120.0,
-                "decode_tok_s": 42.5, "image_tokens": self.image_tokens}
+                "decode_tok_s": 42.5, "image_tokens": self.image_tokens, "audio_tokens": self.audio_tokens}
 
     def abort(self, rid: int) -> None:
         self.aborted.add(rid)
@@ -87,7 +93,7 @@ class FakeClient:
                           "window": {"format": "bf16", "capacity": 1024, "used": 64, "free": 960,
                                      "unit_bytes": 2048, "slabs": 8}, "share_kv": True},
                 "cache_type": "radix", "attention_backend": "torch", "cached_prefix_tokens": self.cached,
-                "running": 0, "waiting": 0, "context_limit": 4096, "images": self.images,
+                "running": 0, "waiting": 0, "context_limit": 4096, "images": self.images, "audio": self.audio,
                 "speculative": self.speculative}
 
     def close(self) -> None:

@@ -128,7 +128,7 @@ async def test_f3_palette_and_a_pasted_path_attach_several_images_and_they_can_b
         await until(pilot, lambda: len(bar.pending) == 1)
         await type_and_enter(pilot, str(c))
         await until(pilot, lambda: len(bar.pending) == 2)
-        await next(cmd for cmd in app.get_system_commands(chat) if cmd.title == "Remove attached image").callback()
+        await next(cmd for cmd in app.get_system_commands(chat) if cmd.title == "Remove attachment").callback()
         await until(pilot, lambda: len(bar.pending) == 1)
         assert [x.name for x in bar.pending] == ["my photo.jpg"] and len(chat.query(AttachmentChip)) == 1
 

@@ -79,6 +79,49 @@ def test_snapshot_chat_with_an_image_attached(snap_compare, tmp_path):
     assert snap_compare(_app(tmp_path), terminal_size=SIZE, run_before=run_before)
 
 
+def test_snapshot_chat_with_an_audio_clip_attached(snap_compare, tmp_path):
+    """A sent message with its clip's chip (♪ name · duration · tokens), a pending clip chip, and
+    a recording in progress (its elapsed time and level meter)."""
+    import numpy as np
+    import soundfile as sf
+
+    from app.recorder import Recorder
+
+    memo = tmp_path / "voice memo.wav"
+    t = np.arange(40000) / 16000
+    sf.write(str(memo), (0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32), 16000, subtype="PCM_16")
+
+    class Stream:
+        def __init__(self, samplerate, channels, dtype, callback):
+            self.samplerate, self.callback = samplerate, callback
+
+        def start(self):
+            x = (0.2 * np.sin(2 * np.pi * 300 * np.arange(33600) / 16000)).astype(np.float32)  # 2.1 s
+            self.callback(x[:, None], len(x), None, None)
+
+        def stop(self):
+            pass
+
+        def close(self):
+            pass
+
+    async def run_before(pilot) -> None:
+        await _until(pilot, lambda: isinstance(pilot.app.screen, ChatScreen))
+        chat = pilot.app.screen
+        for text in (f"/audio {memo}", "What did I say?"):
+            chat.query_one("#input").text = text
+            await pilot.press("enter")
+        await _until(pilot, lambda: chat.gen is None and len(chat.messages) == 2)
+        chat.query_one("#input").text = f"/audio {memo}"
+        await pilot.press("enter")
+        await _until(pilot, lambda: len(chat.attachments.pending) == 1)
+        chat.recorder_factory = lambda: Recorder(stream_factory=Stream, samplerate=16000)
+        await pilot.press("f5")
+        await pilot.pause(0.7)  # the meter's and the status panel's next refresh
+
+    assert snap_compare(_app(tmp_path), terminal_size=SIZE, run_before=run_before)
+
+
 def test_snapshot_settings_screen(snap_compare, tmp_path):
     app = _app(tmp_path)
 

@@ -80,7 +80,7 @@ def test_score_with_images_matches_the_model(tiny, capsys, tmp_path):
     lm = api.open_model(tiny["model"])
     from models.gemma4_vision import image_rows, load_image
     rows = image_rows(ids, lm.vision.encode([load_image(tiny["a"], 70)]), lm.vision.cfg)
-    want = lm.model.forward(torch.tensor(ids), images=rows).numpy()
+    want = lm.model.forward(torch.tensor(ids), media=rows).numpy()
     assert logits.shape == (len(ids), 512) and np.allclose(logits, want, atol=1e-5)
     # the same ids at another budget: 60 placeholders for a 260-token image
     code, _, err = edgegem(capsys, "score", "--model", tiny["model"], "--tokens", ",".join(map(str, ids)),

@@ -11,7 +11,7 @@ pytest.importorskip("PIL")
 
 from tiny_vision import BOI, BUDGET, EOI, IMG, build_tiny_multimodal, random_image  # noqa: E402
 
-from engine.images import ImageRequestError, image_key  # noqa: E402
+from engine.media import ImageRequestError, image_key  # noqa: E402
 from engine.sampler import SamplingParams  # noqa: E402
 from engine.scheduler import ContextOverflowError, Engine, EngineConfig  # noqa: E402
 from models.gemma4_vision import preprocess  # noqa: E402
@@ -59,7 +59,7 @@ def _reference(lm, ids, images, n=10):
     for _ in range(n):
         seq = ids + out
         rows = image_rows(seq, embeds, lm.vision.cfg)
-        out.append(int(lm.model.forward(torch.tensor(seq), images=rows)[-1].argmax()))
+        out.append(int(lm.model.forward(torch.tensor(seq), media=rows)[-1].argmax()))
     return out
 
 

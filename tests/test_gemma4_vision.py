@@ -93,7 +93,7 @@ def _our_logits(loaded, images, ids, **rows_kw):
     rows = image_rows(ids, embeds, loaded.vision.cfg)
     if rows_kw:
         rows = ImageRows(rows.mask, rows.rows * rows_kw.get("scale", 1.0), rows_kw.get("pad_id", rows.pad_id))
-    return loaded.model.forward(ids, images=rows)
+    return loaded.model.forward(ids, media=rows)
 
 
 @FORMS

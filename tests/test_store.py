@@ -141,7 +141,7 @@ def test_export_markdown(store):
 def test_export_json_round_trip(store, tmp_path):
     c = _chat(store, "Round / trip: ünïcode")
     doc = store.export_json(c.id)
-    assert doc["format"] == "edgegem.conversation" and doc["version"] == 2
+    assert doc["format"] == "edgegem.conversation" and doc["version"] == 3
     assert [m["role"] for m in doc["messages"]] == ["system", "user", "assistant"]
 
     md_path, json_path = store.export_to(c.id, tmp_path / "exports")
@@ -180,7 +180,7 @@ REFUSALS = {
     "deep": ("[" * 100_000 + "]" * 100_000, "not valid JSON"),
     "not an object": ("[1, 2]", "JSON object"),
     "wrong format": (_with(format="chatgpt"), "format"),
-    "wrong version": (_with(version=3), "version"),
+    "wrong version": (_with(version=4), "version"),
     "bool version": (_with(version=True), "version"),
     "bad role": (_with(messages=[{"role": "tool", "content": "x"}]), "role"),
     "bad status": (_with(messages=[{"role": "user", "content": "x", "status": "ok"}]), "status"),

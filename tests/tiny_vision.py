@@ -149,9 +149,10 @@ def write_mmproj(folder: Path, path: Path, f16_patch: bool = False) -> Path:
     return path
 
 
-def write_text_gguf(folder: Path, path: Path) -> Path:
+def write_text_gguf(folder: Path, path: Path, special: dict | None = None) -> Path:
     """The language model of an HF folder as a `gemma4` GGUF, by the inverse of models.gemma4's
-    HF name tables, with a tiny vocabulary that holds the image markers at 500/501/502."""
+    HF name tables, with a tiny vocabulary that holds the image markers at 500/501/502 (and the
+    control tokens of `special`: id -> text)."""
     from models.gemma4 import HF_GLOBAL_NAMES, HF_LAYER_NAMES
     from tiny_models import add_tiny_tokenizer
 
@@ -184,7 +185,7 @@ def write_text_gguf(folder: Path, path: Path) -> Path:
     w.add_uint32(f"{arch}.attention.shared_kv_layers", c["num_kv_shared_layers"])
     w.add_uint32(f"{arch}.embedding_length_per_layer_input", c["hidden_size_per_layer_input"])
     w.add_float32(f"{arch}.final_logit_softcapping", c["final_logit_softcapping"])
-    add_tiny_tokenizer(w, V, {BOI: "<|image>", EOI: "<image|>", IMG: "<|image|>"})
+    add_tiny_tokenizer(w, V, {BOI: "<|image>", EOI: "<image|>", IMG: "<|image|>", **(special or {})})
     # proportional RoPE on full layers: the first partial_rotary_factor of the pairs rotate
     rf = rp["full_attention"]
     n_rot = int(float(rf.get("partial_rotary_factor", 1.0)) * hd_f / 2) if rf.get("rope_type") == "proportional" \

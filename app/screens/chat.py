@@ -24,7 +24,8 @@ from textual.widgets import Footer, Static
 from app.backend import GenerationParams, SamplingParams, split_thinking
 from app.messages import GenerationDone
 from app.screens.chat_commands import ChatCommandsMixin, one_line
-from app.screens.chat_images import ImageInputMixin
+from app.screens.chat_media import MediaInputMixin
+from app.screens.chat_record import RecordMixin
 from app.screens.settings import DEFAULT_SETTINGS
 from app.store import DEFAULT_TITLE, Message
 from app.widgets.attachments import AttachmentBar
@@ -62,7 +63,7 @@ def sampling_params(s: dict) -> GenerationParams:
                             thinking=bool(s["thinking"]), image_tokens=int(s["image_tokens"]))
 
 
-class ChatScreen(ImageInputMixin, ChatCommandsMixin, Screen[None]):
+class ChatScreen(MediaInputMixin, RecordMixin, ChatCommandsMixin, Screen[None]):
     BINDINGS = [
         Binding("escape", "stop", "Stop"),
         Binding("ctrl+r", "regenerate", "Regenerate"),
@@ -71,7 +72,9 @@ class ChatScreen(ImageInputMixin, ChatCommandsMixin, Screen[None]):
         Binding("ctrl+b", "copy_code", "Copy code", show=False),
         Binding("ctrl+t", "toggle_thinking", "Thinking"),
         Binding("f3", "attach_image", "Image"),
-        Binding("shift+f3", "remove_attachment", "Remove image", show=False),
+        Binding("f9", "attach_audio", "Audio", show=False),  # F6/F7 are the input's (select line/all)
+        Binding("f5", "record", "Rec"),  # short: the footer holds "f1 Help" at 120 columns
+        Binding("shift+f3", "remove_attachment", "Remove attachment", show=False),
         Binding("ctrl+n", "new_conversation", "New"),
         Binding("ctrl+f", "search", "Search", show=False),
         Binding("f2", "rename", "Rename", show=False),
@@ -130,7 +133,7 @@ class ChatScreen(ImageInputMixin, ChatCommandsMixin, Screen[None]):
         if self.session.info.get("demo"):
             box.mount(Static(DEMO_NOTE, classes="notice", markup=False))
         box.mount_all([MessageView(m.role, m.content, m.thinking, m.status, m.id, (m.stats or {}).get("error"),
-                                   m.images) for m in self.messages if m.role != "system"])
+                                   m.images, m.audio) for m in self.messages if m.role != "system"])
         box.scroll_end(animate=False)
         last = next((m.stats for m in reversed(self.messages) if m.role == "assistant" and m.stats), None)
         self.last_stats = last
@@ -165,27 +168,29 @@ class ChatScreen(ImageInputMixin, ChatCommandsMixin, Screen[None]):
     # --- sending, regenerating, editing --------------------------------------------------------
     @on(ChatInput.Submitted)
     async def send(self, event: ChatInput.Submitted) -> None:
-        if await self.take_image_input(event.text):  # `/image PATH` or a lone image path: attached
+        if await self.take_media_input(event.text):  # `/image PATH`, `/audio PATH` or a lone path: attached
+            return
+        if self.recorder is not None and not await self.stop_recording():  # Enter while recording: stop, attach, send
             return
         pending = self.attachments.pending
         if (not event.text and not pending) or self._busy():
             return
-        images = self.keep_pending()
-        if images is None:
+        media = self.keep_pending()
+        if media is None:
             return  # text and chips stay: nothing was sent
         conv = self.store.get(self.conversation_id)
         if not self.messages and conv.title == DEFAULT_TITLE:
             title = self.store.title_from(event.text or pending[0].name)
             self._saved(lambda: self.store.rename(conv.id, title), "the title")
             self.sub_title = self.store.get(conv.id).title
-        m = self._saved(lambda: self.store.add_message(conv.id, "user", event.text, images=images), "your message")
+        m = self._saved(lambda: self.store.add_message(conv.id, "user", event.text, **media), "your message")
         if m is None:
             return  # the text stays in the input: send it again when the disk has room
         self.messages.append(m)
         self.query_one(ChatInput).clear()
         await self.attachments.clear()
         await self.query_one("#messages", VerticalScroll).mount(
-            MessageView("user", m.content, message_id=m.id, images=m.images))
+            MessageView("user", m.content, message_id=m.id, images=m.images, audio=m.audio))
         self.query_one(Sidebar).reload(conv.id)
         await self.generate()
 
@@ -216,7 +221,7 @@ class ChatScreen(ImageInputMixin, ChatCommandsMixin, Screen[None]):
         if m is not None:
             box = self.query_one(ChatInput)
             box.text = m.content
-            await self.restore_images(m.images)  # its images come back as chips, not lost
+            await self.restore_media(m)  # its images and clips come back as chips, not lost
             box.focus()
 
     def action_stop(self) -> None:
@@ -232,9 +237,9 @@ class ChatScreen(ImageInputMixin, ChatCommandsMixin, Screen[None]):
         s = self.settings
         msgs = [{"role": "system", "content": s["system"]}] if s["system"].strip() else []
         # Answers that failed carry no text worth conditioning on; stopped ones are kept.
-        # A user message's images go with it on every turn (the copies in the data folder): the
-        # prefix cache keys them by content, so earlier images are not encoded again.
-        msgs += [{"role": m.role, "content": m.content, **self.message_images(m)} for m in self.messages
+        # A user message's images and clips go with it on every turn (the copies in the data
+        # folder): the prefix cache keys them by content, so earlier ones are not encoded again.
+        msgs += [{"role": m.role, "content": m.content, **self.message_media(m)} for m in self.messages
                  if m.role in ("user", "assistant") and m.status != "error"]
         return msgs
 

@@ -56,9 +56,10 @@ class ChatCommandsMixin:
         md, js = self._saved(lambda: self.store.export_to(self.conversation_id, self.app.export_dir),
                              "the export") or (None, None)
         if md is not None:
-            n = sum(len(m.images) for m in self.messages)
-            images = f" (images in {md.stem}-images/)" if n else ""
-            self.notify(f"Exported to {md} and {js.name}{images}", timeout=8)
+            kinds = [k for k, n in (("images", sum(len(m.images) for m in self.messages)),
+                                    ("audio", sum(len(m.audio) for m in self.messages))) if n]
+            files = f" ({' and '.join(f'{k} in {md.stem}-{k}/' for k in kinds)})" if kinds else ""
+            self.notify(f"Exported to {md} and {js.name}{files}", timeout=8)
 
     def action_import(self) -> None:
         """Add a conversation from an exported JSON file (refused in one line when malformed)."""
@@ -67,7 +68,7 @@ class ChatCommandsMixin:
                 return
             try:
                 conv = self.store.import_file(path, report=lambda line: self.notify(
-                    line, title="Images missing", severity="warning", timeout=10))
+                    line, title="Attachments missing", severity="warning", timeout=10))
             except (OSError, ValueError) as e:
                 self.notify(one_line(e), title="Import failed", severity="error", timeout=10)
                 return

@@ -60,7 +60,9 @@ HELP = """\
 | Ctrl+B | copy the last code block |
 | Ctrl+T | thinking on/off (Gemma-4: the thought shows in a collapsible pane) |
 | F3, `/image PATH` | attach an image to the next message (or send just its path) |
-| Shift+F3 | remove the last attached image (or click its ✕) |
+| F9, `/audio PATH` | attach an audio file (WAV, FLAC, OGG, MP3) to the next message (or send just its path) |
+| F5 | record from the microphone; F5 again stops and attaches the clip |
+| Shift+F3 | remove the last attached image or clip (or click its ✕) |
 | Ctrl+N | new conversation |
 | Ctrl+F | search conversations |
 | F2 | rename the conversation |

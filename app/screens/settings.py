@@ -15,7 +15,7 @@ from app.screens.kv_check import figure_lines
 # Per-conversation defaults: llama.cpp-like chat sampling.
 DEFAULT_SETTINGS = {"system": "", "temperature": 0.7, "top_p": 0.95, "top_k": 64, "min_p": 0.0,
                     "repetition_penalty": 1.0, "max_tokens": 1024, "thinking": False, "image_tokens": 280}
-IMAGE_BUDGETS = (70, 140, 280, 560, 1120)  # soft tokens per image (engine.images); 280: 256 for a square
+IMAGE_BUDGETS = (70, 140, 280, 560, 1120)  # soft tokens per image (engine.media); 280: 256 for a square
 # name -> (label, type, lower bound, upper bound)
 NUMBERS = {"temperature": ("Temperature", float, 0.0, 5.0), "top_p": ("Top-p", float, 0.0, 1.0),
            "top_k": ("Top-k (0: off)", int, 0, 1_000_000), "min_p": ("Min-p", float, 0.0, 1.0),

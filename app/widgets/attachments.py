@@ -1,8 +1,11 @@
-"""Image chips: the pending attachments above the input, and a sent message's images.
+"""Attachment chips: the pending images and clips above the input, a recording in progress, and
+a sent message's images and clips.
 
-A pending chip shows a half-block preview (where the terminal draws colour), the file name, its
-size and its soft tokens, and a ✕ that removes it (click, or Tab to it and Enter). Sixel and kitty
-graphics are not used: the preview is text, so it works over SSH and in snapshots.
+A pending image chip shows a half-block preview (where the terminal draws colour), the file name,
+its size and its soft tokens, and a ✕ that removes it (click, or Tab to it and Enter); a clip's
+chip shows ♪, its name, duration and tokens. Sixel and kitty graphics are not used: the preview is
+text, so it works over SSH and in snapshots. While the microphone records, a chip shows the
+elapsed time and a level meter (updated by the screen's timer).
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.widgets import Button, Label, Static
 
-from app.attachments import Attachment, chip_label, half_block_preview, human_bytes
+from app.attachments import Attachment, chip_label, duration, half_block_preview
 
 
 def can_draw_preview(app) -> bool:
@@ -23,7 +26,7 @@ def can_draw_preview(app) -> bool:
 
 
 class AttachmentChip(Horizontal):
-    """One pending image: preview, name, size · tokens, ✕."""
+    """One pending image or clip: preview (♪ for a clip), name, size or duration · tokens, ✕."""
 
     def __init__(self, attachment: Attachment, preview: bool) -> None:
         super().__init__(classes="chip")
@@ -31,12 +34,15 @@ class AttachmentChip(Horizontal):
 
     def compose(self) -> ComposeResult:
         a = self.attachment
-        picture = half_block_preview(a.data) if self.preview else None
-        if picture is not None:
-            yield Static(picture, classes="preview")
+        if a.kind == "audio":
+            yield Static("♪", classes="preview audio-icon")
+        else:
+            picture = half_block_preview(a.data) if self.preview else None
+            if picture is not None:
+                yield Static(picture, classes="preview")
         with Vertical(classes="chip-text"):
             yield Label(a.name, classes="chip-name", markup=False)
-            yield Label(f"{human_bytes(a.size)} · {a.n_tokens} tok", classes="chip-info", markup=False)
+            yield Label(a.info, classes="chip-info", markup=False)
         yield Button("✕", classes="remove", compact=True, tooltip=f"Remove {a.name}")
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
@@ -95,10 +101,31 @@ class AttachmentBar(Horizontal):
         await self.remove_attachment(event.attachment)
 
 
-class ImageChips(Static):
-    """A sent message's images, one line each: name · size · tokens (from the store's records)."""
+class RecordingChip(Horizontal):
+    """The microphone being recorded: ● REC, the elapsed time, a level meter (`show`)."""
 
-    def __init__(self, images: list[dict]) -> None:
+    def compose(self) -> ComposeResult:
+        yield Static("●", classes="preview rec-dot")
+        with Vertical(classes="chip-text"):
+            yield Label("recording… F5 stops", classes="chip-name", markup=False)
+            yield Label("0.0 s", classes="chip-info rec-info", markup=False)
+
+    def on_mount(self) -> None:
+        self.add_class("chip")
+
+    def show(self, seconds: float, meter: str) -> None:
+        self.query_one(".rec-info", Label).update(f"{duration(seconds)} {meter}")
+
+
+class MediaChips(Static):
+    """A sent message's images and clips, one line each: name · size or duration · tokens (from
+    the store's records)."""
+
+    def __init__(self, images: list[dict], audio: list[dict] = ()) -> None:
         lines = [f"▣ {chip_label(im['name'], im['bytes'], im['tokens'])}" for im in images]
+        lines += [f"♪ {chip_label(a['name'], a['bytes'], a['tokens'], a.get('seconds', 0.0))}" for a in audio]
         super().__init__("\n".join(lines), classes="image-chips", markup=False)
-        self.images = images
+        self.images, self.audio = images, list(audio)
+
+
+ImageChips = MediaChips  # the name from when images were the only attachments

@@ -13,7 +13,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Collapsible, Label, Markdown, Static
 
-from app.widgets.attachments import ImageChips
+from app.widgets.attachments import MediaChips
 
 ROLE_LABEL = {"user": "You", "assistant": "Model", "system": "System"}
 _CODE = re.compile(r"```[^\n]*\n(.*?)```", re.S)
@@ -45,17 +45,18 @@ class TimedMarkdown(Markdown):
 class MessageView(Vertical):
     def __init__(self, role: str, content: str = "", thinking: str = "", status: str = "done",
                  message_id: Optional[int] = None, error: Optional[str] = None,
-                 images: Optional[list] = None) -> None:
+                 images: Optional[list] = None, audio: Optional[list] = None) -> None:
         super().__init__(classes=f"message {role}")
         self.role, self.content, self.thinking, self.status = role, content, thinking, status
         self.message_id, self.error = message_id, error  # error: the one-line reason shown on it
         self.images = list(images or [])  # the store's records: file, name, bytes, tokens
+        self.audio = list(audio or [])  # and seconds
         self._stream = None
 
     def compose(self) -> ComposeResult:
         yield Label(self._header(), classes="role")
-        if self.images:
-            yield ImageChips(self.images)
+        if self.images or self.audio:
+            yield MediaChips(self.images, self.audio)
         with Collapsible(title="Thought", collapsed=True, classes="thought") as c:
             c.display = bool(self.thinking)
             yield Static(self.thinking, classes="thought-text", markup=False)

@@ -25,7 +25,7 @@ class StatusPanel(Static):
 
     def refresh_from(self, info: dict, status: dict, context_tokens: int, last: Optional[dict],
                      pending: tuple[int, int] = (0, 0)) -> None:
-        """`pending`: (images, soft tokens) attached to the message being written."""
+        """`pending`: (images and clips, soft tokens) attached to the message being written."""
         lines = [f"model   {info.get('model', '?')}", f"file    {info.get('file', '?')}",
                  f"device  {info.get('device', '?')}"]
         pools = kv_pools(status)
@@ -53,6 +53,9 @@ class StatusPanel(Static):
         lines.append("images  " + ("yes" if status.get("images") else "no (no vision encoder)"))
         if last and last.get("image_tokens"):
             lines.append(f"  last prompt {last['image_tokens']} image tokens")
+        lines.append("audio   " + ("yes" if status.get("audio") else "no (no audio encoder)"))
+        if last and last.get("audio_tokens"):
+            lines.append(f"  last prompt {last['audio_tokens']} audio tokens")
         if pending[0]:
             lines.append(f"  attached {pending[0]}: {pending[1]} tokens")
         spec = status.get("speculative")
