@@ -118,6 +118,9 @@ class _Lib:
         self.cpu_init = self._fn(c, "ggml_backend_cpu_init", P)
         self.cpu_reg = self._fn(c, "ggml_backend_cpu_reg", P)
         self.set_n_threads = self._fn(c, "ggml_backend_cpu_set_n_threads", None, P, ctypes.c_int)
+        # ggml logs every repacked tensor to stderr: warnings and errors go to Python's logging instead
+        self._log = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, _P)(_log_message)
+        self._fn(b, "ggml_log_set", None, _P, _P)(ctypes.cast(self._log, _P), None)
         self.features = {name: bool(self._fn(c, f"ggml_cpu_has_{name}", ctypes.c_int)())
                          for name in ("avx2", "avx512", "avx512_vnni", "avx512_bf16", "avx_vnni", "f16c", "fma")}
         self.backend = self.cpu_init()
@@ -215,6 +218,14 @@ class _Lib:
 
 
 _state: dict = {}
+
+
+def _log_message(level: int, text: bytes, user_data) -> None:
+    """ggml's log callback: GGML_LOG_LEVEL_WARN (3) and ERROR (4) to the `edgegem.ggml` logger."""
+    if level in (3, 4) and text:
+        import logging
+
+        logging.getLogger("edgegem.ggml").log(30 if level == 3 else 40, text.decode(errors="replace").rstrip())
 
 
 def _load() -> _Lib:

@@ -128,7 +128,7 @@ def _greedy(model, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-def test_tiny_model_keeps_greedy_tokens(tiny_q4km):
+def test_tiny_model_keeps_greedy_tokens(tiny_q4km, torch_cpu_formats):
     from models.loader import load_model
 
     exact = load_model(tiny_q4km, with_tokenizer=False).model
@@ -142,10 +142,16 @@ def test_tiny_model_keeps_greedy_tokens(tiny_q4km):
     assert _greedy(fast, prompt, 12) == _greedy(exact, prompt, 12)
 
 
-def test_non_finite_activation_names_the_layer(tiny_q4km):
+@pytest.mark.parametrize("kernels", ["torch", "ggml"])
+def test_non_finite_activation_names_the_layer(tiny_q4km, kernels, monkeypatch):
+    from models import cpu_ggml
     from models.decoder import NonFiniteError
     from models.loader import load_model
 
+    if kernels == "torch":
+        monkeypatch.setattr(cpu_ggml, "enabled", lambda: False)
+    elif not cpu_ggml.enabled():
+        pytest.skip("llama.cpp's kernels are not available here")
     model = load_model(tiny_q4km, with_tokenizer=False, weight_dtype=torch.float16, cpu_quant=True).model
     model.w["blk.3.post_ffw_norm.weight"] = torch.full_like(model.w["blk.3.post_ffw_norm.weight"], float("inf"))
     with pytest.raises(NonFiniteError) as e:
