@@ -336,7 +336,7 @@ class Matrix:
         """(ctx, x tensor, y tensor, graph) of x [rows, k] -> y [rows, n], built once per row count."""
         g = self._graphs.get(rows)
         if g is None:
-            lib, (n, k) = self._lib, self.shape
+            lib, k = self._lib, self.shape[1]
             if len(self._graphs) >= 12:  # prefill row counts vary (the last chunk): keep the decode ones
                 for r in [r for r in self._graphs if r > 16][:4]:
                     lib.free(self._graphs.pop(r)[0])

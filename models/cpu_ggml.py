@@ -78,6 +78,10 @@ class GGMLWeight:
     def nbytes(self) -> int:
         return self.plain.nbytes + (self.packed.nbytes if self.packed is not None else 0)
 
+    def matrix_for(self, rows: int):
+        """The kernels.ggml.Matrix a product of `rows` rows runs on (module doc: PACKED_ROWS)."""
+        return self.packed if self.packed is not None and rows <= PACKED_ROWS else self.plain
+
     def linear(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [..., in] -> [..., out]. float32 contiguous x (the CPU path's activations) goes in as
         it is; `out` (float32 [rows, out]) receives the product when given."""
@@ -85,8 +89,7 @@ class GGMLWeight:
         x2 = x.reshape(-1, k)
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.float().contiguous()
-        m = self.packed if self.packed is not None and x2.shape[0] <= PACKED_ROWS else self.plain
-        y = m.mul(x2, out)
+        y = self.matrix_for(x2.shape[0]).mul(x2, out)
         return (y if x.dtype == torch.float32 else y.to(x.dtype)).reshape(*x.shape[:-1], n)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:

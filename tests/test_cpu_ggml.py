@@ -1,23 +1,21 @@
-"""The CPU runtime on llama.cpp's kernels (models/cpu_ggml.py): every matrix of a tiny Q4_K_M
-Gemma-4 multiplied by ggml, and the whole model's greedy tokens equal to llama.cpp's.
+"""The CPU runtime on llama.cpp's kernels (models/cpu_ggml.py, kernels/ggml_ops.py): every matrix
+of a tiny Q4_K_M Gemma-4 multiplied by ggml, the elementwise chains run as ggml graphs, and the
+whole model's greedy tokens equal to llama.cpp's.
 
-llama.cpp computes GELU through an f16 table (ggml-cpu/vec.h, GGML_GELU_FP16: x rounded to f16,
-the table's f16 value returned; 3e-4 relative off GELU itself). edgegem keeps the exact GELU, so
-with every other op equal a random tiny model still drifts from llama.cpp by that rounding, fed
-through the 8-bit activation rounding of every later product (logits ~0.3 apart). With the
-table emulated (`ggml_gelu`, test only) every layer's output equals llama.cpp's to 1e-7 and the
-greedy tokens are llama.cpp's. Not bit for bit: the norms, RoPE and softmax round in another
-order (1e-7), and once in a while that flips one activation's 8-bit rounding in a later product
-(~1e-3 of a product, ~5e-3 of these logits), so a near-tie (top-2 gap under TIE in llama.cpp's
-own logits) may go the other way; the tokens are compared up to the first one. With the exact
-GELU the logits stay as close to llama.cpp's as the float32 reference path's are.
+The chains compute what llama.cpp computes (RMSNorm, GELU through ggml's f16 table), and every
+product is llama.cpp's own. With llama.cpp's placement for the prompt's rows too (edgegem
+multiplies prefill chunks of more than PACKED_ROWS rows by the GGUF bytes, llama.cpp by its
+repacked Q4_K: other rounding), every layer's output equals llama.cpp's to 1e-7 and the greedy
+tokens are llama.cpp's. Not bit for bit: RoPE and the attention round in another order (1e-7),
+and once in a while that flips one activation's 8-bit rounding in a later product (~1e-3 of a
+product, ~5e-3 of these logits), so a near-tie (top-2 gap under TIE in llama.cpp's own logits)
+may go the other way; the tokens are compared up to the first one.
 """
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kernels import ggml
 from models import cpu_ggml
@@ -28,12 +26,6 @@ pytestmark = [pytest.mark.skipif(not ggml.available(), reason=f"ggml binding una
 TIE = 0.01  # a top-2 logit gap one flipped 8-bit activation rounding can close (module doc)
 PROMPTS = ([2, 5, 17, 33, 40, 61, 99, 120, 7, 300], [2, 100, 200, 300, 350, 50, 60],
            [2, 9, 8, 7, 6, 5, 4, 3, 11, 12, 13, 14])
-
-
-def ggml_gelu(x: torch.Tensor) -> torch.Tensor:
-    """llama.cpp's CPU GELU: 0 below -10, x above 10, else the f16 table at f16(x)."""
-    y = F.gelu(x.half().float(), approximate="tanh").half().float()
-    return torch.where(x <= -10, torch.zeros_like(x), torch.where(x >= 10, x, y))
 
 
 @pytest.fixture(scope="module")
@@ -90,24 +82,19 @@ def test_every_matrix_is_a_ggml_product(fast, tiny_q4km):
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_greedy_tokens_equal_llama_cpps_with_its_gelu_table(fast, tiny_q4km, prompt, monkeypatch):
-    import models.ops as ops
-
-    monkeypatch.setattr(ops, "gelu_tanh", ggml_gelu)
+def test_greedy_tokens_equal_llama_cpps(fast, tiny_q4km, prompt, monkeypatch):
     monkeypatch.setattr(cpu_ggml, "PACKED_ROWS", 1 << 20)  # llama.cpp's placement for the prompt rows too
     ref = _llama_cpp_until_near_tie(tiny_q4km, list(prompt), 24)
     assert len(ref) >= 8 and _greedy(fast, list(prompt), 24)[:len(ref)] == ref
 
 
-def test_engine_greedy_tokens_equal_llama_cpps_with_its_gelu_table(tiny_q4km, monkeypatch):
-    """The same through the engine (pooled KV, chunked prefill, fast prefill off: llama.cpp runs
-    every layer for every prompt row, and a KV-shared layer's rows feed only their own logits)."""
-    import models.ops as ops
+def test_engine_greedy_tokens_equal_llama_cpps(tiny_q4km, monkeypatch):
+    """The same through the engine (pooled KV, fast prefill off: llama.cpp runs every layer for
+    every prompt row, and a KV-shared layer's rows feed only their own logits)."""
     from engine.api import open_model
     from engine.sampler import SamplingParams
     from engine.scheduler import Engine, EngineConfig
 
-    monkeypatch.setattr(ops, "gelu_tanh", ggml_gelu)
     monkeypatch.setattr(cpu_ggml, "PACKED_ROWS", 1 << 20)
     lm = open_model(tiny_q4km, exact=False)
     engine = Engine(lm.model, config=EngineConfig(full_tokens=256, prefill_chunk=512, fast_prefill=False))
@@ -118,7 +105,30 @@ def test_engine_greedy_tokens_equal_llama_cpps_with_its_gelu_table(tiny_q4km, mo
         assert len(ref) >= 8 and r.output_ids[:len(ref)] == ref
 
 
-def test_logits_with_the_exact_gelu_stay_as_close_to_llama_cpp_as_the_reference(fast, tiny_q4km):
+def test_a_decode_step_is_three_chains_a_layer(fast, monkeypatch):
+    """Per layer of a decode step: the attention prologue, the residual after attention and the
+    MLP with everything after it are one ggml graph each (the attention itself stays torch)."""
+    from collections import Counter
+
+    from kernels import ggml_ops
+    from models.kv_cache import DenseKVCache
+
+    calls: Counter = Counter()
+    for name in ("attention_prologue", "attn_residual", "ffn_residual", "add_rms_norm", "rms_norm",
+                 "qkv_norm_rope", "gated_mlp", "linear_gelu_mul", "gelu_mul"):
+        orig = getattr(ggml_ops, name)
+        monkeypatch.setattr(ggml_ops, name, lambda *a, _o=orig, _n=name, **k: (calls.update([_n]), _o(*a, **k))[1])
+    cache = DenseKVCache()
+    fast.forward(torch.tensor([2, 5, 17]), cache=cache)
+    calls.clear()
+    fast.forward(torch.tensor([33]), torch.tensor([3]), cache)
+    L = fast.cfg.n_layer
+    # + 2 RMSNorms: the per-layer inputs' projection norm, and layer 0's attention norm (every later
+    # pre-norm, and the final norm, come out of the previous chain)
+    assert calls == Counter(attention_prologue=L, attn_residual=L, ffn_residual=L, rms_norm=2), calls
+
+
+def test_logits_stay_as_close_to_llama_cpp_as_the_reference(fast, tiny_q4km):
     tokens = list(PROMPTS[0]) + list(range(20, 50))
     ref = llama_cpp_logits(tiny_q4km, tokens).astype(np.float64)
     ours = fast.forward(torch.tensor(tokens)).double().numpy()
