@@ -38,6 +38,7 @@ def _fns():
             scale=f(b, "ggml_scale", P, P, P, fl), tanh=f(b, "ggml_tanh", P, P, P),
             gelu=f(b, "ggml_gelu", P, P, P), geglu=f(b, "ggml_geglu", P, P, P),
             concat=f(b, "ggml_concat", P, P, P, P, ctypes.c_int), cont=f(b, "ggml_cont", P, P, P),
+            cast=f(b, "ggml_cast", P, P, P, ctypes.c_int),
             new_1d=f(b, "ggml_new_tensor_1d", P, P, ctypes.c_int, i64),
             new_4d=f(b, "ggml_new_tensor_4d", P, P, ctypes.c_int, i64, i64, i64, i64),
             view_4d=f(b, "ggml_view_4d", P, P, P, i64, i64, i64, i64, sz, sz, sz, sz),
@@ -104,6 +105,15 @@ class Graph:
         self._inputs.append((view, base))
         return view
 
+    def raw_input(self, ggml_type: int, n_values: int, n_rows: int) -> int:
+        """A per-run input of GGUF rows: a contiguous [n_rows, n_values] tensor of `ggml_type`, to be
+        pointed at a uint8 torch tensor of its row bytes."""
+        t = self.f["new_4d"](self.ctx, int(ggml_type), n_values, n_rows, 1, 1)
+        self._placeholder(t)
+        self.f["set_input"](t)
+        self._inputs.append((t, t))
+        return t
+
     def constant(self, t: torch.Tensor) -> int:
         """A tensor bound once (a norm weight, cos/sin of a fixed table): kept alive by the graph."""
         view, base = self._strided(t)
@@ -132,7 +142,7 @@ class Graph:
 
     def __getattr__(self, name: str):
         """Node ops: rms_norm(a, eps), mul(a, b), add, sub, scale(a, s), tanh(a), gelu(a),
-        geglu(a), concat(a, b, dim), cont(a), mul_mat(w, x)."""
+        geglu(a), concat(a, b, dim), cont(a), cast(a, ggml_type), mul_mat(w, x)."""
         if name == "mul_mat":
             return lambda w, x: self.lib.mul_mat(self.ctx, w, x)
         fn = _fns().get(name)

@@ -67,6 +67,25 @@ def scalar(t: Optional[torch.Tensor]) -> Optional[float]:
     return hit[1]
 
 
+# --- GGUF rows ------------------------------------------------------------------------------
+def dequantize_rows(raw: torch.Tensor, ggml_type: int, n_values: int) -> torch.Tensor:
+    """uint8 [n, row bytes] GGUF rows of `ggml_type` -> float32 [n, n_values] by ggml's own
+    dequantization (bit-exact with gguf-py's and models/quant.py's; one pass where the torch
+    dequantizer runs ~20 ops: 0.2 ms for an E2B Q6_K embedding row against ~10 us)."""
+    n = raw.shape[0]
+    raw = raw.contiguous()
+
+    def build():
+        g = Graph(4)
+        g.output(g.cast(g.raw_input(ggml_type, n_values, n), 0))
+        return g.finish()
+
+    out = torch.empty(n, n_values)
+    if n:
+        _cached(("rows", int(ggml_type), n_values, n), build).run([raw], [out])
+    return out
+
+
 # --- RMSNorm and the residual update ---------------------------------------------------------
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
     """rms_norm(x) [* weight] over the last dim."""

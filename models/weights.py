@@ -150,6 +150,10 @@ class QuantWeight:
             from .quant import dequantize
 
             sel = self.raw_rows(ids.reshape(-1))
+            if sel.device.type == "cpu" and cpu_ggml.enabled():  # ggml's dequantization: bit-exact, one pass
+                from kernels.ggml_ops import dequantize_rows
+
+                return dequantize_rows(sel, self.ggml_type, self.shape[1])
             return dequantize(sel, self.ggml_type, (sel.shape[0], self.shape[1]))
         from kernels.launch import use_kernels
         from kernels.qpack import dequantize_packed_ref
