@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny_models import TinySpec, quantize_gguf, write_tiny_gemma4  # noqa: E402
 
 BF16_STEP = 2.0 ** -9  # RMS relative error of one rounding to bf16 (8 significant bits)
+pytestmark = pytest.mark.cpu_runtime
 WEIGHT_BOUND, GEMV_BOUND = 5e-3, 8e-3
 GEMM_BOUND = {torch.float32: WEIGHT_BOUND, torch.bfloat16: WEIGHT_BOUND + 3 * BF16_STEP}
 FP16_BOUND = 1e-3  # the wider types in float16: values and GEMV inputs rounded to 2^-11
