@@ -64,12 +64,24 @@ def _ne_nb(t: torch.Tensor) -> tuple[list[int], list[int]]:
     return ne, nb
 
 
+def shared_allocator():
+    """The one ggml graph allocator that big graphs share (`Graph(shared=True)`: prefill chunks,
+    built for one run): their intermediates (E2B's MLP at 512 rows: ~50 MB) live in one buffer,
+    reused by the next, instead of one buffer per layer and chunk length."""
+    f = _fns()
+    if "shared" not in f:
+        f["shared"] = f["gallocr_new"](f["cpu_buft"]())
+    return f["shared"]
+
+
 class Graph:
     """Build: `x = g.input(tensor_like)`, ops (`g.rms_norm(x, eps)`, ...), `g.output(node)`;
     `g.finish()`; then `g.run(inputs, outputs)` with tensors of the shapes and strides it was
-    built for. Node handles are ggml tensor pointers (ints)."""
+    built for. Node handles are ggml tensor pointers (ints). `shared`: intermediates in the shared
+    allocator's buffer, valid until the next shared graph is finished (so: build, run, drop)."""
 
-    def __init__(self, max_nodes: int = 96):
+    def __init__(self, max_nodes: int = 96, shared: bool = False):
+        self.shared = shared
         self.lib, self.f = _load(), _fns()
         size = 3 * max_nodes * self.lib.tensor_overhead() + self.lib.graph_overhead_custom(max_nodes, False)
         self.ctx = self.lib.init(_InitParams(size + 1024, None, True))
@@ -155,8 +167,9 @@ class Graph:
         self._graph = self.lib.new_graph_custom(self.ctx, self.max_nodes, False)
         for node in self._outputs:
             self.lib.build_forward_expand(self._graph, node)
-        self._galloc = self.f["gallocr_new"](self.f["cpu_buft"]())
-        if not self.f["gallocr_alloc"](self._galloc, self._graph):
+        galloc = shared_allocator() if self.shared else self.f["gallocr_new"](self.f["cpu_buft"]())
+        self._galloc = None if self.shared else galloc
+        if not self.f["gallocr_alloc"](galloc, self._graph):
             raise GGMLError("ggml could not allocate a graph's intermediates")
         return self
 

@@ -28,16 +28,23 @@ from .ggml import Matrix
 from .ggml_graph import Graph, layout
 
 _graphs: dict = {}
-_MAX_GRAPHS = 512  # layouts x weights; prefill chunk lengths vary, decode ones repeat
+_MAX_GRAPHS = 512  # layouts x weights of the decode-sized graphs
+CACHED_ROWS = 16  # graphs of up to this many rows are kept (decode, verify); bigger ones are built per run
 
 
-def _cached(key, build):
+def _cached(key, build, rows: int = 1):
+    """The graph for `key`, built once. Rows beyond CACHED_ROWS (a prefill chunk): built for this
+    run only, its intermediates in the shared allocator's buffer (kernels/ggml_graph.py): building
+    costs ~0.1 ms against the chunk's milliseconds, and a kept graph per layer and chunk length
+    would hold its own buffer (E2B: ~50 MB a layer at 512 rows)."""
+    if rows > CACHED_ROWS:
+        return build(True)
     g = _graphs.get(key)
     if g is None:
         if len(_graphs) >= _MAX_GRAPHS:
             for k in list(_graphs)[: _MAX_GRAPHS // 4]:  # oldest first (dicts keep insertion order)
                 del _graphs[k]
-        g = _graphs[key] = build()
+        g = _graphs[key] = build(False)
     return g
 
 
@@ -75,14 +82,14 @@ def dequantize_rows(raw: torch.Tensor, ggml_type: int, n_values: int) -> torch.T
     n = raw.shape[0]
     raw = raw.contiguous()
 
-    def build():
-        g = Graph(4)
+    def build(big):
+        g = Graph(4, big)
         g.output(g.cast(g.raw_input(ggml_type, n_values, n), 0))
         return g.finish()
 
     out = torch.empty(n, n_values)
     if n:
-        _cached(("rows", int(ggml_type), n_values, n), build).run([raw], [out])
+        _cached(("rows", int(ggml_type), n_values, n), build, n).run([raw], [out])
     return out
 
 
@@ -91,13 +98,13 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> tor
     """rms_norm(x) [* weight] over the last dim."""
     _check(x, weight)
 
-    def build():
-        g = Graph(8)
+    def build(big):
+        g = Graph(8, big)
         g.output(_norm(g, g.input(x), None if weight is None else g.input(weight), eps))
         return g.finish()
 
     out = torch.empty(x.shape)
-    _cached(("rms", layout(x), weight is None, eps), build).run([x] + ([] if weight is None else [weight]), [out])
+    _cached(("rms", layout(x), weight is None, eps), build, x.numel() // max(1, x.shape[-1])).run([x] + ([] if weight is None else [weight]), [out])
     return out
 
 
@@ -113,8 +120,8 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: Optional[torch.Tensor
     inputs = [t for t in (x, y, weight, next_weight) if t is not None]
     s = scalar(scale)
 
-    def build():
-        g = Graph(16)
+    def build(big):
+        g = Graph(16, big)
         gx, gy = g.input(x), g.input(y)
         gw = g.input(weight) if weight is not None else None
         gn = g.input(next_weight) if next_weight is not None else None
@@ -129,7 +136,7 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: Optional[torch.Tensor
     key = ("add_rms", layout(x), layout(y), weight is None, s, next_weight is None, eps)
     h = torch.empty(x.shape)
     n = torch.empty(x.shape) if next_weight is not None else None
-    _cached(key, build).run(inputs, [h] if n is None else [h, n])
+    _cached(key, build, x.numel() // max(1, x.shape[-1])).run(inputs, [h] if n is None else [h, n])
     return h, n
 
 
@@ -164,8 +171,8 @@ def qkv_norm_rope(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.
     cos3, sin3 = cos.reshape(T, 1, n_half), sin.reshape(T, 1, n_half)
     ins = [q, q_weight, cos3, sin3] + ([k, k_weight] if k is not None else []) + ([v] if v is not None else [])
 
-    def build():
-        g = Graph(64)
+    def build(big):
+        g = Graph(64, big)
         gq, gqw, gc, gs = (g.input(t) for t in ins[:4])
         g.output(_rope(g, _norm(g, gq, gqw, eps), hd, H, T, gc, gs, n_half))
         if k is not None:
@@ -178,10 +185,10 @@ def qkv_norm_rope(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.
     key = ("qkv", layout(q), layout(k), layout(v), layout(cos3), eps)
     qo = torch.empty(q.shape)
     if k is None:
-        _cached(key, build).run(ins, [qo])
+        _cached(key, build, T).run(ins, [qo])
         return qo, None, None
     ko, vo = torch.empty(k.shape), torch.empty(k.shape)
-    _cached(key, build).run(ins, [qo, ko, vo])
+    _cached(key, build, T).run(ins, [qo, ko, vo])
     return qo, ko, vo
 
 
@@ -209,13 +216,13 @@ def gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """gelu(gate) * up (views allowed: the halves of one gate/up product)."""
     _check(gate, up)
 
-    def build():
-        g = Graph(8)
+    def build(big):
+        g = Graph(8, big)
         g.output(g.mul(g.gelu(g.cont(g.input(gate))), g.input(up)))
         return g.finish()
 
     out = torch.empty(gate.shape)
-    _cached(("gelu_mul", layout(gate), layout(up)), build).run([gate, up], [out])
+    _cached(("gelu_mul", layout(gate), layout(up)), build, gate.numel() // max(1, gate.shape[-1])).run([gate, up], [out])
     return out
 
 
@@ -227,13 +234,13 @@ def linear_gelu_mul(x: torch.Tensor, w: Matrix, e: torch.Tensor) -> torch.Tensor
     """gelu(x W^T) * e: Gemma-4's per-layer-input gate, x [T, in], e [T, out] (a view allowed)."""
     _check(x, e)
 
-    def build():
-        g = Graph(8)
+    def build(big):
+        g = Graph(8, big)
         g.output(g.mul(g.gelu(g.mul_mat(g.matrix(w), g.input(x))), g.input(e)))
         return g.finish()
 
     out = torch.empty(x.shape[0], w.shape[0])
-    _cached(("lin_gelu_mul", id(w), layout(x), layout(e)), build).run([x, e], [out])
+    _cached(("lin_gelu_mul", id(w), layout(x), layout(e)), build, x.shape[0]).run([x, e], [out])
     return out
 
 
@@ -243,8 +250,8 @@ def gated_mlp(m: torch.Tensor, gate_up: Matrix, down: Matrix, gate: Optional[Mat
     product's halves fed to ggml's GEGLU), or separate `gate` and `up` (gate_up None)."""
     _check(m)
 
-    def build():
-        g = Graph(16)
+    def build(big):
+        g = Graph(16, big)
         gm = g.input(m)
         if gate_up is not None:
             act = g.geglu(g.mul_mat(g.matrix(gate_up), gm))
@@ -255,7 +262,7 @@ def gated_mlp(m: torch.Tensor, gate_up: Matrix, down: Matrix, gate: Optional[Mat
 
     key = ("mlp", id(gate_up), id(gate), id(up), id(down), layout(m))
     out = torch.empty(m.shape[0], down.shape[0])
-    _cached(key, build).run([m], [out])
+    _cached(key, build, m.shape[0]).run([m], [out])
     return out
 
 
@@ -276,8 +283,8 @@ def attention_prologue(a: torch.Tensor, qkv: Matrix, v_matrix: Optional[Matrix],
     ins = [a, q_weight, cos3, sin3] + ([] if shared else [k_weight])
     nq, nk = n_head * head_dim, n_kv * head_dim
 
-    def build():
-        g = Graph(96)
+    def build(big):
+        g = Graph(96, big)
         ga, gqw, gc, gs = (g.input(t) for t in ins[:4])
         y = g.mul_mat(g.matrix(qkv), ga)  # [T, rows of qkv]
         width = qkv.shape[0]
@@ -301,10 +308,10 @@ def attention_prologue(a: torch.Tensor, qkv: Matrix, v_matrix: Optional[Matrix],
     key = ("prologue", id(qkv), id(v_matrix), layout(a), layout(cos3), n_head, n_kv, head_dim, shared, v_norm, eps)
     qo = torch.empty(T, n_head, head_dim)
     if shared:
-        _cached(key, build).run(ins, [qo])
+        _cached(key, build, T).run(ins, [qo])
         return qo, None, None
     ko, vo = torch.empty(T, n_kv, head_dim), torch.empty(T, n_kv, head_dim)
-    _cached(key, build).run(ins, [qo, ko, vo])
+    _cached(key, build, T).run(ins, [qo, ko, vo])
     return qo, ko, vo
 
 
@@ -315,8 +322,8 @@ def attn_residual(x: torch.Tensor, o: torch.Tensor, w_o: Matrix, post_weight: to
     _check(x, o, post_weight, next_weight)
     ins = [x, o, post_weight] + ([] if next_weight is None else [next_weight])
 
-    def build():
-        g = Graph(16)
+    def build(big):
+        g = Graph(16, big)
         gx, go, gw = (g.input(t) for t in ins[:3])
         h = g.add(gx, _norm(g, g.mul_mat(g.matrix(w_o), go), gw, eps))
         g.output(h)
@@ -326,7 +333,7 @@ def attn_residual(x: torch.Tensor, o: torch.Tensor, w_o: Matrix, post_weight: to
 
     h = torch.empty(x.shape)
     n = None if next_weight is None else torch.empty(x.shape)
-    _cached(("attn_res", id(w_o), layout(x), layout(o), next_weight is None, eps), build).run(
+    _cached(("attn_res", id(w_o), layout(x), layout(o), next_weight is None, eps), build, x.shape[0]).run(
         ins, [h] if n is None else [h, n])
     return h, n
 
@@ -345,8 +352,8 @@ def ffn_residual(x: torch.Tensor, m: torch.Tensor, gate_up: Optional[Matrix], ga
     s = scalar(scale)
     ins = [t for t in (x, m, post_weight, pl, post_norm, next_weight) if t is not None]
 
-    def build():
-        g = Graph(48)
+    def build(big):
+        g = Graph(48, big)
         it = iter(ins)
         gx, gm, gpw = next(it), next(it), next(it)
         gx, gm, gpw = g.input(gx), g.input(gm), g.input(gpw)
@@ -370,6 +377,6 @@ def ffn_residual(x: torch.Tensor, m: torch.Tensor, gate_up: Optional[Matrix], ga
            layout(pl), s, next_weight is None, eps)
     h = torch.empty(x.shape)
     n = None if next_weight is None else torch.empty(x.shape)
-    _cached(key, build).run(ins, [h] if n is None else [h, n])
+    _cached(key, build, x.shape[0]).run(ins, [h] if n is None else [h, n])
     return h, n
 

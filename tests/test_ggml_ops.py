@@ -171,3 +171,24 @@ def test_chains_reject_what_they_cannot_read():
         go.rms_norm(_x(4, 8).t(), None, EPS)
     with pytest.raises(ValueError, match="float32"):
         go.rms_norm(_x(4, 8).double(), None, EPS)
+
+
+def test_prefill_sized_chains_share_one_buffer_and_stay_correct():
+    """Beyond CACHED_ROWS rows a chain is built for its run, its intermediates in the one shared
+    allocator (kernels/ggml_graph.shared_allocator): nothing is kept, and chains of different
+    sizes in turn (the buffer reused, grown) each give the reference."""
+    T1, T2, d, n = go.CACHED_ROWS + 3, go.CACHED_ROWS + 40, 48, 64
+    gu, wgu = _f32(2 * n, d, 40)
+    down, wd = _f32(d, n, 41)
+    post, nxt = _x(d, seed=42), _x(d, seed=43)
+    tol = 2.5 * d * 2.0 ** -24  # multi-row products sum in blocks: k·2^-24 per product, chained (x2.5)
+    before = len(go._graphs)
+    for T in (T1, T2, T1, T2):
+        x, m = _x(T, d, seed=T), _x(T, d, seed=T + 1)
+        h, nn = go.ffn_residual(x, m, gu, None, None, down, post, EPS, None, None, nxt)
+        f = go.gelu_ref(m @ wgu[:n].t()) * (m @ wgu[n:].t()) @ wd.t()
+        r, rn = go.add_rms_norm_ref(x, f, post, EPS, None, nxt)
+        assert _rel(h, r) < tol and _rel(nn, rn) < tol
+        y = _x(T, d, seed=T + 2)
+        assert _rel(go.add_rms_norm(x, y, post, EPS)[0], go.add_rms_norm_ref(x, y, post, EPS)[0]) < TOL
+    assert len(go._graphs) == before
