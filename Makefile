@@ -16,9 +16,12 @@ $(VPY):
 torch: $(VPY)
 	@$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install --quiet "$(TORCH_SPEC)"
 
+# The suite runs on llama.cpp's CPU kernels (the test extra has llama-cpp-python), then the CPU
+# runtime's tests again on the torch formats a plain `pip install edgegem` runs (EDGEGEM_CPU_KERNELS=torch).
 test: torch
 	$(VPY) -m pip install --quiet -e ".[test,demo]"
 	$(VPY) -m pytest -q $(PYTEST_ARGS)
+	EDGEGEM_CPU_KERNELS=torch $(VPY) -m pytest -q -m "cpu_runtime and not cuda" $(PYTEST_ARGS)
 
 chat: torch
 	$(VPY) -m pip install --quiet -e ".[demo]"

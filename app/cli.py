@@ -89,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="cpu with a GGUF: edgegem beside llama-cpp-python; cuda (or --synthetic): the engine bench")
     b.add_argument("--prompt-tokens", type=int, default=128, help="CPU-vs-llama.cpp bench: prompt length")
     b.add_argument("--decode-tokens", type=int, default=64, help="CPU-vs-llama.cpp bench: decode steps")
-    b.add_argument("--threads", type=int, default=0, help="0: torch's default")
+    b.add_argument("--threads", type=int, default=0, help="CPU threads (0: the physical cores)")
     b.add_argument("--no-llama-cpp", action="store_true", help="skip the llama-cpp-python run")
     b.add_argument("--engine", action="store_true",
                    help="--device cpu (a GGUF or --synthetic): time edgegem through the engine (as run and the app "
@@ -99,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
                         "fast prefill, beside llama.cpp")
     b.add_argument("--keep-gguf", metavar="PATH",
                    help="--device cpu --synthetic: write the synthetic GGUF here (reused when it exists)")
+    b.add_argument("--profile", action="store_true",
+                   help="--device cpu: where one decode step's time goes, per op, at --prompt-tokens of context "
+                        "over --decode-tokens steps")
     g = b.add_argument_group("engine bench (--device cuda or --synthetic)")
     _memory_args(g)
     g.add_argument("--fast-prefill", choices=["on", "off"], default="on")
@@ -187,6 +190,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--spec-tokens", type=int, default=2, help="draft tokens per round (2 for E2B, 4 for E4B)")
     g.add_argument("--spec-p-min", type=float, default=0.0,
                    help="stop drafting when the draft's top probability falls below this")
+    g.add_argument("--threads", type=int, default=0, metavar="N",
+                   help="CPU threads for torch and llama.cpp's kernels (default: the physical cores; 1 on a "
+                        "machine busy with other work)")
 
 
 def _kv_session_arg(p: argparse.ArgumentParser) -> None:
@@ -473,9 +479,8 @@ def cmd_bench(a) -> int:
     elif a.kv_resume:  # restore from a KV file vs cold prefill, through the engine
         from engine import api
         from engine.kv_bench import kv_resume_bench
-        if a.threads:
-            import torch
-            torch.set_num_threads(a.threads)
+        from engine.cpu_runtime import set_threads
+        set_threads(a.threads)
         dev = "cuda" if a.device == "cuda" else "cpu"
         lm = api.open_model(api.resolve_model(a.model), exact=False, device=dev)
         out = kv_resume_bench(lm, _int_list(a.kv_lengths, "--kv-lengths"), a.kv_cache_dtype,
@@ -486,6 +491,15 @@ def cmd_bench(a) -> int:
         out = spec_bench(api.resolve_model(a.model), Path(a.spec_draft_model), a.prompt_tokens, a.decode_tokens,
                          a.spec_tokens, device=a.device)
         out.pop("ids", None)
+    elif a.device == "cpu" and a.profile:  # one decode step, piece by piece
+        from engine import api
+        from engine.cpu_bench import synthetic_gguf
+        from engine.cpu_profile import profile_decode
+        from engine.cpu_runtime import set_threads
+        set_threads(a.threads)
+        with synthetic_gguf(a.synthetic, Path(a.keep_gguf) if a.keep_gguf else None) as written:
+            path = written or api.resolve_model(a.model)
+            out = profile_decode(api.open_model(path, exact=False, device="cpu"), a.prompt_tokens, a.decode_tokens)
     elif a.device == "cpu" and (a.synthetic or a.both or a.engine):  # each run in its own process
         from engine import api
         from engine.cpu_bench import cpu_side_by_side
@@ -581,6 +595,9 @@ def main(argv: list[str] | None = None) -> int:
         from engine import failpoints
         if failpoints.CONFIG_ERROR:
             raise ValueError(failpoints.CONFIG_ERROR)
+        if args.cmd in ("app", "run", "chat"):  # before any model loads: torch's and ggml's threads
+            from engine.cpu_runtime import set_threads
+            set_threads(args.threads)
         code = COMMANDS[args.cmd](args)
     except KeyboardInterrupt:
         code = 130

@@ -89,6 +89,8 @@ class Facts:
     models_dir: str = ""
     models: list[str] = field(default_factory=list)
     disk_free: Optional[int] = None
+    cpu_kernels: Optional[dict] = None  # engine.cpu_runtime.kernels(): ggml or the torch formats, and why
+    cpu_threads: int = 0
 
 
 @dataclass
@@ -234,11 +236,25 @@ def probe_dirs(f: Facts, data: Optional[str], models: Optional[str]) -> None:
         f.disk_free = shutil.disk_usage(existing).free
 
 
+def probe_cpu_kernels(f: Facts) -> None:
+    """Which kernels the CPU runtime multiplies with (llama.cpp's ggml, smoke-tested, or the torch
+    formats) and its default thread count."""
+    if f.torch_version is None:
+        return
+    try:
+        from engine.cpu_runtime import kernels, physical_cores
+        f.cpu_kernels, f.cpu_threads = kernels(), physical_cores()
+    except Exception as e:  # a broken install must still give a report
+        f.cpu_kernels = {"name": "torch", "reason": str(e).splitlines()[0] if str(e) else type(e).__name__,
+                         "detail": "torch formats"}
+
+
 def gather(data_dir: Optional[str] = None, models_dir: Optional[str] = None) -> Facts:
     f = Facts(python=tuple(sys.version_info[:3]), executable=sys.executable)
     probe_nvidia_smi(f)
     probe_torch(f)
     probe_triton(f)
+    probe_cpu_kernels(f)
     probe_memory(f)
     probe_dirs(f, data_dir, models_dir)
     return f
@@ -398,6 +414,23 @@ def check_kernels(f: Facts) -> list[Check]:
     return out
 
 
+def check_cpu_kernels(f: Facts) -> Check:
+    """The CPU path's matrix products: llama.cpp's own kernels (the `cpu` extra) or the torch
+    formats, with the reason in one line when ggml does not run."""
+    k = f.cpu_kernels
+    if k is None:
+        if f.torch_version is None:
+            return Check(FAIL, "cpu kernels", "unknown: torch does not import", "fix the torch line first")
+        return Check(WARN, "cpu kernels", "not probed")
+    threads = f", {f.cpu_threads} threads (--threads N)" if f.cpu_threads else ""
+    if k["name"] == "ggml":
+        return Check(OK, "cpu kernels", f"{k['detail']}{threads}")
+    hint = "unset EDGEGEM_CPU_KERNELS" if k["reason"].startswith("EDGEGEM_CPU_KERNELS") else (
+        f"{f.executable} -m pip install 'edgegem[cpu]' (builds llama-cpp-python once, 5-15 min; the README's CPU "
+        "table has what it gains)")
+    return Check(WARN, "cpu kernels", f"{k['detail']}{threads}: llama.cpp's kernels not used ({k['reason']})", hint)
+
+
 def check_memory(f: Facts) -> Check:
     if f.mem_total is None:
         return Check(WARN, "host ram", "unknown (no /proc/meminfo)")
@@ -429,7 +462,7 @@ def check_models_dir(f: Facts) -> Check:
 
 def evaluate(f: Facts) -> list[Check]:
     return [check_python(f), check_torch(f), check_cuda(f), *check_gpu(f), check_driver(f), check_triton(f),
-            *check_kernels(f), check_memory(f), check_data_dir(f), check_models_dir(f)]
+            *check_kernels(f), check_cpu_kernels(f), check_memory(f), check_data_dir(f), check_models_dir(f)]
 
 
 def report(checks: list[Check], as_json: bool = False) -> str:

@@ -277,7 +277,9 @@ def load_draft(path: str, lm: LoadedModel, spec_tokens: int = 2, p_min: float = 
 
     f = GGUFFile(resolve_model(path))  # a path, or the name of a pulled assistant in the models folder
     f.check_architecture(("gemma4-assistant",))
-    draft = load_gemma4_assistant(f, dtype=lm.model.dtype, device=lm.model.device)
+    # the target's CPU runtime (llama.cpp's kernels) for the draft too; an exact target keeps an exact draft
+    draft = load_gemma4_assistant(f, dtype=lm.model.dtype, device=lm.model.device,
+                                  cpu_quant=bool(getattr(lm.model, "cpu_chains", False)))
     check_draft(draft, lm.config)
     if spec_tokens < 1:
         raise ValueError("--spec-tokens must be at least 1")

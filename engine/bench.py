@@ -73,9 +73,9 @@ def _llama_cpp(path: Path, prompt: list[int], n_decode: int, threads: int) -> di
 
 def cpu_bench(path: Path, n_prompt: int = 128, n_decode: int = 64, threads: int = 0,
               with_llama_cpp: bool = True) -> dict:
-    if threads:
-        torch.set_num_threads(threads)
-    threads = torch.get_num_threads()
+    from .cpu_runtime import set_threads
+
+    threads = set_threads(threads)
     from models.gguf import GGUFFile
     vocab = len(GGUFFile(path).metadata.get("tokenizer.ggml.tokens", ())) or 32000
     prompt = _prompt(vocab, n_prompt)

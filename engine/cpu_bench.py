@@ -11,6 +11,7 @@ included (llama.cpp maps the file; edgegem maps only its lookup tables).
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -18,7 +19,7 @@ import resource
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 KINDS = ("llama.cpp", "loop", "engine", "engine-plain")
 LABELS = {"llama.cpp": "llama-cpp-python 0.3.36", "loop": "edgegem model loop",
@@ -72,9 +73,9 @@ def _run_engine(path: str, prompt: list[int], n_decode: int, threads: int, fast_
 
 
 def _child(kind: str, path: str, prompt: list[int], n_decode: int, threads: int, out) -> None:
-    import torch
+    from .cpu_runtime import set_threads
 
-    torch.set_num_threads(threads)
+    set_threads(threads)
     try:
         if kind == "llama.cpp":
             r = _run_llama_cpp(path, prompt, n_decode, threads)
@@ -108,39 +109,57 @@ def run_child(kind: str, path: Path, prompt: list[int], n_decode: int, threads: 
     return r
 
 
+@contextlib.contextmanager
+def synthetic_gguf(variant: Optional[str], keep: Optional[Path] = None) -> Iterator[Optional[Path]]:
+    """The synthetic `e2b`/`e4b` written to a GGUF (at `keep`, reused when it exists; else a
+    temporary file removed afterwards), or None when no variant is asked for."""
+    if not variant:
+        yield None
+        return
+    from .synthetic import write_synthetic_gguf
+
+    if keep is not None and Path(keep).exists():
+        yield Path(keep)
+        return
+    if keep is not None:
+        yield write_synthetic_gguf(variant, Path(keep))
+        return
+    with tempfile.TemporaryDirectory(prefix="edgegem-bench-") as tmp:
+        yield write_synthetic_gguf(variant, Path(tmp) / f"synthetic-{variant}.gguf")
+
+
 def cpu_side_by_side(path: Optional[Path] = None, synthetic: Optional[str] = None, n_prompt: int = 1024,
                      n_decode: int = 32, threads: int = 0, kinds=("llama.cpp", "loop", "engine"),
-                     keep: Optional[Path] = None) -> dict:
+                     keep: Optional[Path] = None, repeat: int = 3) -> dict:
     """Prefill/decode tok/s and peak RSS of each of `kinds` on a GGUF (`path`) or the synthetic
-    `e2b`/`e4b` written to a temporary file (kept at `keep` when given)."""
-    import torch
-
+    `e2b`/`e4b` written to a temporary file (kept at `keep` when given): `repeat` rounds, the kinds
+    alternating within each (so a change in the machine's load hits every kind alike), each
+    kind's best round reported (prefill and decode each their best; peak RSS the largest)."""
     from models.gguf import GGUFFile
 
     from .bench import _prompt
+    from .cpu_profile import cpu_flags
+    from .cpu_runtime import kernels, physical_cores
 
-    threads = threads or torch.get_num_threads()
-    tmp = None
-    if synthetic:
-        from .synthetic import write_synthetic_gguf
-        if keep is not None and Path(keep).exists():
-            path = Path(keep)
-        else:
-            tmp = None if keep else tempfile.TemporaryDirectory(prefix="edgegem-bench-")
-            path = write_synthetic_gguf(synthetic, Path(keep) if keep else Path(tmp.name) / f"synthetic-{synthetic}.gguf")
-    try:
+    threads = threads or physical_cores()
+    with synthetic_gguf(synthetic, keep) as written:
+        path = written or path
         vocab = len(GGUFFile(path).metadata.get("tokenizer.ggml.tokens", ())) or 32000
         prompt = _prompt(vocab, n_prompt)
         file_bytes = os.path.getsize(path)
-        rows = {k: run_child(k, path, prompt, n_decode, threads) for k in kinds}
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
+        rounds = [{k: run_child(k, path, prompt, n_decode, threads) for k in kinds} for _ in range(max(1, repeat))]
+    rows = {k: {"prefill_tok_s": max(r[k]["prefill_tok_s"] for r in rounds),
+                "decode_tok_s": max(r[k]["decode_tok_s"] for r in rounds),
+                "peak_rss": max(r[k]["peak_rss"] for r in rounds),
+                "rounds": [{m: r[k][m] for m in ("prefill_tok_s", "decode_tok_s", "peak_rss")} for r in rounds]}
+            for k in kinds}
     out = {"model": f"synthetic {synthetic.upper()}" if synthetic else Path(path).name, "file_bytes": file_bytes,
-           "threads": threads, "prompt_tokens": n_prompt, "decode_tokens": n_decode, "runs": rows}
+           "threads": threads, "prompt_tokens": n_prompt, "decode_tokens": n_decode, "runs": rows,
+           "cpu": cpu_flags(), "kernels": kernels()["detail"], "repeat": repeat}
     ref = rows.get("llama.cpp")
     lines = [f"{out['model']} ({file_bytes / 1e9:.2f} GB file): {n_prompt}-token prompt, {n_decode} decode steps, "
-             f"{threads} threads",
+             f"{threads} threads, best of {repeat} alternating rounds",
+             f"  {out['cpu']}", f"  edgegem's CPU kernels: {out['kernels']}",
              f"{'':36s} {'prefill tok/s':>13s} {'decode tok/s':>12s} {'vs llama.cpp':>15s} {'peak RSS':>10s}"]
     for k, r in rows.items():
         vs = "" if ref is None or k == "llama.cpp" else \

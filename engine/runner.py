@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from models.decoder import FiniteWatch
+from models.ops import cpu_chains
 
 from . import failpoints
 from .sequence_kv import SequenceKV
@@ -30,6 +31,10 @@ class ModelRunner:
         `want_logits` ([T, V] for every row if `all_rows`, e.g. speculative verification).
         `return_hidden`: (logits, y) with y the post-final-norm rows (the assistant's h).
         `media`: models.gemma4.MediaRows of this chunk (image/audio soft tokens replace its rows)."""
+        with cpu_chains(self.model):
+            return self._forward(kv, tokens, start, want_logits, all_rows, return_hidden, media)
+
+    def _forward(self, kv, tokens, start, want_logits, all_rows, return_hidden, media):
         model, L = self.model, self.model.cfg.n_layer
         ids = torch.tensor(tokens, dtype=torch.long)
         pos_host = torch.arange(start, start + len(tokens))  # CPU int64 [T]: slot bookkeeping, no device sync

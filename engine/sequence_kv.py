@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from models.ops import attention, decode_attention_parts
+from models.ops import attention, decode_attention, decode_attention_parts
 
 from .kv_pool import HybridKVPool
 
@@ -145,13 +145,44 @@ class SequenceKV:
             self._reads[key] = parts
         return self._reads[key]
 
+    def _visible(self, layer: int, window: Optional[int]):
+        """(ks, vs) of `layer`'s slab runs (`_parts`) cut to the positions this step's query sees
+        (the last `window`, or all): the runs hold consecutive positions, so each cut is a slice
+        and attention needs no mask. None when a run's positions are not consecutive. Once a step
+        per slab and window (KV-shared layers reuse their source's)."""
+        slab = self.pools.slab(layer)
+        key = ("visible", slab, window)
+        if key not in self._reads:
+            parts, out = self._parts(layer), None
+            if parts is not None:
+                q_pos = len(self) - 1
+                lo = q_pos - window + 1 if window else 0
+                ks, vs = [], []
+                for k, v, p in zip(*parts):
+                    first, n = int(p[0]), p.shape[0]
+                    if int(p[-1]) - first != n - 1:
+                        ks = None
+                        break
+                    a, b = max(0, lo - first), min(n, q_pos - first + 1)
+                    if b > a:
+                        ks.append(k[a:b])
+                        vs.append(v[a:b])
+                out = (ks, vs) if ks else None
+            self._reads[key] = out
+        return self._reads[key]
+
     def attend(self, layer: int, q: torch.Tensor, pos: torch.Tensor, window: Optional[int],
                scale: float) -> torch.Tensor:
         """Attention of `layer` over its slab (the source's when sharing, its own copy in the debug
-        mode): the torch reference reads the slab's slot runs in place for a CPU decode step and
-        gathers once a step otherwise; a kernel backend reads the slots in place."""
+        mode): the torch reference reads the slab's slot runs in place for a CPU decode step (cut
+        to the visible positions: no mask) and gathers once a step otherwise; a kernel backend
+        reads the slots in place."""
         if self.backend is None:
-            parts = self._parts(layer) if q.shape[0] == 1 and q.device.type == "cpu" else None
+            decode = q.shape[0] == 1 and q.device.type == "cpu"
+            visible = self._visible(layer, window) if decode else None
+            if visible is not None:
+                return decode_attention(q, visible[0], visible[1], scale)
+            parts = self._parts(layer) if decode else None
             if parts is not None:
                 return decode_attention_parts(q, parts[0], parts[1], pos, parts[2], window, scale)
             k, v, k_pos = self.read(layer)

@@ -8,7 +8,7 @@ from typing import Callable, Optional
 import torch
 
 from .kv_cache import DenseKVCache, KVStore
-from .ops import rms_norm, rope_cos_sin
+from .ops import cpu_chains, rms_norm, rope_cos_sin
 
 Trace = Optional[Callable[[str, int, torch.Tensor], None]]  # trace(name, layer, tensor); layer -1 = none
 
@@ -62,6 +62,7 @@ class DecoderModel:
 
     cfg: object
     device: torch.device
+    cpu_chains: bool = False  # matrices on llama.cpp's kernels: ops run ggml chains (models.ops.cpu_chains)
     inv_freq: list  # [n_layer] inverse-frequency tensors on the device (one object per distinct set)
     inv_freq_host: list  # the same on the CPU (float64): host-side tables for the batched decoder
     pos_scale: Optional[list] = None  # [n_layer] position multipliers (linear RoPE scaling)
@@ -130,6 +131,10 @@ class DecoderModel:
         """tokens [T] int64 at positions pos [T] (default 0..T-1) -> logits [R, V] for `logits_rows`
         (default: every row). Writes K/V of the owning layers into `cache` (a fresh one if None).
         `media` (Gemma 4: models.gemma4.MediaRows): image/audio rows merged into the embedding."""
+        with cpu_chains(self):
+            return self._forward(tokens, pos, cache, logits_rows, trace, media)
+
+    def _forward(self, tokens, pos, cache, logits_rows, trace, media) -> torch.Tensor:
         tokens = tokens.to(self.device)
         pos = torch.arange(tokens.shape[0], device=self.device) if pos is None else pos.to(self.device)
         cache = DenseKVCache() if cache is None else cache

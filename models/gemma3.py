@@ -16,14 +16,13 @@ from .decoder import DecoderModel, Trace
 from .kv_cache import KVStore
 from .metadata import ConfigError, metadata_reader, vocab_size_of
 from .ops import (
-    add_rms_norm,
     attend,
+    attention_prologue,
+    attn_residual,
     embedding_rows,
-    gated_mlp,
+    ffn_residual,
     kernel_path,
     linear,
-    norm_rope,
-    qkv_projection,
     quant_rows_to_device,
     quantized_table,
     rms_norm,
@@ -151,20 +150,17 @@ class Gemma3Model(DecoderModel):
     def layer(self, i: int, x: torch.Tensor, pos: torch.Tensor, pl: None, cache: KVStore,
               trace: Trace = None) -> torch.Tensor:
         cfg, w, b, eps = self.cfg, self.w, f"blk.{i}.", self.cfg.rms_eps
-        T, hd = x.shape[0], cfg.head_dim
+        hd = cfg.head_dim
         a = self.pre_norm(x, w[b + "attn_norm.weight"])
-        q, k, v = qkv_projection(a, w, b, cfg.n_head * hd, cfg.n_kv_head * hd)
-        q, k, v = q.reshape(T, cfg.n_head, hd), k.reshape(T, cfg.n_kv_head, hd), v.reshape(T, cfg.n_kv_head, hd)
         cos, sin = self.rope(i, pos, rope_dtype(x))
-        q = norm_rope(q, w[b + "attn_q_norm.weight"], eps, cos, sin)
-        k = norm_rope(k, w[b + "attn_k_norm.weight"], eps, cos, sin)
-        cache.write(i, pos, k, v)
+        # q/k norm + RoPE; v stays raw (Gemma 3 has no v norm); K/V stored
+        q = attention_prologue(a, w, b, cfg.n_head, cfg.n_kv_head, hd, eps, cos, sin, cache, i, pos, v_norm=False)
         o = attend(cache, i, i, q, pos, cfg.window(i), scale=cfg.query_scale)
-        x, m = add_rms_norm(x, linear(o, w[b + "attn_output.weight"]), w[b + "post_attention_norm.weight"], eps,
-                            next_weight=w[b + "ffn_norm.weight"])
-        f = gated_mlp(rms_norm(x, w[b + "ffn_norm.weight"], eps) if m is None else m, w, b)
+        x, m = attn_residual(x, o, w[b + "attn_output.weight"], w[b + "post_attention_norm.weight"], eps,
+                             w[b + "ffn_norm.weight"])
         nxt = w[f"blk.{i + 1}.attn_norm.weight"] if i + 1 < cfg.n_layer else w["output_norm.weight"]
-        x, n = add_rms_norm(x, f, w[b + "post_ffw_norm.weight"], eps, next_weight=nxt)
+        x, n = ffn_residual(x, rms_norm(x, w[b + "ffn_norm.weight"], eps) if m is None else m, w, b, eps,
+                            next_weight=nxt)
         self.keep_norm(x, nxt, n)  # kernel path: the next layer's attention norm (or the final norm)
         if trace:
             trace("l_out", i, x)

@@ -14,8 +14,8 @@ import torch
 from .decoder import DecoderModel, Trace
 from .kv_cache import KVStore
 from .metadata import ConfigError, metadata_reader, vocab_size_of
-from .ops import (add_rms_norm, attend, embedding_rows, gated_mlp, gelu_mul, gelu_tanh, kernel_path, linear, linear_gelu_mul,
-                  norm_rope, norm_rope_store, qkv_projection, quant_rows_to_device, quantized_table,
+from .ops import (add_rms_norm, attend, attention_prologue, attn_residual, embedding_rows, ffn_residual, gated_mlp,
+                  gelu_tanh, kernel_path, linear, linear_gelu_mul, quant_rows_to_device, quantized_table,
                   rms_norm, rope_dtype, rope_inv_freq, rows_to_device, scaled_add_rms_norm, softcap)
 from .weights import load_weights
 
@@ -428,36 +428,31 @@ class Gemma4Model(DecoderModel):
         On the kernel path (ops.kernel_path) the same code runs fused kernels: the attention
         prologue in one launch, each residual update with the norm the next op needs."""
         cfg, w, b, eps = self.cfg, self.w, f"blk.{i}.", self.cfg.rms_eps
-        T, hd, nh, nkv = x.shape[0], cfg.head_dim[i], cfg.n_head[i], cfg.n_kv_head[i]
+        hd, nh, nkv = cfg.head_dim[i], cfg.n_head[i], cfg.n_kv_head[i]
         a = self.pre_norm(x, w[b + "attn_norm.weight"])
         cos, sin = self.rope(i, pos, rope_dtype(x))
-        if cfg.has_kv(i):
-            q, k_raw, v_raw = qkv_projection(a, w, b, nh * hd, nkv * hd)
-            v_raw = None if v_raw is None else v_raw.reshape(T, nkv, hd)  # no attn_v: V = raw K
-            q = norm_rope_store(q.reshape(T, nh, hd), k_raw.reshape(T, nkv, hd), v_raw, w[b + "attn_q_norm.weight"],
-                                w[b + "attn_k_norm.weight"], eps, cos, sin, cache, i, pos)
-        else:  # KV-shared: no K/V projections at all
-            q = norm_rope(linear(a, w[b + "attn_q.weight"]).reshape(T, nh, hd), w[b + "attn_q_norm.weight"], eps,
-                          cos, sin)
+        # q/k norm + RoPE, v norm (no attn_v: V = raw K), K/V stored; KV-shared layers: q only
+        q = attention_prologue(a, w, b, nh, nkv, hd, eps, cos, sin, cache, i, pos, has_kv=cfg.has_kv(i))
         o = attend(cache, i, cfg.kv_source(i), q, pos, cfg.window(i), scale=1.0)
         if trace:
             trace("attn_out", i, o)
-        moe = b + "ffn_gate_inp.weight" in w
-        x, m = add_rms_norm(x, linear(o, w[b + "attn_output.weight"]), w[b + "post_attention_norm.weight"], eps,
-                            next_weight=None if moe else w[b + "ffn_norm.weight"])
-        if moe:
-            f = self._moe_ffn(i, x)
-        else:
-            f = self._mlp(i, rms_norm(x, w[b + "ffn_norm.weight"], eps) if m is None else m)
         # The layer's last residual update also gives the next layer's attention norm (or the final norm).
         nxt = w[f"blk.{i + 1}.attn_norm.weight"] if i + 1 < cfg.n_layer else w["output_norm.weight"]
         scale = w.get(b + "layer_output_scale.weight")
-        if pl is not None:  # PLE injection: the gate reads the post-MLP residual
-            x, _ = add_rms_norm(x, f, w[b + "post_ffw_norm.weight"], eps)
-            g = linear_gelu_mul(x, w[b + "inp_gate.weight"], pl)
-            x, n = add_rms_norm(x, linear(g, w[b + "proj.weight"]), w[b + "post_norm.weight"], eps, scale, nxt)
+        if b + "ffn_gate_inp.weight" not in w:  # dense: MLP, PLE injection (the gate reads the post-MLP residual)
+            x, m = attn_residual(x, o, w[b + "attn_output.weight"], w[b + "post_attention_norm.weight"], eps,
+                                 w[b + "ffn_norm.weight"])
+            x, n = ffn_residual(x, rms_norm(x, w[b + "ffn_norm.weight"], eps) if m is None else m, w, b, eps, pl,
+                                scale, nxt)
         else:
-            x, n = add_rms_norm(x, f, w[b + "post_ffw_norm.weight"], eps, scale, nxt)
+            x, _ = add_rms_norm(x, linear(o, w[b + "attn_output.weight"]), w[b + "post_attention_norm.weight"], eps)
+            f = self._moe_ffn(i, x)
+            if pl is not None:
+                x, _ = add_rms_norm(x, f, w[b + "post_ffw_norm.weight"], eps)
+                g = linear_gelu_mul(x, w[b + "inp_gate.weight"], pl)
+                x, n = add_rms_norm(x, linear(g, w[b + "proj.weight"]), w[b + "post_norm.weight"], eps, scale, nxt)
+            else:
+                x, n = add_rms_norm(x, f, w[b + "post_ffw_norm.weight"], eps, scale, nxt)
         self.keep_norm(x, nxt, n)
         if trace:
             trace("l_out", i, x)

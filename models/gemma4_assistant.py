@@ -26,6 +26,7 @@ from .gemma4 import _per_layer
 from .metadata import ConfigError, metadata_reader, vocab_size_of
 from .ops import (
     apply_rope,
+    cpu_chains,
     embedding_rows,
     gated_mlp,
     linear,
@@ -257,6 +258,8 @@ def draft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: to
 class Gemma4Assistant:
     """The draft step of §4.3 over a weight dict keyed by GGUF names."""
 
+    cpu_chains = False  # matrices on llama.cpp's kernels: ops run ggml chains (models.ops.cpu_chains)
+
     def __init__(self, cfg: Gemma4AssistantConfig, weights: Mapping[str, Any], dtype=torch.float32,
                  device="cpu", ordering: Optional[torch.Tensor] = None):
         self.cfg, self.w, self.dtype, self.device = cfg, dict(weights), dtype, torch.device(device)
@@ -343,6 +346,10 @@ class Gemma4Assistant:
         read-only view of the target's cache, or one per row.
         Returns (logits [B, V], h′ [B, D_b], y [B, d_a]).
         """
+        with cpu_chains(self):
+            return self._draft_step(tokens, h, pos, target, kv_view, target_cfg)
+
+    def _draft_step(self, tokens, h, pos, target, kv_view, target_cfg):
         target_cfg = target_cfg if target_cfg is not None else target.cfg
         tokens = tokens.reshape(-1).to(self.device)
         pos = pos.reshape(-1).to(self.device)
@@ -369,13 +376,22 @@ def _load_ordering(gguf) -> Optional[torch.Tensor]:
     return torch.from_numpy(np.frombuffer(info.data, dtype=np_dtype).astype(np.int64))
 
 
-def load_gemma4_assistant(gguf, dtype=torch.float32, device="cpu", weight_dtype=None) -> Gemma4Assistant:
-    """Build a Gemma4Assistant from a `GGUFFile` of arch `gemma4-assistant`."""
+def load_gemma4_assistant(gguf, dtype=torch.float32, device="cpu", weight_dtype=None,
+                          cpu_quant: bool = False) -> Gemma4Assistant:
+    """Build a Gemma4Assistant from a `GGUFFile` of arch `gemma4-assistant`. `cpu_quant`: the CPU
+    runtime format, as the target's (models/weights.load_weights: on llama.cpp's kernels every
+    matrix stays its GGUF bytes and the draft's chains run as ggml graphs)."""
     gguf.check_architecture((ARCH,))
     cfg = Gemma4AssistantConfig.from_gguf(gguf)
-    weights = load_weights(gguf, assistant_tensor_plan(cfg), dtype, device, weight_dtype)
+    weights = load_weights(gguf, assistant_tensor_plan(cfg), dtype, device, weight_dtype,
+                           cpu_quant=cpu_quant and torch.device(device).type == "cpu")
     ordering = _load_ordering(gguf) if cfg.n_centroids else None
-    return Gemma4Assistant(cfg, weights, dtype=dtype, device=device, ordering=ordering)
+    draft = Gemma4Assistant(cfg, weights, dtype=dtype, device=device, ordering=ordering)
+    if cpu_quant:
+        from .cpu_ggml import GGMLWeight
+
+        draft.cpu_chains = any(isinstance(w, GGMLWeight) for w in draft.w.values())
+    return draft
 
 
 def load_gemma4_assistant_hf(folder, dtype=torch.float32, device="cpu") -> Gemma4Assistant:

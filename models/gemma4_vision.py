@@ -335,7 +335,7 @@ class Gemma4Vision:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.w.values())
+        return sum(t.numel() * t.element_size() if isinstance(t, torch.Tensor) else t.nbytes for t in self.w.values())
 
     def activation_bytes(self, n_patches: int) -> int:
         return activation_bytes(self.cfg.d_model, self.cfg.ffn_width, self.cfg.n_head, n_patches,
@@ -347,7 +347,7 @@ class Gemma4Vision:
         lo, hi = w.get(name + ".input_min"), w.get(name + ".input_max")
         if lo is not None or hi is not None:
             x = x.clamp(None if lo is None else float(lo), None if hi is None else float(hi))
-        y = F.linear(x, w[name + ".weight"])
+        y = _matmul(x, w[name + ".weight"])
         lo, hi = w.get(name + ".output_min"), w.get(name + ".output_max")
         if lo is not None or hi is not None:
             y = y.clamp(None if lo is None else float(lo), None if hi is None else float(hi))
@@ -399,7 +399,7 @@ class Gemma4Vision:
                 trace("pooled", b, s)
             if cfg.standardize:
                 s = (s - w["v.std_bias"]) * w["v.std_scale"]
-            e = F.linear(_rms(s, None, cfg.rms_eps), w["mm.input_projection.weight"])
+            e = _matmul(_rms(s, None, cfg.rms_eps), w["mm.input_projection.weight"])
             if trace:
                 trace("projected", b, e)
             out.append(e)
@@ -429,11 +429,38 @@ class Gemma4Vision:
         return x
 
 
+_GGML_MATRICES = (".attn_q.weight", ".attn_k.weight", ".attn_v.weight", ".attn_out.weight", ".ffn_gate.weight",
+                  ".ffn_up.weight", ".ffn_down.weight", "mm.input_projection.weight")
+
+
+def _ggml_matrix(source, name: str, shape, device):
+    """A quantized mmproj matrix on llama.cpp's CPU kernels (models/cpu_ggml.GGMLWeight: the file's
+    bytes, not a float32 copy), when they are there and the tower runs on the CPU; else None."""
+    from .cpu_ggml import GGMLWeight, enabled
+    from .gguf import GGUFFile
+    from .quant import type_name
+
+    if not (isinstance(source, GGUFFile) and torch.device(device).type == "cpu" and name.endswith(_GGML_MATRICES)
+            and shape is not None and len(shape) == 2 and enabled()):
+        return None
+    info = source.raw(name, shape)
+    if type_name(info.ggml_type) in ("F32", "F16", "BF16"):
+        return None  # dense: float32 through torch as before
+    return GGMLWeight(torch.from_numpy(info.read()).reshape(shape[0], -1), info.ggml_type, shape)
+
+
+def _matmul(x: torch.Tensor, w) -> torch.Tensor:
+    return F.linear(x, w) if isinstance(w, torch.Tensor) else w.linear(x)
+
+
 def load_vision(source, cfg: Gemma4VisionConfig, dtype=torch.float32, device="cpu") -> Gemma4Vision:
-    """The tower from an mmproj `GGUFFile` or an `HFCheckpoint` opened with `hf_names`."""
+    """The tower from an mmproj `GGUFFile` or an `HFCheckpoint` opened with `hf_names`. A quantized
+    mmproj's matrices stay quantized on the CPU where llama.cpp's kernels are (`_ggml_matrix`)."""
     present = set(source.tensors)
-    weights = {name: _load_one(source, name, shape, cfg, dtype).to(device)
-               for name, shape in tensor_plan(cfg, present).items()}
+    weights = {}
+    for name, shape in tensor_plan(cfg, present).items():
+        q = _ggml_matrix(source, name, shape, device)
+        weights[name] = q if q is not None else _load_one(source, name, shape, cfg, dtype).to(device)
     if any(n.endswith(".out_scale.weight") for n in present):
         warnings.warn("mmproj has v.blk.*.out_scale (not in HF's Gemma 4); ignored (spec §8 item 2)")
     return Gemma4Vision(cfg, weights, dtype=dtype, device=device)

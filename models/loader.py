@@ -48,8 +48,10 @@ def load_model(path: str | Path, dtype=torch.float32, device="cpu", with_tokeniz
     """`weight_dtype=torch.float16`: the fast CPU runtime format (models/weights.py); None: exact.
     `quantized`: GGUF matrices stay in their quantized bytes for the Triton kernels.
     `host_embeddings`: embedding lookup tables stay in host memory (`--embed-weights host`).
-    `cpu_quant`: the CPU runtime format, GGUF matrices repacked for torch's int4 CPU matmul
-    (models/cpu_quant.py; other matrices as `weight_dtype`).
+    `cpu_quant`: the CPU runtime format: with llama.cpp's kernels (models/cpu_ggml.py) the GGUF
+    matrices as they are, multiplied by ggml, and the elementwise chains as ggml graphs
+    (`model.cpu_chains`, models.ops.cpu_chains); without them the torch formats of
+    models/cpu_quant.py (other matrices as `weight_dtype`).
     `progress(done, total, bytes_done, bytes_total)`: called after each tensor (GGUF files).
     `mmproj`: the image and audio encoders of a GGUF model (default: an `mmproj*.gguf` beside it;
     one file may hold either or both); HF folders carry theirs. `vision=False`: never load them."""
@@ -72,6 +74,10 @@ def load_model(path: str | Path, dtype=torch.float32, device="cpu", with_tokeniz
                                 host_embeddings=host_embeddings, progress=progress, cpu_quant=cpu_quant)
     except ConfigError as e:
         raise GGUFError(path, str(e)) from None
+    if cpu_quant:  # llama.cpp's kernels took the matrices: the elementwise chains go to ggml too
+        from .cpu_ggml import GGMLWeight
+
+        model.cpu_chains = any(isinstance(w, GGMLWeight) for w in model.w.values())
     tok = chat = None
     if with_tokenizer and "tokenizer.ggml.tokens" in f.metadata:
         from .chat import ChatFormat, ChatTemplateError

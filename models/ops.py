@@ -8,6 +8,8 @@ Kernels in `kernels/` are checked against these.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Optional, Sequence
 
 import torch
@@ -16,6 +18,37 @@ import torch.nn.functional as F
 
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _modules: dict = {}  # kernels module name -> the module, or None without triton (imported once)
+# kernels.ggml_ops while a model on llama.cpp's CPU kernels runs a forward (`cpu_chains`), else None
+_CPU_CHAINS: contextvars.ContextVar = contextvars.ContextVar("edgegem_cpu_chains", default=None)
+
+
+@contextlib.contextmanager
+def cpu_chains(model):
+    """Inside, for a model on llama.cpp's CPU kernels (`model.cpu_chains`: its matrices are
+    models.cpu_ggml.GGMLWeight), the ops below run their elementwise chains as ggml graphs
+    (kernels/ggml_ops.py: one call where torch runs several ops, products inside where the chain
+    has them) for CPU float32 tensors. Other models, and the exact path, keep the torch ops."""
+    if not getattr(model, "cpu_chains", False) or _CPU_CHAINS.get() is not None:
+        yield
+        return
+    from kernels import ggml_ops
+
+    token = _CPU_CHAINS.set(ggml_ops)
+    try:
+        yield
+    finally:
+        _CPU_CHAINS.reset(token)
+
+
+def _chains(*ts: torch.Tensor | None):
+    """kernels.ggml_ops inside `cpu_chains` when every tensor is CPU float32 with a unit last stride."""
+    c = _CPU_CHAINS.get()
+    if c is None:
+        return None
+    for t in ts:
+        if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1):
+            return None
+    return c
 
 
 def _kernel_module(name: str):
@@ -39,9 +72,18 @@ def _fused_for(*ts: torch.Tensor | None):
     (and float64) stays the torch reference."""
     from kernels.launch import use_kernels
 
+    if ts and ts[0] is not None and ts[0].device.type == "cpu" and not _cpu_kernels_possible():
+        return None  # the CPU path's common case, decided before the per-tensor checks
     if not all(t is None or (t.dtype in _FUSED_DTYPES and t.stride(-1) == 1) for t in ts) or not use_kernels(*ts):
         return None
     return _kernel_module("fused")
+
+
+def _cpu_kernels_possible() -> bool:
+    """Triton kernels may run on the CPU only inside kernels_on_cpu() under TRITON_INTERPRET=1."""
+    from kernels.launch import _state, interpreting
+
+    return getattr(_state, "cpu_kernels", 0) > 0 and interpreting()
 
 
 def kernel_path(*ts: torch.Tensor | None) -> bool:
@@ -60,6 +102,9 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> tor
     fused = _fused_for(x, weight)
     if fused is not None:  # CUDA: one Triton pass (kernels/fused.py), same fp32 math
         return fused.rms_norm(x, weight, eps)
+    chains = _chains(x, weight)
+    if chains is not None:  # CPU on llama.cpp's kernels: one ggml graph
+        return chains.rms_norm(x, weight, eps)
     xf = x if x.dtype in (torch.float32, torch.float64) else x.float()
     w = None if weight is None else weight.to(xf.dtype)
     # F.rms_norm is one op (the composite form is 5, ~30 us each on a small CPU) and equals it
@@ -84,6 +129,9 @@ def linear_gelu_mul(x: torch.Tensor, w, e: torch.Tensor) -> torch.Tensor:
     it in the GEMV's epilogue (one launch); elsewhere linear, then gelu_mul."""
     if not isinstance(w, torch.Tensor) and getattr(w, "packed", None) is not None and kernel_path(x, e):
         return w.linear(x, gelu_mul=e)
+    chains = _chains(x, e) if x.dim() == 2 and e.dim() == 2 else None
+    if chains is not None and hasattr(w, "matrix_for"):  # CPU on llama.cpp's kernels: product + GELU·mul
+        return chains.linear_gelu_mul(x, w.matrix_for(x.shape[0]), e)
     return gelu_mul(linear(x, w), e)
 
 
@@ -106,7 +154,10 @@ def gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(gate) * up; on the kernel path one Triton pass (kernels/fused.gelu_tanh_mul) that
     reads gate and up in place (the halves of a fused gate_up output, or a strided PLE slice)."""
     kern = _fused_for(gate, up)
-    return kern.gelu_tanh_mul(gate, up) if kern is not None else gelu_tanh(gate) * up
+    if kern is not None:
+        return kern.gelu_tanh_mul(gate, up)
+    chains = _chains(gate, up)
+    return chains.gelu_mul(gate, up) if chains is not None else gelu_tanh(gate) * up
 
 
 def gated_mlp(m: torch.Tensor, w: dict, b: str) -> torch.Tensor:
@@ -115,6 +166,15 @@ def gated_mlp(m: torch.Tensor, w: dict, b: str) -> torch.Tensor:
     fused = w.get(b + "ffn_gate_up.weight")
     if getattr(fused, "interleaved", False):
         return linear(fused.glu(m), w[b + "ffn_down.weight"])
+    down = w[b + "ffn_down.weight"]
+    chains = _chains(m) if m.dim() == 2 and hasattr(down, "matrix_for") else None
+    if chains is not None:  # CPU on llama.cpp's kernels: gate/up, GEGLU and down in one ggml graph
+        rows = m.shape[0]
+        if hasattr(fused, "matrix_for"):
+            return chains.gated_mlp(m, fused.matrix_for(rows), down.matrix_for(rows))
+        gate, up = w.get(b + "ffn_gate.weight"), w.get(b + "ffn_up.weight")
+        if fused is None and hasattr(gate, "matrix_for") and hasattr(up, "matrix_for"):
+            return chains.gated_mlp(m, None, down.matrix_for(rows), gate.matrix_for(rows), up.matrix_for(rows))
     if fused is not None:
         gate, up = linear(m, fused).chunk(2, dim=-1)
     else:
@@ -132,10 +192,89 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: Optional[torch.Tensor
     fused = _fused_for(x, y, weight, next_weight)
     if fused is not None:
         return fused.add_rms_norm(x, y, weight, eps, scale, next_weight)
+    chains = _chains(x, y, weight, next_weight)
+    if chains is not None and (scale is None or scale.dtype == torch.float32):
+        return chains.add_rms_norm(x, y, weight, eps, scale, next_weight)
     h = x + rms_norm(y, weight, eps)
     if scale is not None:
         h = h * scale.to(h.dtype)
     return h, None
+
+
+def attn_residual(x: torch.Tensor, o: torch.Tensor, w_o, post_weight: torch.Tensor, eps: float,
+                  next_weight: Optional[torch.Tensor] = None):
+    """After attention: (h, n) = add_rms_norm(x, o W_o^T, post_weight, next_weight=...): the output
+    projection and the residual update; on the CPU with llama.cpp's kernels one ggml graph
+    (kernels/ggml_ops.attn_residual), n always given there."""
+    chains = _chains(x, o, post_weight, next_weight) if x.dim() == 2 and o.dim() == 2 else None
+    if chains is not None and hasattr(w_o, "matrix_for"):
+        return chains.attn_residual(x, o, w_o.matrix_for(x.shape[0]), post_weight, eps, next_weight)
+    return add_rms_norm(x, linear(o, w_o), post_weight, eps, next_weight=next_weight)
+
+
+def ffn_residual(x: torch.Tensor, m: torch.Tensor, w: dict, b: str, eps: float, pl: Optional[torch.Tensor] = None,
+                 scale: Optional[torch.Tensor] = None, next_weight: Optional[torch.Tensor] = None):
+    """The rest of a dense layer after the MLP's pre-norm m: f = gated_mlp(m); x += rms_norm(f) *
+    post_ffw_norm; with `pl` (Gemma-4's per-layer input [T, P]) x += rms_norm(proj(gelu(x
+    inp_gate^T) * pl)) * post_norm; x *= scale -> (x, rms_norm(x) * next_weight or None). On the
+    CPU with llama.cpp's kernels one ggml graph (kernels/ggml_ops.ffn_residual)."""
+    chains = _chains(x, m, pl, next_weight) if x.dim() == 2 and m.dim() == 2 else None
+    down = w[b + "ffn_down.weight"]
+    if chains is not None and hasattr(down, "matrix_for"):
+        rows = x.shape[0]
+        mats = [w.get(b + n) for n in ("ffn_gate_up.weight", "ffn_gate.weight", "ffn_up.weight")]
+        ple = None
+        if pl is not None:
+            gate, proj = w[b + "inp_gate.weight"], w[b + "proj.weight"]
+            if hasattr(gate, "matrix_for") and hasattr(proj, "matrix_for"):
+                ple = (gate.matrix_for(rows), pl, proj.matrix_for(rows), w[b + "post_norm.weight"])
+        ok = (mats[0] is None or hasattr(mats[0], "matrix_for")) and (pl is None or ple is not None) and (
+            mats[0] is not None or all(hasattr(t, "matrix_for") for t in mats[1:]))
+        if ok:
+            gu, g, u = (None if t is None else t.matrix_for(rows) for t in mats)
+            return chains.ffn_residual(x, m, gu, g, u, down.matrix_for(rows), w[b + "post_ffw_norm.weight"], eps,
+                                       ple, scale, next_weight)
+    f = gated_mlp(m, w, b)
+    if pl is None:
+        return add_rms_norm(x, f, w[b + "post_ffw_norm.weight"], eps, scale, next_weight)
+    x, _ = add_rms_norm(x, f, w[b + "post_ffw_norm.weight"], eps)  # PLE injection: the gate reads the post-MLP residual
+    g = linear_gelu_mul(x, w[b + "inp_gate.weight"], pl)
+    return add_rms_norm(x, linear(g, w[b + "proj.weight"]), w[b + "post_norm.weight"], eps, scale, next_weight)
+
+
+def attention_prologue(a: torch.Tensor, w: dict, b: str, n_head: int, n_kv: int, head_dim: int, eps: float,
+                       cos: torch.Tensor, sin: torch.Tensor, cache, layer: int, pos: torch.Tensor,
+                       has_kv: bool = True, v_norm: bool = True) -> torch.Tensor:
+    """A layer's projections and attention prologue -> q [T, n_head, hd]: q (and, for a KV-owning
+    layer, k and v, written to `cache`) from the normed residual a [T, d]; q, k RMSNorm + RoPE, v
+    weightless RMSNorm (`v_norm`; Gemma 3 keeps v raw; no attn_v: V = raw K). A KV-shared layer
+    (`has_kv` False) projects q only. On the CPU with llama.cpp's kernels one ggml graph
+    (kernels/ggml_ops.attention_prologue); elsewhere the projections, then norm_rope_store (one
+    Triton launch on CUDA) or norm_rope."""
+    T, shared = a.shape[0], not has_kv
+    qkv = w.get(b + "attn_q.weight") if shared else w.get(b + "attn_qkv.weight")
+    chains = _chains(a, cos, sin) if a.dim() == 2 and cos.shape[-1] > 0 else None
+    if chains is not None and hasattr(qkv, "matrix_for") and (shared or qkv.shape[0] > n_head * head_dim):
+        v_m = w.get(b + "attn_v.weight")
+        if v_m is None or hasattr(v_m, "matrix_for"):
+            q, k, v = chains.attention_prologue(
+                a, qkv.matrix_for(T), None if v_m is None else v_m.matrix_for(T), n_head, n_kv, head_dim,
+                w[b + "attn_q_norm.weight"], None if shared else w[b + "attn_k_norm.weight"], eps, cos, sin, v_norm)
+            if not shared:
+                cache.write(layer, pos, k, v)
+            return q
+    if shared:
+        return norm_rope(linear(a, w[b + "attn_q.weight"]).reshape(T, n_head, head_dim), w[b + "attn_q_norm.weight"],
+                         eps, cos, sin)
+    q, k_raw, v_raw = qkv_projection(a, w, b, n_head * head_dim, n_kv * head_dim)
+    q, k_raw = q.reshape(T, n_head, head_dim), k_raw.reshape(T, n_kv, head_dim)
+    v_raw = None if v_raw is None else v_raw.reshape(T, n_kv, head_dim)  # no attn_v: V = raw K
+    if v_norm:
+        return norm_rope_store(q, k_raw, v_raw, w[b + "attn_q_norm.weight"], w[b + "attn_k_norm.weight"], eps,
+                               cos, sin, cache, layer, pos)
+    q = norm_rope(q, w[b + "attn_q_norm.weight"], eps, cos, sin)
+    cache.write(layer, pos, norm_rope(k_raw, w[b + "attn_k_norm.weight"], eps, cos, sin), v_raw)
+    return q
 
 
 def scaled_add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
@@ -160,6 +299,11 @@ def norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor],
     q [T, n_h, hd], k, v [T, n_kv, hd]; cos, sin [T, 1, n_rot/2] (fp32 on the kernel path).
     Kernel path: one Triton launch (kernels/qkv.py), storing straight into the slabs when the cache
     offers them (`cache.slab_target(layer)`, the engine's pools with the triton backend)."""
+    chains = _chains(q, k, v, q_weight, k_weight, cos, sin)
+    if chains is not None and cos.shape[-1] > 0:  # CPU on llama.cpp's kernels: one ggml graph
+        q, k, v = chains.qkv_norm_rope(q, k, v, q_weight, k_weight, eps, cos, sin)
+        cache.write(layer, pos, k, v)
+        return q
     qkv = _kernel_module("qkv") if _fused_for(q, k, v, q_weight, k_weight) is not None else None
     if qkv is None or cos.dtype != torch.float32 or cos.shape[-1] == 0:
         q = norm_rope(q, q_weight, eps, cos, sin)
@@ -261,6 +405,9 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tens
     fused = _fused_for(x, weight)
     if fused is not None and cos.shape[-1] > 0:
         return fused.rms_norm_rope(x, weight, eps, cos.float(), sin.float())
+    chains = _chains(x, weight, cos, sin)
+    if chains is not None and cos.shape[-1] > 0:
+        return chains.qkv_norm_rope(x, None, None, weight, None, eps, cos, sin)[0]
     return apply_rope(rms_norm(x, weight, eps), cos, sin)
 
 
@@ -313,6 +460,33 @@ def decode_attention_parts(q: torch.Tensor, ks: Sequence[torch.Tensor], vs: Sequ
     o, start = None, 0
     for v in vs:
         part = torch.matmul(p[..., start:start + v.shape[0]], v.permute(1, 0, 2))  # [n_kv, group, hd]
+        o = part if o is None else o.add_(part)
+        start += v.shape[0]
+    return o.reshape(1, n_h * hd)
+
+
+def decode_attention(q: torch.Tensor, ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor],
+                     scale: float) -> torch.Tensor:
+    """One query q [1, n_h, hd] over keys that are all visible to it (the caller sliced each part,
+    ks[i], vs[i] [S_i, n_kv, hd], to the window: no mask), the parts sharing one softmax. One KV
+    head (E2B/E4B): plain 2-D products on the [S, hd] slab views. ~3 ops a part where the masked
+    form takes ~12 (E2B, a sliding layer at 256 keys: 47 against 79 us, one thread)."""
+    n_h, hd = q.shape[1], q.shape[2]
+    n_kv = ks[0].shape[1]
+    if n_kv == 1:
+        qg = q[0]                                                                   # [n_h, hd]
+        s = torch.cat([torch.mm(qg, k[:, 0].t()) for k in ks], dim=-1) if len(ks) > 1 else torch.mm(qg, ks[0][:, 0].t())
+    else:
+        qg = q[0].reshape(n_kv, n_h // n_kv, hd)                                    # [n_kv, group, hd]
+        s = torch.cat([torch.matmul(qg, k.permute(1, 2, 0)) for k in ks], dim=-1) if len(ks) > 1 else \
+            torch.matmul(qg, ks[0].permute(1, 2, 0))                                # [n_kv, group, S]
+    if scale != 1.0:
+        s.mul_(scale)
+    p = torch.softmax(s, dim=-1)
+    o, start = None, 0
+    for v in vs:
+        pv = p[..., start:start + v.shape[0]]
+        part = torch.mm(pv, v[:, 0]) if n_kv == 1 else torch.matmul(pv, v.permute(1, 0, 2))
         o = part if o is None else o.add_(part)
         start += v.shape[0]
     return o.reshape(1, n_h * hd)

@@ -19,6 +19,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from . import cpu_ggml
+from .cpu_ggml import GGMLWeight
 from .cpu_quant import BLOCK_VALUES, Int4Weight, cpu_weight, repackable
 
 GEMV_ROWS = 16
@@ -148,6 +150,10 @@ class QuantWeight:
             from .quant import dequantize
 
             sel = self.raw_rows(ids.reshape(-1))
+            if sel.device.type == "cpu" and cpu_ggml.enabled():  # ggml's dequantization: bit-exact, one pass
+                from kernels.ggml_ops import dequantize_rows
+
+                return dequantize_rows(sel, self.ggml_type, self.shape[1])
             return dequantize(sel, self.ggml_type, (sel.shape[0], self.shape[1]))
         from kernels.launch import use_kernels
         from kernels.qpack import dequantize_packed_ref
@@ -166,7 +172,7 @@ def weight_tensors(w) -> tuple[torch.Tensor, ...]:
         return w.tensors
     if isinstance(w, HalfWeight):
         return (w.w,)
-    if isinstance(w, Int4Weight):
+    if isinstance(w, (Int4Weight, GGMLWeight)):
         return w.tensors
     return (w,) if isinstance(w, torch.Tensor) else ()
 
@@ -196,7 +202,7 @@ def _gguf_rows(source, name: str, shape, mapped: bool) -> QuantWeight | None:
     if shape is None or len(shape) != 2 or not hasattr(source, "raw"):
         return None
     info = source.raw(name, shape)
-    if not repackable(info.ggml_type, shape):
+    if not (repackable(info.ggml_type, shape) or (cpu_ggml.enabled() and cpu_ggml.takes(info.ggml_type, shape))):
         return None
     if mapped:
         import warnings
@@ -217,12 +223,19 @@ def _gguf_rows(source, name: str, shape, mapped: bool) -> QuantWeight | None:
 
 def repack_cpu(weights: dict, tables: frozenset) -> None:
     """Every GGUF-row matrix of `weights` (after `fuse_projections`) but the lookup `tables` takes
-    its CPU runtime form (models/cpu_quant.cpu_weight), one at a time (the GGUF copy is dropped as
-    each is repacked)."""
+    its CPU runtime form, one at a time: with llama.cpp's kernels (models/cpu_ggml.py) the GGUF
+    bytes themselves, multiplied by ggml (the tied head too: exact logits); without them
+    models/cpu_quant.cpu_weight's torch formats and the int8-ranked head (the GGUF copy is dropped
+    as each is repacked)."""
+    ggml = cpu_ggml.enabled()
     for name in list(weights):
         w = weights[name]
         if isinstance(w, QuantWeight) and w.packed is None and name not in tables:
             weights[name] = None
+            if ggml and cpu_ggml.takes(w.ggml_type, w.shape):
+                weights[name] = GGMLWeight(w.raw, w.ggml_type, w.shape)
+                del w
+                continue
             q = _int8_head(w, weights.get("token_embd.host")) if name == "token_embd.weight" else None
             if q is None:
                 q = cpu_weight(w.raw, w.ggml_type, w.shape)

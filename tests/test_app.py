@@ -374,6 +374,7 @@ def tiny_path(tmp_path_factory):
     return write_tiny_gemma4(tmp_path_factory.mktemp("app") / "tiny.gguf", TinySpec(), seed=3)
 
 
+@pytest.mark.cpu_runtime
 async def test_real_engine_answer_equals_edgegem_run_and_status_comes_from_the_engine(tmp_path, tiny_path):
     backend = EngineBackend(str(tiny_path), EngineOptions(kv_cache_dtype="int8_per_token_head"), device="cpu")
     app = make_app(tmp_path, backend, default_settings={"temperature": 0.0, "max_tokens": 12})

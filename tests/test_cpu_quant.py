@@ -4,8 +4,11 @@ on it; a non-finite activation is one error naming the layer (models/decoder.py 
 
 Bounds (relative Frobenius error against models.quant.dequantize, float32): the only rounding of
 the repack is each group's scale and zero to bf16 (2^-9 relative), so the weights are within 5e-3;
-the int4pack GEMV also rounds the activations to bf16 (another ~2^-9 per element): 8e-3; the
-prefill GEMM (dequantized row blocks, float32) has the weights' error only: 5e-3.
+the int4pack GEMV also rounds the activations to bf16 (another ~2^-9 per element): 8e-3. The
+prefill GEMM runs in the dtype `cpu_quant.gemm_dtype()` picks for this CPU, and both dtypes are
+tested on every machine (forced): float32 has the weights' error only (5e-3); bf16 (picked where
+the CPU has AVX512-BF16 or AMX) rounds W, x and the output to bf16 once each, three more
+roundings of <= 2^-9 RMS relative: 5e-3 + 3 * 2^-9 = 1.09e-2.
 """
 from __future__ import annotations
 
@@ -24,7 +27,10 @@ from models.quant import dequantize
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_models import TinySpec, quantize_gguf, write_tiny_gemma4  # noqa: E402
 
-WEIGHT_BOUND, GEMV_BOUND, GEMM_BOUND = 5e-3, 8e-3, 5e-3
+BF16_STEP = 2.0 ** -9  # RMS relative error of one rounding to bf16 (8 significant bits)
+pytestmark = pytest.mark.cpu_runtime
+WEIGHT_BOUND, GEMV_BOUND = 5e-3, 8e-3
+GEMM_BOUND = {torch.float32: WEIGHT_BOUND, torch.bfloat16: WEIGHT_BOUND + 3 * BF16_STEP}
 FP16_BOUND = 1e-3  # the wider types in float16: values and GEMV inputs rounded to 2^-11
 # (rows, in): rows not a multiple of the 32-row pack block (padding), several 256-value super-blocks
 SHAPES = {"Q4_K": (45, 512), "Q5_K": (77, 256), "Q6_K": (45, 768), "Q8_0": (61, 96), "Q5_0": (33, 160),
@@ -54,8 +60,9 @@ def test_pack_layout_matches_torch():
     assert torch.equal(cq._unpack(packed, bn, 96), q)
 
 
+@pytest.mark.parametrize("gemm", [torch.float32, torch.bfloat16], ids=["gemm_f32", "gemm_bf16"])
 @pytest.mark.parametrize("tn", sorted(SHAPES))
-def test_int4_weight_matches_reference(tn, monkeypatch):
+def test_int4_weight_matches_reference(tn, gemm, monkeypatch):
     raw, ref = _matrix(tn)
     n, k = ref.shape
     w = Int4Weight(raw, int(T[tn]), (n, k))
@@ -66,10 +73,18 @@ def test_int4_weight_matches_reference(tn, monkeypatch):
     y = w.linear(x)
     assert y.shape == (3, 2, n) and y.dtype == torch.float32
     assert _rel(y, x @ ref.t()) < GEMV_BOUND
-    # prefill rows: dequantized row blocks (several: a block of 32 rows) + float32 GEMM
+    # prefill rows: dequantized row blocks (several: a block of 32 rows) + a GEMM in the dtype forced
     monkeypatch.setattr(cq, "BLOCK_VALUES", 32 * 2 * k)
+    monkeypatch.setattr(cq, "gemm_dtype", lambda: gemm)
     xs = torch.randn(cq.GEMV_ROWS + 7, k, generator=torch.Generator().manual_seed(3))
-    assert _rel(w.linear(xs), xs @ ref.t()) < GEMM_BOUND
+    assert _rel(w.linear(xs), xs @ ref.t()) < GEMM_BOUND[gemm]
+
+
+def test_gemm_dtype_is_bf16_only_where_the_cpu_has_it():
+    """The prefill GEMM dtype follows the CPU: bf16 only with AVX512-BF16 or AMX (and oneDNN)."""
+    flags = set(open("/proc/cpuinfo").read().split("flags", 2)[1].split("\n", 1)[0].split())
+    fast = bool({"avx512_bf16", "amx_bf16"} & flags) and torch.backends.mkldnn.is_available()
+    assert cq.gemm_dtype() == (torch.bfloat16 if fast else torch.float32)
 
 
 @pytest.mark.parametrize("tn", ["Q6_K", "Q8_0", "Q5_0", "Q5_K"])
@@ -114,7 +129,7 @@ def _greedy(model, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-def test_tiny_model_keeps_greedy_tokens(tiny_q4km):
+def test_tiny_model_keeps_greedy_tokens(tiny_q4km, torch_cpu_formats):
     from models.loader import load_model
 
     exact = load_model(tiny_q4km, with_tokenizer=False).model
@@ -128,10 +143,16 @@ def test_tiny_model_keeps_greedy_tokens(tiny_q4km):
     assert _greedy(fast, prompt, 12) == _greedy(exact, prompt, 12)
 
 
-def test_non_finite_activation_names_the_layer(tiny_q4km):
+@pytest.mark.parametrize("kernels", ["torch", "ggml"])
+def test_non_finite_activation_names_the_layer(tiny_q4km, kernels, monkeypatch):
+    from models import cpu_ggml
     from models.decoder import NonFiniteError
     from models.loader import load_model
 
+    if kernels == "torch":
+        monkeypatch.setattr(cpu_ggml, "enabled", lambda: False)
+    elif not cpu_ggml.enabled():
+        pytest.skip("llama.cpp's kernels are not available here")
     model = load_model(tiny_q4km, with_tokenizer=False, weight_dtype=torch.float16, cpu_quant=True).model
     model.w["blk.3.post_ffw_norm.weight"] = torch.full_like(model.w["blk.3.post_ffw_norm.weight"], float("inf"))
     with pytest.raises(NonFiniteError) as e:
@@ -220,4 +241,4 @@ def test_prefill_buffers_survive_inference_mode_then_no_grad():
         a = q.linear(x)
     with torch.no_grad():
         b = q.linear(x)
-    assert torch.equal(a, b) and _rel(b, x @ w.t()) < GEMM_BOUND
+    assert torch.equal(a, b) and _rel(b, x @ w.t()) < GEMM_BOUND[cq.gemm_dtype()]

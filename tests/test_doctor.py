@@ -27,7 +27,9 @@ def facts(**kw) -> Facts:
                 gpus=[Gpu("NVIDIA GeForce RTX 3060", (8, 6), 11 * GiB, 12 * GiB)], driver_version="570.86.10",
                 driver_cuda="12.8", smi_gpus=["NVIDIA GeForce RTX 3060"], triton_version="3.5.0", triton_run="ok",
                 mem_total=32 * GiB, mem_available=20 * GiB, data_dir="/home/u/.local/share/edgegem",
-                models_dir="/home/u/.local/share/edgegem/models", models=["a/b/m-Q4_K_M.gguf"], disk_free=100 * GiB)
+                models_dir="/home/u/.local/share/edgegem/models", models=["a/b/m-Q4_K_M.gguf"], disk_free=100 * GiB,
+                cpu_kernels=dict(name="ggml", reason="", features={"avx2": True},
+                                 detail="llama.cpp's ggml (llama-cpp-python 0.3.36; AVX2)"), cpu_threads=8)
     base.update(kw)
     return Facts(**base)
 
@@ -55,6 +57,19 @@ def test_cpu_only_machine_warns_and_passes():
     assert c["triton"].status == WARN and c["triton"].finding.endswith("no GPU: the CPU path will be used")
     assert "gpu" not in c and c["driver"].status == WARN
     assert doctor.exit_code(list(c.values())) == 0
+
+
+def test_cpu_kernels_line_says_which_kernels_run_and_why():
+    c = by_name(evaluate(facts()))["cpu kernels"]
+    assert (c.status, c.finding) == (OK, "llama.cpp's ggml (llama-cpp-python 0.3.36; AVX2), 8 threads (--threads N)")
+    torch_only = dict(name="torch", detail="torch formats", features={},
+                      reason="llama-cpp-python is not installed (pip install 'edgegem[cpu]')")
+    c = by_name(evaluate(facts(cpu_kernels=torch_only)))["cpu kernels"]
+    assert c.status == WARN and "not used (llama-cpp-python is not installed" in c.finding
+    assert c.hint.startswith(f"{EXE} -m pip install 'edgegem[cpu]'")
+    forced = dict(torch_only, reason="EDGEGEM_CPU_KERNELS=torch: the torch formats are forced")
+    assert by_name(evaluate(facts(cpu_kernels=forced)))["cpu kernels"].hint == "unset EDGEGEM_CPU_KERNELS"
+    assert by_name(evaluate(facts(torch_version=None, cpu_kernels=None)))["cpu kernels"].status == FAIL
 
 
 def test_cpu_torch_beside_an_nvidia_driver_fails_with_the_pip_command():

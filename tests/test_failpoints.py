@@ -13,6 +13,8 @@ from engine import failpoints
 from engine.api import EngineOptions, GenerationParams, SamplingParams, open_model, start_client
 from tiny_models import TinySpec, write_tiny_gemma4
 
+pytestmark = pytest.mark.cpu_runtime  # the engine on the CPU runtime's weights (both kernels: make test)
+
 GREEDY = GenerationParams(SamplingParams(max_tokens=10))
 
 

@@ -237,3 +237,21 @@ def test_a_wrong_mmproj_is_refused_in_one_line(tiny, tmp_path):
     with pytest.raises(GGUFError) as e:
         load_model(tiny["gguf"], mmproj=tmp_path / "missing.gguf")
     assert "missing.gguf" in _one_line(e)
+
+
+def test_a_quantized_mmproj_runs_on_llama_cpp_kernels(tiny, tmp_path):
+    """A Q8_0 mmproj on the CPU where llama.cpp's kernels are: its quantized matrices stay the
+    file's bytes (models/cpu_ggml.GGMLWeight; the tiny tower's 48-wide inputs are not whole Q8_0
+    blocks, so only the FFN's down projection is quantized), dense ones stay float32, and the
+    embeddings stay close to transformers' (8-bit weights and activations: cosine > 0.999)."""
+    from models.cpu_ggml import GGMLWeight, enabled
+    from models.gemma4_vision import load_vision_gguf
+
+    if not enabled():
+        pytest.skip("llama.cpp's kernels are not available here")
+    q8 = write_mmproj(tiny["folder"], tmp_path / "mmproj-q8.gguf", quant="Q8_0")
+    vision = load_vision_gguf(q8, dtype=torch.float32)
+    assert isinstance(vision.w["v.blk.0.ffn_down.weight"], GGMLWeight)
+    assert isinstance(vision.w["v.blk.0.attn_q.weight"], torch.Tensor)
+    ours = vision.encode([preprocess(tiny["images"][0], BUDGET)])[0]
+    assert cosine(ours.double(), tiny["refs"][1].embeds[0]) > 0.999

@@ -342,3 +342,22 @@ def llama_cpp_logits(path: Path, tokens: list[int], n_ctx: int = 512) -> np.ndar
         return np.array(llm.scores[: len(tokens)], dtype=np.float32)
     finally:
         llm.close()
+
+
+def llama_cpp_greedy(path: Path, prompt: list[int], n: int, n_ctx: int = 512) -> list[int]:
+    """llama.cpp's greedy continuation of `prompt` (argmax of each step's logits), F32 KV cache: the
+    prompt in one batch, then one token a decode, as llama.cpp's own generation runs."""
+    import llama_cpp
+
+    quiet_llama_cpp()
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
+                          type_k=0, type_v=0, n_threads=2, verbose=False, flash_attn=False)
+    try:
+        llm.eval(prompt)
+        out = []
+        for _ in range(n):
+            out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            llm.eval([out[-1]])
+        return out
+    finally:
+        llm.close()

@@ -6,6 +6,8 @@ them for HF folders, and the text GGUF's vocabulary holds the marker strings at 
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import json
 import math
 from dataclasses import dataclass
@@ -106,9 +108,23 @@ def _state(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_mmproj(folder: Path, path: Path, f16_patch: bool = False) -> Path:
+def _add_matrix(w: GGUFWriter, name: str, arr: np.ndarray, quant: Optional[str]) -> None:
+    """A matrix as is, or quantized to `quant` where its rows are whole blocks (32 values)."""
+    if quant is None or arr.shape[-1] % 32:
+        w.add_tensor(name, arr)
+        return
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    t = GGMLQuantizationType[quant]
+    w.add_tensor(name, quantize(arr.astype(np.float32), t), raw_dtype=t)
+
+
+def write_mmproj(folder: Path, path: Path, f16_patch: bool = False, quant: Optional[str] = None) -> Path:
     """The vision tower + projector of an HF folder as an mmproj GGUF, by the §6.2 map (the conv
-    re-layout of the patch embedding, clip bounds as [1] tensors, the llama.cpp metadata keys)."""
+    re-layout of the patch embedding, clip bounds as [1] tensors, the llama.cpp metadata keys).
+    `quant` ("Q8_0"): the linears and the projection whose inputs are whole blocks of 32 values
+    (here the FFN's down projection) quantized by gguf-py."""
     from models.gemma4_vision import LINEARS, NORMS
 
     cfg = json.loads((folder / "config.json").read_text())
@@ -136,12 +152,12 @@ def write_mmproj(folder: Path, path: Path, f16_patch: bool = False) -> Path:
     for i in range(v["num_hidden_layers"]):
         h, g = f"{pre}encoder.layers.{i}.", f"v.blk.{i}."
         for gg, hh in LINEARS.items():
-            w.add_tensor(g + gg + ".weight", sd[h + hh + ".linear.weight"].numpy())
+            _add_matrix(w, g + gg + ".weight", sd[h + hh + ".linear.weight"].numpy(), quant)
             for s in ("input_min", "input_max", "output_min", "output_max"):
                 w.add_tensor(g + gg + "." + s, sd[h + hh + "." + s].reshape(1).numpy())
         for gg, hh in NORMS.items():
             w.add_tensor(g + gg + ".weight", sd[h + hh + ".weight"].numpy())
-    w.add_tensor("mm.input_projection.weight", sd["model.embed_vision.embedding_projection.weight"].numpy())
+    _add_matrix(w, "mm.input_projection.weight", sd["model.embed_vision.embedding_projection.weight"].numpy(), quant)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

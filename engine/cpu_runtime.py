@@ -1,0 +1,76 @@
+"""The CPU runtime's machine-level settings: thread count, and which kernels run the products.
+
+Threads: one count for torch's intra-op pool and ggml's CPU backend (they share torch's libgomp,
+models/cpu_ggml.py), the physical cores by default (`--threads N` to override). On a quiet
+machine every core helps (products are memory-bound and split by rows); on a busy one an
+OpenMP team of 2 waits at every barrier for a thread the scheduler has parked (measured on the
+2-core VM with other jobs holding both cores: a 2-thread E2B decode step took seconds where one
+thread took ~90 ms, README), so `--threads 1` is the setting for a machine shared with other work.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+
+def physical_cores() -> int:
+    """Cores this process may run on, counting SMT siblings once (sysfs topology; the CPU count
+    when sysfs does not say)."""
+    try:
+        allowed = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        allowed = set(range(os.cpu_count() or 1))
+    cores = set()
+    for cpu in allowed:
+        topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add((topo.joinpath("physical_package_id").read_text().strip(),
+                       topo.joinpath("core_id").read_text().strip()))
+        except OSError:
+            return max(1, len(allowed))
+    return max(1, len(cores))
+
+
+_threads: list = []
+
+
+def set_threads(n: Optional[int] = None) -> int:
+    """Threads for torch and ggml from now on: n, or the physical cores for None/0. Returns it."""
+    import torch
+
+    n = int(n) if n else physical_cores()
+    if n < 1:
+        raise ValueError(f"--threads {n}: needs at least 1")
+    torch.set_num_threads(n)
+    from models.cpu_ggml import enabled
+
+    if enabled():
+        from kernels import ggml
+
+        ggml.set_threads(n)
+    _threads[:] = [n]
+    return n
+
+
+def threads() -> int:
+    """The count set_threads last chose (torch's own default before that)."""
+    import torch
+
+    return _threads[0] if _threads else torch.get_num_threads()
+
+
+def kernels() -> dict:
+    """Which kernels the CPU runtime multiplies with: {"name": "ggml" | "torch", "detail": one line,
+    "reason": why not ggml ('' when it is), "features": ggml's CPU features}."""
+    from kernels import ggml
+    from models.cpu_ggml import enabled
+
+    if enabled():
+        feats = ggml.cpu_features()
+        names = [n.upper().replace("_", "-") for n in ("avx2", "avx512", "avx512_vnni", "avx512_bf16", "avx_vnni")
+                 if feats.get(n)]
+        return {"name": "ggml", "reason": "", "features": feats,
+                "detail": f"llama.cpp's ggml (llama-cpp-python {ggml.PINNED}; {', '.join(names) or 'no AVX2'})"}
+    return {"name": "torch", "reason": ggml.reason() or "disabled", "features": {},
+            "detail": "torch formats (int4pack Q4_K, float16 5-8-bit types, int8-ranked head)"}

@@ -1,0 +1,105 @@
+"""CPU runtime form of a GGUF matrix when llama.cpp's kernels are there (kernels/ggml.py): the
+file's bytes, multiplied by ggml's own `mul_mat`.
+
+Why: a decode step reads every weight once; ggml multiplies GGUF blocks by 8-bit-quantized
+activations where torch's formats (models/cpu_quant.py) unpack to float. Measured on the 2-core
+AMD EPYC (AVX-512 VNNI/BF16) VM, one thread, CPU time (the VM was shared), 2026-12-01:
+
+| matrix (E2B) | rows | ggml repacked | ggml GGUF bytes | torch format |
+| --- | --- | --- | --- | --- |
+| Q4_K 12288x1536 (gate/up) | 1 | 0.48 ms | 0.55 | 1.02 (int4pack) |
+| | 4 | 1.55 | 2.22 | 1.79 |
+| | 16 | 4.21 | 3.46 | 7.19 |
+| | 512 | 130 | 72.5 | 129 (bf16 GEMM of dequantized row blocks) |
+| Q6_K 1536x6144 (down) | 1 | - | 0.27 | 0.79 (float16) |
+| | 512 | - | 49.5 | 107 (float32 GEMM) |
+
+So ggml takes every product, one row or a prefill chunk. For the types ggml repacks on this CPU
+(Q4_K, Q4_0, IQ4_NL on AVX2; llama.cpp's own placement), the repacked layout is faster up to
+PACKED_ROWS rows (decode, a speculative verify, batched decode) and the GGUF bytes are faster for
+prefill chunks, 1.8x at 512 rows: both are kept for those types (the Q4_K bytes twice; E2B's
+peak RSS stays under its file's size since the 2.1 GB of lookup tables are read by pread and
+never resident). Other types (Q6_K, Q5_K, Q8_0, Q5_0, ..., and the dense F32/F16/BF16 matrices) are only the GGUF
+bytes, zero copy.
+Memory: the file's bytes (Q6_K: 0.82 bytes a weight, against float16's 2).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+PACKED_ROWS = 8  # rows up to which the repacked layout runs (crossover measured between 4 and 16)
+
+
+def enabled() -> bool:
+    """llama.cpp's kernels are loaded and smoke-tested (kernels.ggml.available); False also under
+    EDGEGEM_CPU_KERNELS=torch."""
+    from kernels import ggml
+
+    return ggml.available()
+
+
+def takes(ggml_type: int, shape) -> bool:
+    """A 2-D matrix this form holds (when `enabled()`): every GGUF matrix type ggml multiplies, the
+    dense F32/F16/BF16 ones too, so that each product is llama.cpp's (a float16 copy of an F32
+    `per_layer_model_proj` alone moved tiny models' activations 1e-3 off llama.cpp's)."""
+    from kernels import ggml
+
+    return shape is not None and len(shape) == 2 and ggml.supported(ggml_type)
+
+
+class GGMLWeight:
+    """A [out, in] GGUF matrix (`raw`: uint8 [out, row bytes]) multiplied by ggml (module doc).
+    `.linear(x)` -> x W^T in x's dtype for any leading shape; `.rows(ids)` dequantizes rows."""
+
+    def __init__(self, raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]):
+        from kernels import ggml
+
+        self.ggml_type, self.shape = int(ggml_type), (int(shape[0]), int(shape[1]))
+        self.plain = ggml.Matrix(raw, self.ggml_type, self.shape, repack=False)  # holds the bytes
+        self.packed: Optional[object] = None
+        if ggml.repacks(self.ggml_type, self.shape[0]):
+            self.packed = ggml.Matrix(self.plain.raw, self.ggml_type, self.shape, repack=True)
+
+    @property
+    def raw(self) -> torch.Tensor:
+        return self.plain.raw.view(self.shape[0], -1)
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.plain.raw,)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def nbytes(self) -> int:
+        return self.plain.nbytes + (self.packed.nbytes if self.packed is not None else 0)
+
+    def matrix_for(self, rows: int):
+        """The kernels.ggml.Matrix a product of `rows` rows runs on (module doc: PACKED_ROWS)."""
+        return self.packed if self.packed is not None and rows <= PACKED_ROWS else self.plain
+
+    def linear(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [..., in] -> [..., out]. float32 contiguous x (the CPU path's activations) goes in as
+        it is; `out` (float32 [rows, out]) receives the product when given."""
+        n, k = self.shape
+        x2 = x.reshape(-1, k)
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.float().contiguous()
+        y = self.matrix_for(x2.shape[0]).mul(x2, out)
+        return (y if x.dtype == torch.float32 else y.to(x.dtype)).reshape(*x.shape[:-1], n)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 rows `ids` [len, in] from the GGUF bytes."""
+        from .quant import dequantize_rows
+
+        return dequantize_rows(self.raw, self.ggml_type, ids.reshape(-1).long(), self.shape[1])
+
+    def dense(self, dtype=torch.float32) -> torch.Tensor:
+        """The whole matrix (tests and tools; the runtime never calls it)."""
+        from .quant import dequantize
+
+        return dequantize(self.raw, self.ggml_type, self.shape).to(dtype)

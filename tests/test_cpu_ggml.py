@@ -1,0 +1,143 @@
+"""The CPU runtime on llama.cpp's kernels (models/cpu_ggml.py, kernels/ggml_ops.py): every matrix
+of a tiny Q4_K_M Gemma-4 multiplied by ggml, the elementwise chains run as ggml graphs, and the
+whole model's greedy tokens equal to llama.cpp's.
+
+The chains compute what llama.cpp computes (RMSNorm, GELU through ggml's f16 table), and every
+product is llama.cpp's own. With llama.cpp's placement for the prompt's rows too (edgegem
+multiplies prefill chunks of more than PACKED_ROWS rows by the GGUF bytes, llama.cpp by its
+repacked Q4_K: other rounding), every layer's output equals llama.cpp's to 1e-7 and the greedy
+tokens are llama.cpp's. Not bit for bit: RoPE and the attention round in another order (1e-7),
+and once in a while that flips one activation's 8-bit rounding in a later product (~1e-3 of a
+product, ~5e-3 of these logits), so a near-tie (top-2 gap under TIE in llama.cpp's own logits)
+may go the other way; the tokens are compared up to the first one.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kernels import ggml
+from models import cpu_ggml
+from models.cpu_ggml import GGMLWeight
+from tiny_models import TinySpec, llama_cpp_greedy, llama_cpp_logits, quantize_gguf, write_tiny_gemma4
+
+pytestmark = [pytest.mark.skipif(not ggml.available(), reason=f"ggml binding unavailable: {ggml.reason()}")]
+TIE = 0.01  # a top-2 logit gap one flipped 8-bit activation rounding can close (module doc)
+PROMPTS = ([2, 5, 17, 33, 40, 61, 99, 120, 7, 300], [2, 100, 200, 300, 350, 50, 60],
+           [2, 9, 8, 7, 6, 5, 4, 3, 11, 12, 13, 14])
+
+
+@pytest.fixture(scope="module")
+def tiny_q4km(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cpuggml")
+    return quantize_gguf(write_tiny_gemma4(d / "f32.gguf", TinySpec(), seed=7), d / "q4km.gguf")
+
+
+@pytest.fixture(scope="module")
+def fast(tiny_q4km):
+    from models.loader import load_model
+
+    return load_model(tiny_q4km, with_tokenizer=False, weight_dtype=torch.float16, cpu_quant=True).model
+
+
+def _greedy(model, prompt: list[int], n: int) -> list[int]:
+    """The prompt in one forward, then one token a forward (as llama.cpp's generation runs)."""
+    from models.kv_cache import DenseKVCache
+
+    cache, out = DenseKVCache(), []
+    logits = model.forward(torch.tensor(prompt), cache=cache)[-1]
+    for _ in range(n):
+        out.append(int(logits.argmax()))
+        logits = model.forward(torch.tensor([out[-1]]), torch.tensor([len(prompt) + len(out) - 1]), cache)[-1]
+    return out
+
+
+def _llama_cpp_until_near_tie(path, prompt: list[int], n: int) -> list[int]:
+    """llama.cpp's greedy tokens up to (not including) the first whose top-2 gap is below TIE."""
+    ref = llama_cpp_greedy(path, prompt, n)
+    logits = np.sort(llama_cpp_logits(path, prompt + ref)[len(prompt) - 1:], axis=-1)
+    gaps = logits[:, -1] - logits[:, -2]
+    return ref[:next((i for i, g in enumerate(gaps[:n]) if g < TIE), n)]
+
+
+def test_every_matrix_is_a_ggml_product(fast, tiny_q4km):
+    """Quantized and dense (the F32 per_layer_model_proj) matrices, the fused q/k(/v) and gate/up,
+    the tied Q6_K head: all GGUF bytes multiplied by ggml; the lookup tables stay pread rows."""
+    from models.gguf import GGUFFile
+    from models.weights import QuantWeight
+
+    w = fast.w
+    matrices = {n: v for n, v in w.items() if getattr(v, "shape", None) is not None and len(v.shape) == 2
+                and n not in ("per_layer_token_embd.weight", "token_embd.host")}
+    assert matrices and all(isinstance(v, GGMLWeight) for v in matrices.values()), \
+        {n: type(v).__name__ for n, v in matrices.items() if not isinstance(v, GGMLWeight)}
+    assert isinstance(w["token_embd.weight"], GGMLWeight) and isinstance(w["per_layer_model_proj.weight"], GGMLWeight)
+    assert "blk.0.ffn_gate_up.weight" in w and isinstance(w["per_layer_token_embd.weight"], QuantWeight)
+    f = GGUFFile(tiny_q4km)
+    head = f.tensor("token_embd.weight")
+    assert torch.equal(w["token_embd.weight"].raw.reshape(-1), torch.from_numpy(head.read()))  # the file's bytes
+    gate_up = w["blk.0.ffn_gate_up.weight"]
+    assert gate_up.packed is not None and gate_up.packed.repacked == ggml.repacks(gate_up.ggml_type, gate_up.shape[0])
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_tokens_equal_llama_cpps(fast, tiny_q4km, prompt, monkeypatch):
+    monkeypatch.setattr(cpu_ggml, "PACKED_ROWS", 1 << 20)  # llama.cpp's placement for the prompt rows too
+    ref = _llama_cpp_until_near_tie(tiny_q4km, list(prompt), 24)
+    assert len(ref) >= 8 and _greedy(fast, list(prompt), 24)[:len(ref)] == ref
+
+
+def test_engine_greedy_tokens_equal_llama_cpps(tiny_q4km, monkeypatch):
+    """The same through the engine (pooled KV, fast prefill off: llama.cpp runs every layer for
+    every prompt row, and a KV-shared layer's rows feed only their own logits)."""
+    from engine.api import open_model
+    from engine.sampler import SamplingParams
+    from engine.scheduler import Engine, EngineConfig
+
+    monkeypatch.setattr(cpu_ggml, "PACKED_ROWS", 1 << 20)
+    lm = open_model(tiny_q4km, exact=False)
+    engine = Engine(lm.model, config=EngineConfig(full_tokens=256, prefill_chunk=512, fast_prefill=False))
+    reqs = [engine.add(list(p), SamplingParams(temperature=0.0, max_tokens=16)) for p in PROMPTS]
+    engine.run_to_completion()
+    for p, r in zip(PROMPTS, reqs):
+        ref = _llama_cpp_until_near_tie(tiny_q4km, list(p), 16)
+        assert len(ref) >= 8 and r.output_ids[:len(ref)] == ref
+
+
+def test_a_decode_step_is_three_chains_a_layer(fast, monkeypatch):
+    """Per layer of a decode step: the attention prologue, the residual after attention and the
+    MLP with everything after it are one ggml graph each (the attention itself stays torch)."""
+    from collections import Counter
+
+    from kernels import ggml_ops
+    from models.kv_cache import DenseKVCache
+
+    calls: Counter = Counter()
+    for name in ("attention_prologue", "attn_residual", "ffn_residual", "add_rms_norm", "rms_norm",
+                 "qkv_norm_rope", "gated_mlp", "linear_gelu_mul", "gelu_mul"):
+        orig = getattr(ggml_ops, name)
+        monkeypatch.setattr(ggml_ops, name, lambda *a, _o=orig, _n=name, **k: (calls.update([_n]), _o(*a, **k))[1])
+    cache = DenseKVCache()
+    fast.forward(torch.tensor([2, 5, 17]), cache=cache)
+    calls.clear()
+    fast.forward(torch.tensor([33]), torch.tensor([3]), cache)
+    L = fast.cfg.n_layer
+    # + 2 RMSNorms: the per-layer inputs' projection norm, and layer 0's attention norm (every later
+    # pre-norm, and the final norm, come out of the previous chain)
+    assert calls == Counter(attention_prologue=L, attn_residual=L, ffn_residual=L, rms_norm=2), calls
+
+
+def test_logits_stay_as_close_to_llama_cpp_as_the_reference(fast, tiny_q4km):
+    tokens = list(PROMPTS[0]) + list(range(20, 50))
+    ref = llama_cpp_logits(tiny_q4km, tokens).astype(np.float64)
+    ours = fast.forward(torch.tensor(tokens)).double().numpy()
+    from models.loader import load_model
+
+    exact = load_model(tiny_q4km, with_tokenizer=False).model.forward(torch.tensor(tokens)).double().numpy()
+
+    def cos(a):
+        return ((a * ref).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(ref, axis=-1))).min()
+
+    assert cos(ours) >= 0.998 and cos(ours) >= cos(exact) - 2e-3
+    assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
