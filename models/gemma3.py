@@ -30,7 +30,7 @@ from .ops import (
     rope_dtype,
     rope_inv_freq,
     rows_to_device,
-    softcap,
+    head_logits,
 )
 from .weights import load_weights
 
@@ -174,7 +174,7 @@ class Gemma3Model(DecoderModel):
         return self.pre_norm(x, self.w["output_norm.weight"])
 
     def head(self, y: torch.Tensor) -> torch.Tensor:
-        return softcap(linear(y, self.head_w), self.cfg.final_softcap)
+        return head_logits(y, self.head_w, self.cfg.final_softcap)
 
 
 def load_gemma3(gguf, dtype=torch.float32, device="cpu", weight_dtype=None, quantized=False,

@@ -16,7 +16,7 @@ from .kv_cache import KVStore
 from .metadata import ConfigError, metadata_reader, vocab_size_of
 from .ops import (add_rms_norm, attend, embedding_rows, gated_mlp, gelu_mul, gelu_tanh, kernel_path, linear, linear_gelu_mul,
                   norm_rope, norm_rope_store, qkv_projection, quant_rows_to_device, quantized_table,
-                  rms_norm, rope_dtype, rope_inv_freq, rows_to_device, scaled_add_rms_norm, softcap)
+                  rms_norm, rope_dtype, rope_inv_freq, rows_to_device, scaled_add_rms_norm, head_logits)
 from .weights import load_weights
 
 
@@ -493,7 +493,7 @@ class Gemma4Model(DecoderModel):
 
     def head(self, y: torch.Tensor) -> torch.Tensor:
         """Logits (tied head + final softcap) for normed rows y [R, d] -> [R, V]."""
-        return softcap(linear(y, self.head_w), self.cfg.final_softcap)
+        return head_logits(y, self.head_w, self.cfg.final_softcap)
 
 
 def load_gemma4(gguf, dtype=torch.float32, device="cpu", weight_dtype=None, quantized=False,
