@@ -56,16 +56,17 @@ def capacity_of(n: int) -> int:
     return max(MIN_CAPACITY, 1 << max(0, n - 1).bit_length())
 
 
-def decode_splits(capacity: int, rows: int, n_kv: int, device) -> int:
+def decode_splits(capacity: int, rows: int, n_kv: int, device, group: int, hd: int, kv_dtype) -> int:
     """Split-K programs per (query row, KV head) of a decode-attention launch over tables of
-    `capacity` entries for `rows` = B * T query rows: enough (row, KV head, split) programs for
-    two per SM of `device` where the capacity allows (`kernels.attention.decode_splits`). A
-    function of the captured shape and the device only, so a graph's grid is a constant. Meta and
-    CPU devices take the reference GPU's SM count (`kernels.arch.REFERENCE`, or `assume_gpu`)."""
+    `capacity` entries for `rows` = B * T query rows (`kernels.attention.decode_splits`: two
+    programs per SM of `device` where the capacity allows, capped so the last split's merge stays
+    cheap). A function of the captured shape, the layer's KV geometry and the device only, so a
+    graph's grid is a constant. Meta and CPU devices take the reference GPU's SM count
+    (`kernels.arch.REFERENCE`, or `assume_gpu`)."""
     from kernels.arch import gpu_of
     from kernels.attention import decode_splits as split_rule
 
-    return split_rule(capacity, rows, n_kv, gpu_of(device).sms)
+    return split_rule(capacity, rows, n_kv, gpu_of(device).sms, group=group, hd=hd, kv_dtype=kv_dtype)
 
 
 @dataclass
@@ -312,7 +313,8 @@ class _TableKV:
         scales = (pool.k_scale[slab], pool.v_scale[slab]) if pool.fmt.scaled else (None, None)
         o = decode_attention(q.contiguous(), pool.k[slab], pool.v[slab], rows_slots, rows_pos, pos, scale,
                              window, scales[0], scales[1], slot_indptr=indptr,
-                             num_splits=decode_splits(C, N, pool.k[slab].shape[1], q.device))
+                             num_splits=decode_splits(C, N, pool.k[slab].shape[1], q.device, n_h // pool.k[slab].shape[1],
+                                                        hd, pool.k[slab].dtype))
         return o.reshape(N, n_h * hd)
 
 
