@@ -206,7 +206,7 @@ class BatchDecoder:
         full_pos[len(kvs):, :1] = 0
         win_pos[len(kvs):, :1] = 0
         self.model.embed_into(ids, st.x, st.pl)  # host-table gathers happen here, never inside the graph
-        st.staged.copy_(_pack(host), non_blocking=True)
+        st.staged.copy_(_pack(host, pin=st.staged.is_cuda), non_blocking=True)  # pinned: the host does not wait
 
     def _run_layers(self, st: StaticBatch) -> None:
         """Device side, static buffers in and out: what the graph captures."""
@@ -327,10 +327,11 @@ def _offsets(parts: list[torch.Tensor]) -> list[int]:
     return out + [at]
 
 
-def _pack(parts: list[torch.Tensor]) -> torch.Tensor:
-    """CPU tensors -> one uint8 tensor laid out as `_staged` reads it."""
+def _pack(parts: list[torch.Tensor], pin: bool = False) -> torch.Tensor:
+    """CPU tensors -> one uint8 tensor laid out as `_staged` reads it (in pinned memory with `pin`:
+    a non-blocking copy from pageable memory would still make the host wait for the GPU)."""
     offs = _offsets(parts)
-    buf = torch.zeros(offs[-1], dtype=torch.uint8)
+    buf = torch.zeros(offs[-1], dtype=torch.uint8, pin_memory=pin)
     for t, at in zip(parts, offs):
         raw = t.contiguous().reshape(-1).view(torch.uint8)
         buf[at:at + raw.numel()] = raw
