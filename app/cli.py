@@ -371,6 +371,8 @@ def _print_plan(p: dict) -> None:
           f"{o['max_running']} running requests")
     if p.get("fitted"):
         print(f"    {p['fitted']}")
+    if p.get("capped"):
+        print(f"    {p['capped']}")
     print(f"    {'component':28s} {'device':>10s} {'host':>10s}  detail")
     for c in p["components"]:
         print(f"    {c['name']:28s} {fmt_size(c['device_bytes']):>10s} {fmt_size(c['host_bytes']):>10s}  {c['detail']}")
