@@ -64,7 +64,8 @@ class Arch:
 
     smem_limit: the most shared memory one block can have (cudaDevAttrMaxSharedMemoryPerBlockOptin,
     CUDA C Programming Guide, "Technical Specifications per Compute Capability": 64 KB on 7.5,
-    163 KB on 8.0, 99 KB on 8.6 and 8.9); Triton refuses a launch above it (`out of resource`)."""
+    163 KB on 8.0, 99 KB on 8.6 and 8.9, 227 KB on 9.0, 99 KB on 12.0); Triton refuses a launch
+    above it (`out of resource`)."""
     name: str
     cc: int
     smem_limit: int
@@ -75,8 +76,8 @@ class Arch:
 
     @property
     def issue_rate(self) -> float:
-        """Warp-instructions per second the GPU can issue: 4 schedulers per SM (Turing..Ada), one
-        warp-instruction per clock each."""
+        """Warp-instructions per second the GPU can issue: 4 schedulers per SM (Turing through
+        Blackwell), one warp-instruction per clock each."""
         return 4 * self.sms * self.boost_ghz * 1e9
 
 
@@ -86,6 +87,10 @@ ARCHS = {
     "sm_80": Arch("sm_80", 80, 163 * 1024, "A100 40GB (PCIe)", 108, 1.41, 1555.0),
     "sm_86": Arch("sm_86", 86, 99 * 1024, "RTX 3060 (12 GB)", 28, 1.777, 360.0),
     "sm_89": Arch("sm_89", 89, 99 * 1024, "RTX 4060 (8 GB)", 24, 2.46, 272.0),
+    # Hopper: the GPU machines this project is lent (H200: 132 SMs, 4.8 TB/s HBM3e).
+    "sm_90": Arch("sm_90", 90, 227 * 1024, "H200 (141 GB)", 132, 1.98, 4800.0),
+    # Blackwell consumer cards: the 8 GB RTX 5060 is the small-VRAM card of 2026 (30 SMs, 448 GB/s GDDR7).
+    "sm_120": Arch("sm_120", 120, 99 * 1024, "RTX 5060 (8 GB)", 30, 2.497, 448.0),
 }
 
 
