@@ -98,9 +98,8 @@ class SequenceKV:
         slot lists with their positions (`full_slots`, `full_pos`, `win_slots`, `win_pos`) on the
         pools' device, built at the first use of a forward in one copy (`to_device_once`); every
         layer's store and attention reads these."""
-        if "tables" not in self._reads:
-            assert self._step is not None, "no forward in progress (call begin first)"
-            new_full, new_win = self._step
+        if "tables" not in self._reads:  # outside a forward (a draft reading the target's KV): no new slots
+            new_full, new_win = self._step if self._step is not None else (_EMPTY, _EMPTY)
             self._reads["tables"] = to_device_once({
                 "pos": self._pos, "new_full": new_full, "new_win": new_win, "full_slots": self.full_slots,
                 "full_pos": torch.arange(len(self)), "win_slots": self.win_slots, "win_pos": self.win_pos},
@@ -210,6 +209,7 @@ class SequenceKV:
 
     # --- shrinking ---------------------------------------------------------------------------
     def _drop_window(self, drop: torch.Tensor) -> None:
+        self._reads = {}  # tables and reads of the old slot lists
         if drop.any():
             self.pools.window.free(self.win_slots[drop & self.win_owned])
             keep = ~drop
@@ -218,6 +218,7 @@ class SequenceKV:
     def truncate(self, n: int) -> None:
         """Forget positions >= n (speculative rollback); only this sequence's own slots are freed."""
         assert 0 <= n <= len(self) and bool(self.full_owned[n:].all())
+        self._reads = {}
         self.pools.full.free(self.full_slots[n:])
         self.full_slots, self.full_owned = self.full_slots[:n], self.full_owned[:n]
         if self.has_window:
@@ -225,6 +226,7 @@ class SequenceKV:
 
     def release(self) -> None:
         """Free every slot this sequence owns (the prefix cache keeps its own)."""
+        self._reads = {}
         self.pools.full.free(self.full_slots[self.full_owned])
         if self.has_window:
             self.pools.window.free(self.win_slots[self.win_owned])

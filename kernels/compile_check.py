@@ -321,11 +321,22 @@ def _sass(cubin: bytes) -> str:
 
 
 def _ptxas_log(ptx: str, arch: Arch) -> str:
-    """ptxas -v on the kernel's PTX (only when Triton's own compile was a cache hit: no log then)."""
+    """ptxas -v on the kernel's PTX (only when Triton's own compile was a cache hit: no log then),
+    with the ptxas Triton uses for the arch (triton 3.9: `ptxas-blackwell`, a newer one, from sm_90)
+    and the PTX's own target (sm_90a, sm_120a: Triton builds the arch-specific variants there)."""
+    m = re.search(r"^\s*\.target\s+(sm_\w+)", ptx, re.M)
+    target = m.group(1) if m else f"sm_{arch.cc}"
+    tool = _nvidia_tool("ptxas")
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        tool = get_ptxas(arch.cc).path
+    except (ImportError, AttributeError):  # older triton: one ptxas for every arch
+        pass
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / "k.ptx"
         src.write_text(ptx)
-        p = subprocess.run([_nvidia_tool("ptxas"), "-v", "--regAllocOptLevel=2", f"--gpu-name=sm_{arch.cc}",
+        p = subprocess.run([tool, "-v", "--regAllocOptLevel=2", f"--gpu-name={target}",
                             str(src), "-o", str(Path(d) / "k.o")], capture_output=True, text=True, check=True)
         return p.stdout + p.stderr
 

@@ -9,6 +9,12 @@ a key loop (`kernels/qmatmul.py` `_gemv_kernel`, `kernels/attention.py`) failed 
 interpreter: 211 kernel tests. Passing plain ints from the launchers cannot help (they are plain
 ints already; the interpreter wraps them, and the failing bounds are computed inside the kernels),
 so this installs what triton 3.9 does: `int(data.squeeze())`. The compiled path is untouched.
+
+Installed by `kernels.launch.kernels_on_cpu()` (the models' kernel path on the CPU) and by the kernel
+tests' set-up (tests/triton_env.py), never at `import kernels`: importing triton with
+TRITON_INTERPRET=1 in a process that then compiles (the compile check's workers switch it off after
+the `kernels` package is imported) makes `tl.standard`'s functions interpreted ones, and every
+later `triton.compile` fails.
 """
 from __future__ import annotations
 

@@ -70,6 +70,10 @@ def check_device(fn: str, device: torch.device, triton_module) -> None:
 def kernels_on_cpu() -> Iterator[None]:
     """Inside: CPU tensors take the models' kernel path (needs TRITON_INTERPRET=1 set before triton
     is imported); tests use it to run every fused kernel the CUDA path runs."""
+    if interpreting():  # triton 3.6's interpreter with numpy >= 2.3 (kernels/interpreter_compat.py)
+        from .interpreter_compat import install
+
+        install()
     _state.cpu_kernels = getattr(_state, "cpu_kernels", 0) + 1
     try:
         yield
