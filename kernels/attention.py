@@ -344,15 +344,22 @@ def _fma_dots(q_dtype: torch.dtype, arch: tuple[int, int]) -> bool:
     return q_dtype == torch.float32 or tuple(arch) < (8, 0)
 
 
-def decode_tiles(hd: int, group: int, q_dtype: torch.dtype, arch: tuple[int, int]) -> Tiles:
-    """Tiles of `_decode_split_kernel` (ptxas -v, spill-free on sm_75..sm_89 for E2B/E4B: hd 256/512,
-    group 8/4, every KV format). Tensor cores: the head group padded to 16 rows (the MMA's M),
-    one dot over the whole head dim. FMA dots: rows = the group itself (no padded FMAs), the
-    head dim in chunks of 32 (see _scores)."""
+def decode_tiles(hd: int, group: int, q_dtype: torch.dtype, arch: tuple[int, int],
+                 kv_dtype: torch.dtype = torch.bfloat16) -> Tiles:
+    """Tiles of `_decode_split_kernel` (ptxas -v, spill-free on sm_75..sm_120 for E2B/E4B: hd 256/512,
+    group 8/4, every KV format). Tensor cores: the head group padded to 16 rows (the MMA's M), one
+    dot over the whole head dim. FMA dots: rows = the group itself (no padded FMAs), the head dim
+    in chunks of 32 (see _scores). Two exceptions from the sm_90/sm_120 and fp32-model compiles
+    (issue 21), each checked on the archs it touches: fp32 queries over fp32 KV at hd 256 spilled
+    16/12 B with 4 warps on sm_86/sm_89 (none with 8 on sm_80-89; 8 spill on sm_90/sm_120, 4 do
+    not), and int8 KV at hd 256 spilled 4/4 B on sm_90 over 32-key tiles (none over 16)."""
     block_d = max(16, triton.next_power_of_2(hd))
+    arch = tuple(arch)
     if _fma_dots(q_dtype, arch):
-        return Tiles(max(1, triton.next_power_of_2(group)), min(32, block_d), 16, 4 if hd <= 256 else 8)
-    return Tiles(max(16, triton.next_power_of_2(group)), block_d, 32 if hd <= 256 else 16, 4 if hd <= 256 else 8)
+        wide = hd > 256 or (q_dtype == kv_dtype == torch.float32 and (8, 0) <= arch < (9, 0))
+        return Tiles(max(1, triton.next_power_of_2(group)), min(32, block_d), 16, 8 if wide else 4)
+    narrow = hd > 256 or (kv_dtype == torch.int8 and (9, 0) <= arch < (10, 0))
+    return Tiles(max(16, triton.next_power_of_2(group)), block_d, 16 if narrow else 32, 4 if hd <= 256 else 8)
 
 
 def extend_tiles(hd: int, q_dtype: torch.dtype, arch: tuple[int, int]) -> Tiles:
@@ -453,7 +460,7 @@ def decode_attention(q: torch.Tensor, k_slab: torch.Tensor, v_slab: torch.Tensor
     group = n_h // n_kv
     gpu = gpu_of(q.device)
     block_d = max(16, triton.next_power_of_2(hd))
-    tiles = decode_tiles(hd, group, q.dtype, gpu.arch)
+    tiles = decode_tiles(hd, group, q.dtype, gpu.arch, k_slab.dtype)
     block_n = block_n or tiles.block_n
     if num_splits is None:  # eager callers; the batched decoder passes a per-capacity constant
         num_splits = decode_splits(-(-slots.numel() // B), B, n_kv, gpu.sms, group=group, hd=hd,
