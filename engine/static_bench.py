@@ -296,13 +296,14 @@ COMPILE_ARCHS = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_120")
 def compile_engine_kernels(variants=("e2b", "e4b"), archs=COMPILE_ARCHS, kv_formats=KV_FORMATS, jobs: int = 2,
                            cache_dir="default", exact_kv_formats=EXACT_KV_FORMATS):
     """Record every launch `engine_specs` lists for each variant (bf16 and the float32 model) as
-    built for each arch (launch parameters differ only between FMA-dot archs, below sm_80, and the
-    rest: recorded once for each class, as sm_75 and sm_86) and compile each arch's distinct specs
+    built for each arch (launch parameters differ between FMA-dot archs, below sm_80, sm_80-89 and
+    each arch from sm_90: recorded as sm_75, sm_86, and each sm_90+ itself) and compile each arch's
+    distinct specs
     in a `gpu_pool(jobs)`: ({KernelSpec: [run labels]}, {(KernelSpec, arch): CompileResult})."""
     from kernels.compile_check import compile_specs, gpu_pool
 
-    def rec_arch(a: str) -> str:
-        return "sm_75" if int(a[3:]) < 80 else "sm_86"
+    def rec_arch(a: str) -> str:  # sm_90 and newer pick some tiles of their own (decode_tiles): recorded each
+        return "sm_75" if int(a[3:]) < 80 else "sm_86" if int(a[3:]) < 90 else a
 
     specs: dict = {}
     per_class: dict = {}
