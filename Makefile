@@ -7,7 +7,7 @@ VPY := $(VENV)/bin/python
 # CPU build that CI uses; a user who already has a (CUDA) torch in the venv keeps it.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: chat test venv torch clean gpu-check
+.PHONY: chat test venv torch clean gpu-check wheels test-triton36
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -22,17 +22,46 @@ test: torch
 	$(VPY) -m pip install --quiet -e ".[test,demo]"
 	$(VPY) -m pytest -q $(PYTEST_ARGS)
 	EDGEGEM_CPU_KERNELS=torch $(VPY) -m pytest -q -m "cpu_runtime and not cuda" $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-triton36
+
+# The kernel tests again under triton 3.6, the version GPU machines carry (with numpy >= 2.3, as
+# pip picks it), so the code the GPU compiles is the code the CPU tests (issue 21 item 6). A second,
+# small venv, made after .venv (so llama-cpp-python comes from the wheel pip built for it): the CPU
+# torch as above, triton 3.6 and what the kernel tests import. ~30 s to make, ~2 min to run.
+T36 := .venv-triton36
+T36PY := $(T36)/bin/python
+TRITON36_SPEC ?= triton==3.6.*
+T36_DEPS := numpy pytest pytest-asyncio gguf tokenizers jinja2 safetensors platformdirs pillow llama-cpp-python==0.3.36
+KERNEL_TESTS := tests/test_kernels_interpreter.py tests/test_kernels_attention.py tests/test_kernels_fused.py \
+	tests/test_kernels_qkv.py tests/test_kernels_qmatmul.py tests/test_kernels_model.py tests/test_kernels_logits.py \
+	tests/test_kernel_counts.py tests/test_gpu_arch.py \
+	tests/test_batch_decode.py::test_triton_backend_batched_equals_reference
+
+$(T36PY):
+	$(PY) -m venv $(T36)
+	$(T36PY) -m pip install --quiet "$(TORCH_SPEC)" "$(TRITON36_SPEC)" $(T36_DEPS)
+
+test-triton36: $(T36PY)
+	PYTHONPATH=$(CURDIR) $(T36PY) -m pytest -q -p no:cacheprovider $(KERNEL_TESTS)
 
 chat: torch
 	$(VPY) -m pip install --quiet -e ".[demo]"
 	$(VENV)/bin/edgegem
 
-# On a machine with an NVIDIA GPU: the CUDA tests, the decode GEMV bandwidth microbenchmark and the
-# engine bench (E2B/E4B, bf16 and int8 KV) in one Markdown report (path printed; $OUT/gpu-check.md when
-# $OUT is set). Runs with the machine's own python3 and its CUDA torch, not the CPU venv above; what is
-# missing is installed first, from wheels in .whl/ when that folder exists (see packaging/gpu_check.py).
+# On a machine with an NVIDIA GPU: the CUDA tests, the decode GEMV bandwidth microbenchmark and an
+# engine bench in one Markdown report, rewritten after every part (path printed; $OUT/gpu-check.md when
+# $OUT is set). Quick by default: E2B's GEMV table and one E2B bench, inside 8 minutes with the install
+# (GPU_CHECK_ARGS= for the full check: E2B/E4B, bf16 and int8 KV; --dry-run: every step but the GPU ones,
+# anywhere). Runs with the machine's own python3 and its CUDA torch, not the CPU venv above; what is
+# missing is installed first, from wheels in .whl/ when that folder exists (`make wheels` fills it here).
+GPU_CHECK_ARGS ?= --quick
 gpu-check:
 	TRITON_INTERPRET=0 $(PY) packaging/gpu_check.py $(GPU_CHECK_ARGS)
 
+# .whl/ for a GPU machine without a package index: gguf, textual and the rest it lacks, for its Python
+# (3.12), from pip's cache; llama-cpp-python as the wheel pip built for `make test`.
+wheels: $(VPY)
+	$(VPY) packaging/gpu_check.py wheels
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(T36) build *.egg-info

@@ -114,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--static", action="store_true",
                    help="count the kernels of one decode step and the weight bytes per token, and compile each "
                         "decode GEMV format for --arch: SASS instructions per weight byte, bandwidth cap")
-    g.add_argument("--arch", default="sm_86", metavar="SM", help="--static: compile target, sm_75, sm_80, sm_86 or sm_89")
+    g.add_argument("--arch", default="sm_86", metavar="SM", help="--static: compile target, sm_75, sm_80, sm_86, sm_89, sm_90 or sm_120")
     b.add_argument("--spec-draft-model", metavar="PATH",
                    help="assistant GGUF: decode tok/s with and without it, acceptance, verify cost")
     b.add_argument("--spec-tokens", type=int, default=2)
@@ -420,6 +420,8 @@ def _print_plan(p: dict) -> None:
           f"{o['max_running']} running requests")
     if p.get("fitted"):
         print(f"    {p['fitted']}")
+    if p.get("capped"):
+        print(f"    {p['capped']}")
     print(f"    {'component':28s} {'device':>10s} {'host':>10s}  detail")
     for c in p["components"]:
         print(f"    {c['name']:28s} {fmt_size(c['device_bytes']):>10s} {fmt_size(c['host_bytes']):>10s}  {c['detail']}")

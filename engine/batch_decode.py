@@ -56,16 +56,17 @@ def capacity_of(n: int) -> int:
     return max(MIN_CAPACITY, 1 << max(0, n - 1).bit_length())
 
 
-def decode_splits(capacity: int, rows: int, n_kv: int, device) -> int:
+def decode_splits(capacity: int, rows: int, n_kv: int, device, group: int, hd: int, kv_dtype) -> int:
     """Split-K programs per (query row, KV head) of a decode-attention launch over tables of
-    `capacity` entries for `rows` = B * T query rows: enough (row, KV head, split) programs for
-    two per SM of `device` where the capacity allows (`kernels.attention.decode_splits`). A
-    function of the captured shape and the device only, so a graph's grid is a constant. Meta and
-    CPU devices take the reference GPU's SM count (`kernels.arch.REFERENCE`, or `assume_gpu`)."""
+    `capacity` entries for `rows` = B * T query rows (`kernels.attention.decode_splits`: two
+    programs per SM of `device` where the capacity allows, capped so the last split's merge stays
+    cheap). A function of the captured shape, the layer's KV geometry and the device only, so a
+    graph's grid is a constant. Meta and CPU devices take the reference GPU's SM count
+    (`kernels.arch.REFERENCE`, or `assume_gpu`)."""
     from kernels.arch import gpu_of
     from kernels.attention import decode_splits as split_rule
 
-    return split_rule(capacity, rows, n_kv, gpu_of(device).sms)
+    return split_rule(capacity, rows, n_kv, gpu_of(device).sms, group=group, hd=hd, kv_dtype=kv_dtype)
 
 
 @dataclass
@@ -205,7 +206,7 @@ class BatchDecoder:
         full_pos[len(kvs):, :1] = 0
         win_pos[len(kvs):, :1] = 0
         self.model.embed_into(ids, st.x, st.pl)  # host-table gathers happen here, never inside the graph
-        st.staged.copy_(_pack(host), non_blocking=True)
+        st.staged.copy_(_pack(host, pin=st.staged.is_cuda), non_blocking=True)  # pinned: the host does not wait
 
     def _run_layers(self, st: StaticBatch) -> None:
         """Device side, static buffers in and out: what the graph captures."""
@@ -312,7 +313,8 @@ class _TableKV:
         scales = (pool.k_scale[slab], pool.v_scale[slab]) if pool.fmt.scaled else (None, None)
         o = decode_attention(q.contiguous(), pool.k[slab], pool.v[slab], rows_slots, rows_pos, pos, scale,
                              window, scales[0], scales[1], slot_indptr=indptr,
-                             num_splits=decode_splits(C, N, pool.k[slab].shape[1], q.device))
+                             num_splits=decode_splits(C, N, pool.k[slab].shape[1], q.device, n_h // pool.k[slab].shape[1],
+                                                        hd, pool.k[slab].dtype))
         return o.reshape(N, n_h * hd)
 
 
@@ -325,10 +327,11 @@ def _offsets(parts: list[torch.Tensor]) -> list[int]:
     return out + [at]
 
 
-def _pack(parts: list[torch.Tensor]) -> torch.Tensor:
-    """CPU tensors -> one uint8 tensor laid out as `_staged` reads it."""
+def _pack(parts: list[torch.Tensor], pin: bool = False) -> torch.Tensor:
+    """CPU tensors -> one uint8 tensor laid out as `_staged` reads it (in pinned memory with `pin`:
+    a non-blocking copy from pageable memory would still make the host wait for the GPU)."""
     offs = _offsets(parts)
-    buf = torch.zeros(offs[-1], dtype=torch.uint8)
+    buf = torch.zeros(offs[-1], dtype=torch.uint8, pin_memory=pin)
     for t, at in zip(parts, offs):
         raw = t.contiguous().reshape(-1).view(torch.uint8)
         buf[at:at + raw.numel()] = raw

@@ -7,7 +7,7 @@ on meta, and the Triton attention backend. Inside `kernels.launch.record_launche
 exactly the branches it takes on CUDA (the kernel dispatch treats meta like CUDA while recording),
 torch ops on meta compute nothing, and Triton launches are recorded instead of run. What comes out:
 the number of kernels per step (Triton + device-side torch ops) and the Triton launches with their
-real arguments, which `kernels/compile_check.py` compiles for sm_75..sm_89.
+real arguments, which `kernels/compile_check.py` compiles for sm_75..sm_120.
 """
 from __future__ import annotations
 

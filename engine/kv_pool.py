@@ -54,28 +54,51 @@ class KVPool:
             self.k_scale = {i: torch.zeros((cap, layer_dims[i][0]), device=self.device) for i in self.layers}
             self.v_scale = {i: torch.zeros_like(self.k_scale[i]) for i in self.layers}
         self.unit_bytes = sum(fmt.unit_bytes(*layer_dims[i]) for i in self.layers)
-        self._free = list(range(self.capacity - 1, -1, -1))  # a stack: slot 0 is handed out first
+        # Free slots, in a structure whose cost does not grow with the capacity: the never-used
+        # slots are the range [_fresh, capacity), handed out in order (slot 0 first); freed slots
+        # go on a stack (int64 [capacity], pages touched only as slots are freed), the last freed
+        # handed out first. (A Python list of every slot cost ~36 bytes a slot: 0.8 GB of host RAM
+        # and about a second for a 21.4M-slot pool, again at every rebuild.)
+        self._fresh = 0
+        self._stack = torch.empty(self.capacity, dtype=torch.long)  # freed slots in [:_top]
+        self._top = 0
 
     # --- accounting -----------------------------------------------------------------------
     @property
     def n_free(self) -> int:
-        return len(self._free)
+        return self.capacity - self._fresh + self._top
 
     @property
     def n_used(self) -> int:
-        return self.capacity - len(self._free)
+        return self.capacity - self.n_free
 
     def alloc(self, n: int) -> torch.Tensor:
-        if n > len(self._free):
-            raise KVPoolFull(f"{self.name} KV pool: {n} slots wanted, {len(self._free)} free of {self.capacity}")
-        out = [self._free.pop() for _ in range(n)]
-        return torch.tensor(out, dtype=torch.long)
+        """n free slots (int64 [n], CPU): the most recently freed first, then never-used ones."""
+        if n > self.n_free:
+            raise KVPoolFull(f"{self.name} KV pool: {n} slots wanted, {self.n_free} free of {self.capacity}")
+        reused = min(n, self._top)
+        out = self._stack[self._top - reused:self._top].flip(0)
+        self._top -= reused
+        if n > reused:
+            fresh = torch.arange(self._fresh, self._fresh + n - reused)
+            self._fresh += n - reused
+            out = torch.cat([out, fresh]) if reused else fresh
+        return out
 
     def free(self, slots) -> None:
-        slots = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
+        """Give slots back (negative entries, "no slot", are skipped)."""
+        s = torch.as_tensor(slots, dtype=torch.long).reshape(-1)
         # reversed onto the stack: slots freed together come back out in their order, so a
         # sequence's window slots stay a few consecutive runs (read in place, not gathered)
-        self._free.extend(s for s in reversed(slots) if s >= 0)
+        s = s[s >= 0].flip(0)
+        if s.numel() > self.n_used:  # a double free would hand one slot to two sequences
+            raise RuntimeError(f"{self.name} KV pool: {s.numel()} slots freed, only {self.n_used} in use")
+        self._stack[self._top:self._top + s.numel()] = s
+        self._top += s.numel()
+
+    def free_slots(self) -> torch.Tensor:
+        """Every free slot (int64, CPU): consistency checks and tests."""
+        return torch.cat([self._stack[:self._top], torch.arange(self._fresh, self.capacity)])
 
     # --- data ------------------------------------------------------------------------------
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

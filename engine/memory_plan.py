@@ -13,8 +13,11 @@ Order of placement inside the budget (device memory on CUDA, host memory with --
   5. the window pool: per running request W + chunk + spec margin slots (the W keys the first
      chunk token still sees, plus the chunk being written, plus draft tokens under
      verification), and `prefix_windows` more windows per request for cached prefixes;
-  6. the full pool: everything left. One request can use it all, so the longest context is
-     min(model context, full pool tokens).
+  6. the full pool: everything left, up to what the running requests and the prefix cache can
+     use: (max_running + prefix_contexts) x the model's context (`full_pool_cap`); the rest of a
+     large budget stays free (an H200's 125 GiB gave E2B a 21.4M-token, 122 GiB pool, zero-filled
+     at start). One request can use it all, so the longest context is min(model context, full
+     pool tokens).
 When the defaults do not fit (1-5 plus a `min_context`-token full pool), the planner fits the
 settings the user left unset, like llama.cpp's `--fit`: it halves the prefill chunk (down to
 MIN_FIT_CHUNK), and if even that is not enough lowers the running requests (down to 1), taking at
@@ -86,6 +89,8 @@ class PlanOptions:
     runtime_reserve: int = 300 * MiB
     spec_margin: int = 8  # draft tokens verified per request and step
     prefix_windows: int = 2  # cached prefix windows kept per running request
+    prefix_contexts: int = DEFAULT_RUNNING  # whole contexts of cached prefixes the full pool keeps beyond
+    # the running requests' own (the full pool's cap: full_pool_cap)
     min_context: int = 4096  # smallest full pool worth running
     share_kv: bool = True
 
@@ -102,6 +107,12 @@ class PlanOptions:
         """Most rows one forward step carries: a prefill chunk plus every running request's decode
         row and its draft tokens (a scheduler may mix them)."""
         return self.chunk + self.running * (1 + self.spec_margin)
+
+
+def full_pool_cap(cfg, opt: PlanOptions) -> int:
+    """The most full-pool tokens worth holding: every running request at the model's whole context,
+    plus `prefix_contexts` contexts of cached prefixes (conversations to come back to)."""
+    return (opt.running + opt.prefix_contexts) * cfg.context_length
 
 
 def default_chunk(device: str) -> int:
@@ -241,6 +252,7 @@ class MemoryPlan:
     context_length: int = 0
     max_context: int = 0
     fitted: str = ""  # "fitted to the budget: prefill chunk 2048 -> 512, ..." when the fit lowered a default
+    capped: str = ""  # "full pool capped at ... tokens ..." when the budget holds more than the cap
 
     @property
     def device_total(self) -> int:
@@ -361,11 +373,18 @@ def _place(layout, opt: PlanOptions, cfg, budget: int, source: str, sizes: dict[
     if needed > budget:
         raise _Short(needed)
     full_tokens = (budget - fixed) // full_unit if full_unit else 0
+    cap = full_pool_cap(cfg, opt)
+    if full_tokens > cap:
+        full_tokens = cap
+        plan.capped = (f"full pool capped at {cap:,} tokens: ({opt.running} running requests + {opt.prefix_contexts} "
+                       f"cached prefixes) x {cfg.context_length:,}-token context; "
+                       f"{fmt_size(budget - fixed - cap * full_unit)} of the budget left unused")
     add("full KV pool", full_tokens * full_unit, 0, f"{full_fmt.name}, {full_unit} B/token, {full_tokens} tokens")
     for key, fmt, unit, toks, sliding in (("full", full_fmt, full_unit, full_tokens, False),
                                           ("window", win_fmt, win_unit, win_tokens, True)):
         plan.kv[key] = {"format": fmt.name, "unit_bytes": unit, "tokens": toks, "bytes": unit * toks,
                         "layers": owning_layers(cfg, sliding, opt.share_kv)}
+    plan.kv["full"]["cap"] = cap
     # No full-attention owner (all layers sliding): the context is bounded by the model only.
     plan.max_context = min(cfg.context_length, full_tokens) if full_unit else cfg.context_length
     return plan

@@ -38,8 +38,8 @@ class ModelRunner:
         model, L = self.model, self.model.cfg.n_layer
         ids = torch.tensor(tokens, dtype=torch.long)
         pos_host = torch.arange(start, start + len(tokens))  # CPU int64 [T]: slot bookkeeping, no device sync
-        pos = pos_host.to(model.device)
         kv.begin(pos_host)
+        pos = kv.positions(model.device)  # with the step's slot tables: one host -> device copy a forward
         watch = FiniteWatch(model.device, L)  # one check a step (CPU), naming the layer
         try:
             if failpoints.ACTIVE:

@@ -357,7 +357,7 @@ class Engine:
                                           lambda kv: kv.win_slots[kv.win_owned])):
             if not pool.layers:
                 continue
-            seen = list(pool._free)
+            seen = pool.free_slots().tolist()
             for node in self.cache._nodes():
                 seen += cached_of(node).tolist()
             for req in self.running:

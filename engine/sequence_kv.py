@@ -19,6 +19,22 @@ _EMPTY = torch.empty(0, dtype=torch.long)
 MAX_RUNS = 8  # a decode step attends over up to this many slot runs in place; more: one gather
 
 
+def to_device_once(parts: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """CPU integer tensors -> int64 views of one buffer on `device`, in one copy. On CUDA the host
+    side is pinned and the copy non-blocking: a copy from pageable memory (`t.to(dev)`) makes the
+    host wait until the GPU has drained its queue, and the attention layers used to do two such
+    copies each per forward (slots and positions: 70 for an E2B prefill chunk). On the CPU the
+    tensors are returned as they are."""
+    if device.type == "cpu":
+        return dict(parts)
+    flat = [t.reshape(-1).long() for t in parts.values()]
+    sizes = [t.numel() for t in flat]
+    host = torch.empty(sum(sizes), dtype=torch.long, pin_memory=device.type == "cuda")
+    torch.cat(flat, out=host)
+    on_dev = host.to(device, non_blocking=True)
+    return dict(zip(parts, on_dev.split(sizes)))
+
+
 class SequenceKV:
     def __init__(self, pools: HybridKVPool, window: Optional[int], dtype=torch.float32, margin: int = 64,
                  backend=None):
@@ -33,7 +49,8 @@ class SequenceKV:
         self.win_slots = _EMPTY.clone()
         self.win_owned = torch.empty(0, dtype=torch.bool)
         self._step: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-        self._reads: dict = {}  # this forward's gathered K/V by slab, and its slots on the device
+        self._pos = _EMPTY  # this forward's positions (CPU int64)
+        self._reads: dict = {}  # this forward's gathered K/V by slab, and its slot tables on the device
 
     def __len__(self) -> int:
         return int(self.full_slots.numel())
@@ -66,6 +83,7 @@ class SequenceKV:
             self.win_slots = torch.cat([self.win_slots, new_win])
             self.win_owned = torch.cat([self.win_owned, torch.ones(pos.numel(), dtype=torch.bool)])
         self._step = (new_full, new_win)
+        self._pos = pos.cpu()
         self._reads = {}
 
     @property
@@ -75,25 +93,46 @@ class SequenceKV:
         assert self._step is not None, "no forward in progress (call begin first)"
         return self._step
 
+    def tables(self) -> dict[str, torch.Tensor]:
+        """This forward's positions (`pos`), new slots (`new_full`, `new_win`) and the sequence's
+        slot lists with their positions (`full_slots`, `full_pos`, `win_slots`, `win_pos`) on the
+        pools' device, built at the first use of a forward in one copy (`to_device_once`); every
+        layer's store and attention reads these."""
+        if "tables" not in self._reads:  # outside a forward (a draft reading the target's KV): no new slots
+            new_full, new_win = self._step if self._step is not None else (_EMPTY, _EMPTY)
+            self._reads["tables"] = to_device_once({
+                "pos": self._pos, "new_full": new_full, "new_win": new_win, "full_slots": self.full_slots,
+                "full_pos": torch.arange(len(self)), "win_slots": self.win_slots, "win_pos": self.win_pos},
+                self.pools.full.device)
+        return self._reads["tables"]
+
+    def positions(self, device) -> torch.Tensor:
+        """This forward's positions on `device` (the pools' device: from the one table copy)."""
+        t = self.tables()["pos"]
+        return t if t.device.type == torch.device(device).type else self._pos.to(device)
+
     def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        new_full, new_win = self._step
-        self.pools.write(layer, new_full, new_win, k, v, None if self.backend is None else self.backend.store)
+        t = self.tables()
+        self.pools.write(layer, t["new_full"], t["new_win"], k, v, None if self.backend is None else self.backend.store)
 
     def slab_target(self, layer: int):
         """A kernel backend (triton): the slabs and slots the models' fused attention prologue
         stores this forward's K/V into itself (models.kv_cache.SlabTarget); None otherwise."""
         if getattr(self.backend, "name", None) != "triton":
             return None
-        if "slots" not in self._reads:  # the step's slots on the device once, not once per layer
-            dev = self.pools.full.device
-            self._reads["slots"] = tuple(s.to(dev) for s in self._step)
-        return self.pools.slab_target(layer, *self._reads["slots"])
+        t = self.tables()
+        return self.pools.slab_target(layer, t["new_full"], t["new_win"])
 
     def _slots(self, pool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slots, positions) of this sequence in `pool`, in position order."""
+        """(slots, positions) of this sequence in `pool`, in position order (CPU bookkeeping)."""
         if pool is self.pools.window:
             return self.win_slots, self.win_pos
         return self.full_slots, torch.arange(len(self))
+
+    def _device_slots(self, pool) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_slots` on the pools' device, from this forward's one table copy."""
+        t = self.tables()
+        return (t["win_slots"], t["win_pos"]) if pool is self.pools.window else (t["full_slots"], t["full_pos"])
 
     def _spans(self, pool) -> Optional[list[tuple[int, int, int]]]:
         """The maximal runs of consecutive ascending slots of this sequence in `pool`, as (first
@@ -121,13 +160,13 @@ class SequenceKV:
         slab = self.pools.slab(layer)
         if slab not in self._reads:  # KV-shared layers re-read their source's slab: gather once a step
             pool = self.pools.pool_of(slab)
-            slots, positions = self._slots(pool)
+            slots, positions = self._device_slots(pool)
             spans = self._spans(pool)
             if spans is not None and len(spans) == 1:  # consecutive slots (a sequence alone in a fresh pool)
                 (k,), (v,) = self._views(pool, slab, spans)
             else:
                 k, v = pool.read(slab, slots, self.dtype)
-            self._reads[slab] = (k, v, positions.to(k.device))
+            self._reads[slab] = (k, v, positions)
         return self._reads[slab]
 
     def _parts(self, layer: int):
@@ -189,7 +228,7 @@ class SequenceKV:
             return attention(q, k, v, pos, k_pos, window, scale)
         slab = self.pools.slab(layer)
         pool = self.pools.pool_of(slab)
-        slots, k_pos = self._slots(pool)
+        slots, k_pos = self._device_slots(pool)
         return self.backend.attend(pool, slab, slots, k_pos, q, pos, window, scale)
 
     def end(self) -> None:
@@ -201,6 +240,7 @@ class SequenceKV:
 
     # --- shrinking ---------------------------------------------------------------------------
     def _drop_window(self, drop: torch.Tensor) -> None:
+        self._reads = {}  # tables and reads of the old slot lists
         if drop.any():
             self.pools.window.free(self.win_slots[drop & self.win_owned])
             keep = ~drop
@@ -209,6 +249,7 @@ class SequenceKV:
     def truncate(self, n: int) -> None:
         """Forget positions >= n (speculative rollback); only this sequence's own slots are freed."""
         assert 0 <= n <= len(self) and bool(self.full_owned[n:].all())
+        self._reads = {}
         self.pools.full.free(self.full_slots[n:])
         self.full_slots, self.full_owned = self.full_slots[:n], self.full_owned[:n]
         if self.has_window:
@@ -216,6 +257,7 @@ class SequenceKV:
 
     def release(self) -> None:
         """Free every slot this sequence owns (the prefix cache keeps its own)."""
+        self._reads = {}
         self.pools.full.free(self.full_slots[self.full_owned])
         if self.has_window:
             self.pools.window.free(self.win_slots[self.win_owned])

@@ -31,6 +31,11 @@ from collections import Counter
 import torch
 
 KV_FORMATS = ("bf16", "fp16", "int8_per_token_head", "fp8_per_token_head", "fp32")
+# The float32 (--exact) model's KV: bf16 is what "auto" gives it on CUDA, fp32 the exact choice,
+# int8 the scaled FMA-dot attention (fp8 differs from it only in the byte decode, compiled with
+# bf16 queries). Its decode runs at B = 1 only: B = 2 and 4 change no attention spec, only GEMV
+# row blocks already compiled for bf16 x (a compile-time budget: 2 x 6 archs of ~300 specs).
+EXACT_KV_FORMATS = ("bf16", "fp32", "int8_per_token_head")
 # Issue 11's targets, shown beside the figures (stated for sm_86): GEMV instructions per weight byte
 # (Q4_K and Q6_K 0.35, every other format 0.5) and kernels per B = 1 decode step.
 GEMV_TARGETS = {"Q4_K": 0.35, "Q6_K": 0.35}
@@ -62,12 +67,15 @@ def _run_as_on_gpu(fn, *args):
 # ------------------------------------------------------------------------- launches of the engine
 
 def engine_specs(variant: str, kv_formats=KV_FORMATS, batches=(1, 2, 4), verify_rows: int = 3,
-                 prefill: int = 2048, arch: str | None = None) -> dict:
+                 prefill: int = 2048, arch: str | None = None, exact_kv_formats=EXACT_KV_FORMATS,
+                 exact_batches=(1,)) -> dict:
     """{KernelSpec: [run labels]} of every Triton launch the engine makes for `variant` in a decode
     step at each batch size, a verify step (B = 1, `verify_rows` rows) and a `prefill`-token chunk,
     for each KV format, as built for a GPU of `arch` ("sm_75"...; default kernels.arch.REFERENCE;
-    formats the arch refuses, fp8 KV below sm_80, are left out). Labels: "e2b decode B=2 bf16",
-    "e2b verify T=3 fp16", "e2b prefill 2048 ..."."""
+    formats the arch refuses, fp8 KV below sm_80, are left out); and the same runs of the float32
+    model (`--exact` on CUDA: fp32 activations over the quantized matrices, FMA attention dots) for
+    each of `exact_kv_formats`. Labels: "e2b decode B=2 bf16", "e2b verify T=3 fp16", "e2b prefill
+    2048 ...", "e2b fp32 decode B=4 fp32"."""
     import contextlib
 
     from kernels.arch import assume_gpu, fp8_kv_supported
@@ -76,15 +84,22 @@ def engine_specs(variant: str, kv_formats=KV_FORMATS, batches=(1, 2, 4), verify_
     from .dry_run import decode_step, dry_model, prefill_chunk
 
     cap = (int(arch[3:-1]), int(arch[-1])) if arch else None
-    with assume_gpu(cap) if cap else contextlib.nullcontext():
-        return _engine_specs(variant, [kv for kv in kv_formats if not cap or fp8_kv_supported(cap) or "fp8" not in kv],
-                             batches, verify_rows, prefill, spec_of, decode_step, dry_model, prefill_chunk)
 
+    def allowed(formats):
+        return [kv for kv in formats if not cap or fp8_kv_supported(cap) or "fp8" not in kv]
 
-def _engine_specs(variant, kv_formats, batches, verify_rows, prefill, spec_of, decode_step, dry_model,
-                  prefill_chunk) -> dict:
-    model = dry_model(variant)
     out: dict = {}
+    with assume_gpu(cap) if cap else contextlib.nullcontext():
+        for dtype, label, formats, bs in ((torch.bfloat16, variant, kv_formats, batches),
+                                          (torch.float32, f"{variant} fp32", exact_kv_formats, exact_batches)):
+            if formats:
+                _engine_specs(out, dry_model(variant, dtype), label, allowed(formats), bs, verify_rows, prefill,
+                              spec_of, decode_step, prefill_chunk)
+    return out
+
+
+def _engine_specs(out, model, variant, kv_formats, batches, verify_rows, prefill, spec_of, decode_step,
+                  prefill_chunk) -> dict:
     for kv in kv_formats:
         runs = [(f"{variant} decode B={b} {kv}", lambda b=b: decode_step(model, b, 1, kv=kv, torch_ops=False))
                 for b in batches]
@@ -275,21 +290,26 @@ def static_table(o: dict) -> str:
 
 # ------------------------------------------------------------------------------ the compile check
 
-def compile_engine_kernels(variants=("e2b", "e4b"), archs=("sm_75", "sm_80", "sm_86", "sm_89"),
-                           kv_formats=KV_FORMATS, jobs: int = 2, cache_dir="default"):
-    """Record every launch `engine_specs` lists for each variant as built for each arch (launch
-    parameters differ only between FMA-dot archs, below sm_80, and the rest: recorded once for each
-    class, as sm_75 and sm_86) and compile each arch's distinct specs in a `gpu_pool(jobs)`:
-    ({KernelSpec: [run labels]}, {(KernelSpec, arch): CompileResult})."""
+COMPILE_ARCHS = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_120")
+
+
+def compile_engine_kernels(variants=("e2b", "e4b"), archs=COMPILE_ARCHS, kv_formats=KV_FORMATS, jobs: int = 2,
+                           cache_dir="default", exact_kv_formats=EXACT_KV_FORMATS):
+    """Record every launch `engine_specs` lists for each variant (bf16 and the float32 model) as
+    built for each arch (launch parameters differ between FMA-dot archs, below sm_80, sm_80-89 and
+    each arch from sm_90: recorded as sm_75, sm_86, and each sm_90+ itself) and compile each arch's
+    distinct specs
+    in a `gpu_pool(jobs)`: ({KernelSpec: [run labels]}, {(KernelSpec, arch): CompileResult})."""
     from kernels.compile_check import compile_specs, gpu_pool
 
-    def rec_arch(a: str) -> str:
-        return "sm_75" if int(a[3:]) < 80 else "sm_86"
+    def rec_arch(a: str) -> str:  # sm_90 and newer pick some tiles of their own (decode_tiles): recorded each
+        return "sm_75" if int(a[3:]) < 80 else "sm_86" if int(a[3:]) < 90 else a
 
     specs: dict = {}
     per_class: dict = {}
     with gpu_pool(jobs) as pool:
-        futs = {(c, v): pool.submit(engine_specs, v, tuple(kv_formats), arch=c)
+        futs = {(c, v): pool.submit(engine_specs, v, tuple(kv_formats), arch=c,
+                                    exact_kv_formats=tuple(exact_kv_formats))
                 for c in dict.fromkeys(map(rec_arch, archs)) for v in variants}
         for (c, _), fut in futs.items():
             for spec, labels in fut.result().items():

@@ -27,13 +27,15 @@ output and its log2-sum-exp, bumps a per-(sequence, KV head) counter, and the sp
 last merges all partials and resets the counter: one launch per layer, split or not (a separate
 reduce kernel would add a launch per layer to every decode step). Each program handles all n_h/n_kv query
 heads of one KV head, so a K/V tile is read once per group: decode reads each visible key's
-K and V bytes once per step. `decode_splits` sizes the split count from the GPU's SM count.
+K and V bytes once per step. `decode_splits` sizes the split count from the GPU's SM count, capped
+so the merge reads at most a quarter of what one split reads.
 
 Tiles depend on the GPU (kernels.arch.gpu_of: the tensor's CUDA device, or the assumed GPU of a
 dry run): `decode_tiles`, `extend_tiles`. Triton >= 3.2 has no tensor-core path below sm_80 and
 runs every fp32 'ieee' dot on FMA units too; there tl.dot holds both operands' whole contraction
 extent in each thread's registers, so the q·k dot runs over head-dim chunks (`_scores`).
 """
+import math
 from typing import NamedTuple
 
 import torch
@@ -342,15 +344,22 @@ def _fma_dots(q_dtype: torch.dtype, arch: tuple[int, int]) -> bool:
     return q_dtype == torch.float32 or tuple(arch) < (8, 0)
 
 
-def decode_tiles(hd: int, group: int, q_dtype: torch.dtype, arch: tuple[int, int]) -> Tiles:
-    """Tiles of `_decode_split_kernel` (ptxas -v, spill-free on sm_75..sm_89 for E2B/E4B: hd 256/512,
-    group 8/4, every KV format). Tensor cores: the head group padded to 16 rows (the MMA's M),
-    one dot over the whole head dim. FMA dots: rows = the group itself (no padded FMAs), the
-    head dim in chunks of 32 (see _scores)."""
+def decode_tiles(hd: int, group: int, q_dtype: torch.dtype, arch: tuple[int, int],
+                 kv_dtype: torch.dtype = torch.bfloat16) -> Tiles:
+    """Tiles of `_decode_split_kernel` (ptxas -v, spill-free on sm_75..sm_120 for E2B/E4B: hd 256/512,
+    group 8/4, every KV format). Tensor cores: the head group padded to 16 rows (the MMA's M), one
+    dot over the whole head dim. FMA dots: rows = the group itself (no padded FMAs), the head dim
+    in chunks of 32 (see _scores). Two exceptions from the sm_90/sm_120 and fp32-model compiles
+    (issue 21), each checked on the archs it touches: fp32 queries over fp32 KV at hd 256 spilled
+    16/12 B with 4 warps on sm_86/sm_89 (none with 8 on sm_80-89; 8 spill on sm_90/sm_120, 4 do
+    not), and int8 KV at hd 256 spilled 4/4 B on sm_90 over 32-key tiles (none over 16)."""
     block_d = max(16, triton.next_power_of_2(hd))
+    arch = tuple(arch)
     if _fma_dots(q_dtype, arch):
-        return Tiles(max(1, triton.next_power_of_2(group)), min(32, block_d), 16, 4 if hd <= 256 else 8)
-    return Tiles(max(16, triton.next_power_of_2(group)), block_d, 32 if hd <= 256 else 16, 4 if hd <= 256 else 8)
+        wide = hd > 256 or (q_dtype == kv_dtype == torch.float32 and (8, 0) <= arch < (9, 0))
+        return Tiles(max(1, triton.next_power_of_2(group)), min(32, block_d), 16, 8 if wide else 4)
+    narrow = hd > 256 or (kv_dtype == torch.int8 and (9, 0) <= arch < (10, 0))
+    return Tiles(max(16, triton.next_power_of_2(group)), block_d, 16 if narrow else 32, 4 if hd <= 256 else 8)
 
 
 def extend_tiles(hd: int, q_dtype: torch.dtype, arch: tuple[int, int]) -> Tiles:
@@ -366,17 +375,47 @@ def extend_tiles(hd: int, q_dtype: torch.dtype, arch: tuple[int, int]) -> Tiles:
     return Tiles(16, block_d, 32 if hd <= 256 else 16, 8)
 
 
-SPLIT_MIN_KEYS = 64  # keys per split at least: its partial output (group x hd fp32, written and read
-# back by the merging split) stays under a quarter of the K/V bytes it reads at hd 256..512 in bf16
+SPLIT_MIN_KEYS = 64  # keys per split at least (its partial output is a quarter of what it reads at most)
+MERGE_SHARE = 0.25  # the merging split reads at most this share of what one split reads
+INDEX_BYTES = 16  # a key's int64 slot and int64 position, read with its K/V
 
 
-def decode_splits(keys: int, rows: int, n_kv: int, sms: int) -> int:
-    """Splits per (query row, KV head) so one decode launch has >= 2 programs per SM where the keys
-    allow (each split gets at least SPLIT_MIN_KEYS keys). `keys`: entries of each row's slot list;
-    the batched decoder passes its table capacity, so the count, a compile-time constant of the
-    kernel, is fixed for a captured (B, T, capacity)."""
+def _key_bytes(hd: int, kv_dtype: torch.dtype) -> int:
+    """What a split reads per key of one KV head: K and V, 8-bit formats' two fp32 scales, the
+    int64 slot and position."""
+    return 2 * hd * kv_dtype.itemsize + (8 if kv_dtype in _SCALED else 0) + INDEX_BYTES
+
+
+def split_read_bytes(keys: int, splits: int, hd: int, kv_dtype: torch.dtype) -> int:
+    """Bytes one split of a (query row, KV head) reads: its ceil(keys / splits) keys (`_key_bytes`)."""
+    return -(-keys // splits) * _key_bytes(hd, kv_dtype)
+
+
+def merge_read_bytes(splits: int, group: int, hd: int) -> int:
+    """Bytes the last split reads to merge: every split's fp32 partial output and log2-sum-exp for
+    the `group` query heads of its KV head ([group, hd + 1] fp32 each). 0 for one split."""
+    return 0 if splits <= 1 else splits * group * (hd + 1) * 4
+
+
+def decode_splits(keys: int, rows: int, n_kv: int, sms: int, *, group: int, hd: int,
+                  kv_dtype: torch.dtype) -> int:
+    """Splits per (query row, KV head) of one decode launch: enough (row, KV head, split) programs
+    for two per SM, as long as each split keeps SPLIT_MIN_KEYS keys and the merge stays cheap.
+
+    The last split merges all partials alone, so its extra read grows with the split count while a
+    split's own read shrinks: merge / split = splits^2 x group x (hd + 1) x 4 / (keys x key bytes).
+    Splits from the SM count alone made that 4-33x on a 132-SM H200 (E2B, 264 splits from 17K
+    keys): the merging program, not the KV read, set the layer's attention time. So the count is
+    capped at splits^2 <= MERGE_SHARE x keys x key bytes / partial bytes, which keeps
+    merge_read_bytes <= MERGE_SHARE x split_read_bytes for every GPU and context (E2B's bf16 full
+    layer: 5 splits at 1,024 keys, 11 at 4,096, 64 at 131,072; below the cap the SM fill decides).
+    `keys`: entries of each row's slot list (the batched decoder passes its table capacity, so the
+    count, which sets the grid, is fixed for a captured (B, T, capacity)); `group`: query heads per
+    KV head; `hd`: head dim; `kv_dtype`: the slab's."""
     want = -(-2 * sms // max(1, rows * n_kv))
-    return max(1, min(want, keys // SPLIT_MIN_KEYS))
+    partial = group * (hd + 1) * 4
+    cap = math.isqrt(int(MERGE_SHARE * keys * _key_bytes(hd, kv_dtype)) // partial)
+    return max(1, min(want, keys // SPLIT_MIN_KEYS, cap))
 
 
 _COUNTERS: dict = {}
@@ -421,10 +460,11 @@ def decode_attention(q: torch.Tensor, k_slab: torch.Tensor, v_slab: torch.Tensor
     group = n_h // n_kv
     gpu = gpu_of(q.device)
     block_d = max(16, triton.next_power_of_2(hd))
-    tiles = decode_tiles(hd, group, q.dtype, gpu.arch)
+    tiles = decode_tiles(hd, group, q.dtype, gpu.arch, k_slab.dtype)
     block_n = block_n or tiles.block_n
     if num_splits is None:  # eager callers; the batched decoder passes a per-capacity constant
-        num_splits = decode_splits(-(-slots.numel() // B), B, n_kv, gpu.sms)
+        num_splits = decode_splits(-(-slots.numel() // B), B, n_kv, gpu.sms, group=group, hd=hd,
+                                   kv_dtype=k_slab.dtype)
     k_slab, v_slab, ks, vs, strides, precision = _common_args(q3, k_slab, v_slab, k_scale, v_scale, scaled)
     dot16 = q.dtype == torch.bfloat16 and dot_fp16(gpu.arch)
     if num_splits > 1:

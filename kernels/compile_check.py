@@ -64,7 +64,8 @@ class Arch:
 
     smem_limit: the most shared memory one block can have (cudaDevAttrMaxSharedMemoryPerBlockOptin,
     CUDA C Programming Guide, "Technical Specifications per Compute Capability": 64 KB on 7.5,
-    163 KB on 8.0, 99 KB on 8.6 and 8.9); Triton refuses a launch above it (`out of resource`)."""
+    163 KB on 8.0, 99 KB on 8.6 and 8.9, 227 KB on 9.0, 99 KB on 12.0); Triton refuses a launch
+    above it (`out of resource`)."""
     name: str
     cc: int
     smem_limit: int
@@ -75,8 +76,8 @@ class Arch:
 
     @property
     def issue_rate(self) -> float:
-        """Warp-instructions per second the GPU can issue: 4 schedulers per SM (Turing..Ada), one
-        warp-instruction per clock each."""
+        """Warp-instructions per second the GPU can issue: 4 schedulers per SM (Turing through
+        Blackwell), one warp-instruction per clock each."""
         return 4 * self.sms * self.boost_ghz * 1e9
 
 
@@ -86,6 +87,10 @@ ARCHS = {
     "sm_80": Arch("sm_80", 80, 163 * 1024, "A100 40GB (PCIe)", 108, 1.41, 1555.0),
     "sm_86": Arch("sm_86", 86, 99 * 1024, "RTX 3060 (12 GB)", 28, 1.777, 360.0),
     "sm_89": Arch("sm_89", 89, 99 * 1024, "RTX 4060 (8 GB)", 24, 2.46, 272.0),
+    # Hopper: the GPU machines this project is lent (H200: 132 SMs, 4.8 TB/s HBM3e).
+    "sm_90": Arch("sm_90", 90, 227 * 1024, "H200 (141 GB)", 132, 1.98, 4800.0),
+    # Blackwell consumer cards: the 8 GB RTX 5060 is the small-VRAM card of 2026 (30 SMs, 448 GB/s GDDR7).
+    "sm_120": Arch("sm_120", 120, 99 * 1024, "RTX 5060 (8 GB)", 30, 2.497, 448.0),
 }
 
 
@@ -316,11 +321,22 @@ def _sass(cubin: bytes) -> str:
 
 
 def _ptxas_log(ptx: str, arch: Arch) -> str:
-    """ptxas -v on the kernel's PTX (only when Triton's own compile was a cache hit: no log then)."""
+    """ptxas -v on the kernel's PTX (only when Triton's own compile was a cache hit: no log then),
+    with the ptxas Triton uses for the arch (triton 3.9: `ptxas-blackwell`, a newer one, from sm_90)
+    and the PTX's own target (sm_90a, sm_120a: Triton builds the arch-specific variants there)."""
+    m = re.search(r"^\s*\.target\s+(sm_\w+)", ptx, re.M)
+    target = m.group(1) if m else f"sm_{arch.cc}"
+    tool = _nvidia_tool("ptxas")
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        tool = get_ptxas(arch.cc).path
+    except (ImportError, AttributeError):  # older triton: one ptxas for every arch
+        pass
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / "k.ptx"
         src.write_text(ptx)
-        p = subprocess.run([_nvidia_tool("ptxas"), "-v", "--regAllocOptLevel=2", f"--gpu-name=sm_{arch.cc}",
+        p = subprocess.run([tool, "-v", "--regAllocOptLevel=2", f"--gpu-name={target}",
                             str(src), "-o", str(Path(d) / "k.o")], capture_output=True, text=True, check=True)
         return p.stdout + p.stderr
 

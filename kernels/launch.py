@@ -70,6 +70,10 @@ def check_device(fn: str, device: torch.device, triton_module) -> None:
 def kernels_on_cpu() -> Iterator[None]:
     """Inside: CPU tensors take the models' kernel path (needs TRITON_INTERPRET=1 set before triton
     is imported); tests use it to run every fused kernel the CUDA path runs."""
+    if interpreting():  # triton 3.6's interpreter with numpy >= 2.3 (kernels/interpreter_compat.py)
+        from .interpreter_compat import install
+
+        install()
     _state.cpu_kernels = getattr(_state, "cpu_kernels", 0) + 1
     try:
         yield
@@ -109,6 +113,7 @@ class LaunchRecord:
     """What `record_launches` saw: Triton launches (in order) and device-side torch ops by name."""
     triton: list[Launch] = field(default_factory=list)
     torch_ops: Counter = field(default_factory=Counter)
+    host_copies: int = 0  # host -> device copies among torch_ops (each a sync point when pageable)
 
     @property
     def n_triton(self) -> int:
@@ -130,6 +135,15 @@ def _on_device(x) -> bool:
     return isinstance(x, torch.Tensor) and x.device.type in ("cuda", "meta")
 
 
+def _host_to_device(func, args, out) -> bool:
+    """A `_to_copy` (tensor.to(device)) or `copy_` (dst.copy_(src)) from CPU memory to a device."""
+    if func.overloadpacket.__name__ == "copy_":
+        src, dst = args[1], args[0]
+    else:
+        src, dst = args[0], out
+    return isinstance(src, torch.Tensor) and src.device.type == "cpu" and _on_device(dst)
+
+
 def _make_mode(rec: LaunchRecord):
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
@@ -144,6 +158,8 @@ def _make_mode(rec: LaunchRecord):
                 flat_out, _ = tree_flatten(out)
                 if any(map(_on_device, flat_in)) or any(map(_on_device, flat_out)):
                     rec.torch_ops[name] += 1
+                    if name in ("_to_copy", "copy_") and _host_to_device(func, args, out):
+                        rec.host_copies += 1
             return out
 
     return _Count()

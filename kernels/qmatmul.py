@@ -474,14 +474,19 @@ def qmatmul(x: torch.Tensor, w: PackedQuant, out_dtype: torch.dtype | None = Non
                 FMT=w.ggml_type, BLOCK_M=block_m, BLOCK_N=block_n, EVEN_K=n_in % 256 == 0,
                 GELU_MUL=e2 is not None, GLU=glu, num_warps=warps)
         return y.reshape(*lead, n_y)
-    # Prefill: dequantize row chunks to scratch in x's dtype, the dense GEMM does the product.
+    # Prefill: dequantize row chunks to scratch in x's dtype, the dense GEMM does the product. A
+    # float32 output (the LM head's logits) gets a float32 product, as the GEMV gives it: a bf16
+    # GEMM would round the logits to bf16 (0.125 apart between 16 and 32) before the cast.
+    wide = out_dtype == torch.float32 and gelu_mul is None and not glu
+    gemm_dtype = torch.float32 if wide else x.dtype
+    xg = x2.to(gemm_dtype)
     y = torch.empty((m, n_out), dtype=x.dtype if glu else out_dtype, device=x.device)
     chunk = max(16, PREFILL_SCRATCH_VALUES // n_in)
-    scratch = torch.empty((min(chunk, n_out), n_in), dtype=x.dtype, device=x.device)
+    scratch = torch.empty((min(chunk, n_out), n_in), dtype=gemm_dtype, device=x.device)
     for r0 in range(0, n_out, chunk):
         r1 = min(n_out, r0 + chunk)
         wd = qdequantize_packed(w.row_slice(r0, r1), out=scratch[:r1 - r0])
-        y[:, r0:r1] = x2 @ wd.T        # x's dtype, cast on copy when out_dtype is float32
+        y[:, r0:r1] = xg @ wd.T        # gemm_dtype, cast on copy when out_dtype is float32
     if gelu_mul is not None:           # prefill: torch ops after the GEMM (one chunk, not per token)
         y = _gelu_mul_torch(y, gelu_mul.reshape(-1, n_out), out_dtype)
     elif glu:

@@ -58,9 +58,9 @@ class GGMLWeight:
 
         self.ggml_type, self.shape = int(ggml_type), (int(shape[0]), int(shape[1]))
         self.plain = ggml.Matrix(raw, self.ggml_type, self.shape, repack=False)  # holds the bytes
-        self.packed: Optional[object] = None
+        self.repacked: Optional[object] = None
         if ggml.repacks(self.ggml_type, self.shape[0]):
-            self.packed = ggml.Matrix(self.plain.raw, self.ggml_type, self.shape, repack=True)
+            self.repacked = ggml.Matrix(self.plain.raw, self.ggml_type, self.shape, repack=True)
 
     @property
     def raw(self) -> torch.Tensor:
@@ -76,11 +76,11 @@ class GGMLWeight:
 
     @property
     def nbytes(self) -> int:
-        return self.plain.nbytes + (self.packed.nbytes if self.packed is not None else 0)
+        return self.plain.nbytes + (self.repacked.nbytes if self.repacked is not None else 0)
 
     def matrix_for(self, rows: int):
         """The kernels.ggml.Matrix a product of `rows` rows runs on (module doc: PACKED_ROWS)."""
-        return self.packed if self.packed is not None and rows <= PACKED_ROWS else self.plain
+        return self.repacked if self.repacked is not None and rows <= PACKED_ROWS else self.plain
 
     def linear(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [..., in] -> [..., out]. float32 contiguous x (the CPU path's activations) goes in as

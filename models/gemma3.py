@@ -22,14 +22,13 @@ from .ops import (
     embedding_rows,
     ffn_residual,
     kernel_path,
-    linear,
     quant_rows_to_device,
     quantized_table,
     rms_norm,
     rope_dtype,
     rope_inv_freq,
     rows_to_device,
-    softcap,
+    head_logits,
 )
 from .weights import load_weights
 
@@ -170,7 +169,7 @@ class Gemma3Model(DecoderModel):
         return self.pre_norm(x, self.w["output_norm.weight"])
 
     def head(self, y: torch.Tensor) -> torch.Tensor:
-        return softcap(linear(y, self.head_w), self.cfg.final_softcap)
+        return head_logits(y, self.head_w, self.cfg.final_softcap)
 
 
 def load_gemma3(gguf, dtype=torch.float32, device="cpu", weight_dtype=None, quantized=False,

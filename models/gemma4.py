@@ -15,8 +15,8 @@ from .decoder import DecoderModel, Trace
 from .kv_cache import KVStore
 from .metadata import ConfigError, metadata_reader, vocab_size_of
 from .ops import (add_rms_norm, attend, attention_prologue, attn_residual, embedding_rows, ffn_residual, gated_mlp,
-                  gelu_tanh, kernel_path, linear, linear_gelu_mul, quant_rows_to_device, quantized_table,
-                  rms_norm, rope_dtype, rope_inv_freq, rows_to_device, scaled_add_rms_norm, softcap)
+                  gelu_tanh, head_logits, kernel_path, linear, linear_gelu_mul, quant_rows_to_device, quantized_table,
+                  rms_norm, rope_dtype, rope_inv_freq, rows_to_device, scaled_add_rms_norm)
 from .weights import load_weights
 
 
@@ -492,7 +492,7 @@ class Gemma4Model(DecoderModel):
 
     def head(self, y: torch.Tensor) -> torch.Tensor:
         """Logits (tied head + final softcap) for normed rows y [R, d] -> [R, V]."""
-        return softcap(linear(y, self.head_w), self.cfg.final_softcap)
+        return head_logits(y, self.head_w, self.cfg.final_softcap)
 
 
 def load_gemma4(gguf, dtype=torch.float32, device="cpu", weight_dtype=None, quantized=False,

@@ -503,6 +503,22 @@ def attend(cache, layer: int, source: int, q: torch.Tensor, pos: torch.Tensor, w
     return attention(q, ks, vs, pos, kpos, window, scale)
 
 
+def head_logits(y: torch.Tensor, w, cap: Optional[float]) -> torch.Tensor:
+    """float32 logits cap * tanh(y W^T / cap) of normed rows y [R, d] (the LM head, then the final
+    softcap), whatever y's dtype. On the kernel path the quantized head's GEMV writes float32 and
+    the softcap reads it: bf16 logits are 0.125 apart between 16 and 32, which made greedy ties
+    and moved probabilities by 6-13% against llama.cpp and the CPU path (issue 21 item 1). A dense
+    or CPU head computes in y's dtype (float32 on the CPU) and is widened after."""
+    packed = None if isinstance(w, torch.Tensor) else getattr(w, "packed", None)
+    if packed is not None:
+        from kernels.qmatmul import qmatmul
+
+        logits = qmatmul(y, packed, out_dtype=torch.float32)
+    else:
+        logits = linear(y, w).float()
+    return softcap(logits, cap)
+
+
 def softcap(x: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
     if not cap:
         return x

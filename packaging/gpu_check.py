@@ -1,29 +1,35 @@
 """`make gpu-check`: the one command to run on a machine with an NVIDIA GPU. Writes one Markdown report.
 
 Parts, each in its own process with its own time limit (one failing or running over does not stop
-the others; the whole run stays inside --budget seconds, 540 by default):
-  1. install   what the project needs and this Python lacks (pyproject dependencies + pytest);
+the others; the whole run stays inside --budget seconds):
+  1. install   what the project needs and this Python lacks (pyproject dependencies, pytest and
+               llama-cpp-python, which tests/test_cuda.py quantizes its tiny model with);
   2. pytest    `pytest -m cuda tests/test_cuda.py` with TRITON_INTERPRET=0;
   3. gemv      per-kernel bandwidth: each decode GEMV format at E2B and E4B shapes through
                `QuantWeight.linear` (engine/kernel_bench.py), GB/s and share of the device's peak;
   4. bench     `edgegem bench --synthetic e2b|e4b --device cuda --gpu-memory-budget 8GiB`, KV bf16
                and int8_per_token_head (engine.bench.gpu_bench through the CLI).
-The report goes to --out, else $OUT/gpu-check.md when $OUT is set, else ./gpu-check.md; its path
-is printed last.
+`--quick` (what `make gpu-check` runs; a GPU machine may be lent for a quarter of an hour, install
+included): the same parts with the GEMV table at E2B's shapes and one E2B bench (bf16 KV), inside
+440 s. `--dry-run`: every step but the GPU ones, on any machine: the install (and, with `.whl/`,
+a check that its wheels install on the GPU machine's Python), the CUDA tests collected but not
+run, the GPU parts listed as skipped; tests/test_gpu_check.py runs it on the CPU.
+The report is rewritten after every part, so a run cut short (the device's time limit) still leaves
+the figures of the parts that finished. It goes to --out, else $OUT/gpu-check.md when $OUT is set,
+else ./gpu-check.md; its path is printed last.
 
 Installing without network. A GPU machine with no package index (the device machine of the
 workplace this was written in has torch 2.11 + triton 3.6 but no gguf, textual or platformdirs)
-gets the missing packages as wheels in `.whl/` at the repository root, downloaded beforehand on a
-machine with network, for the GPU machine's Python (3.12 there), e.g.:
-    echo /.whl/ >> .git/info/exclude
-    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \\
-        -d .whl gguf==0.19.0 textual==8.2.8 platformdirs==4.14.9 mdit-py-plugins==0.7.0 linkify-it-py==2.2.0
-(pure-Python wheels, 1.1 MB together; gguf's numpy/pyyaml/requests/tqdm and textual's rich, pygments,
-markdown-it-py and typing-extensions were on that machine already; `unzip -p .whl/NAME-*.whl
-'*/METADATA' | grep ^Requires-Dist` lists what each needs, to add any another machine lacks). When `.whl/` exists the install step runs
-`pip install --no-index --find-links .whl NAMES` (pip takes what is already installed from the
-environment and the rest from the folder); otherwise a plain `pip install NAMES`.
+installs the missing packages from wheels in `.whl/` at the repository root (git-ignored: name it in
+the device run's `carry`), filled on a machine with pip's cache by `make wheels` (`python3
+packaging/gpu_check.py wheels`): the pure-Python wheels of GPU_WHEELS at this machine's versions for
+the GPU machine's Python (`--python-version`, 3.12 by default), downloaded with --no-deps (their
+other dependencies, numpy, pyyaml, requests, rich, ..., are on that machine already), and
+llama-cpp-python 0.3.36 as the wheel pip built here for `make test` (its library is loaded through
+ctypes, so the wheel is py3-none-linux_x86_64 and serves any Python). About 26 MB in all.
+When `.whl/` exists the install step runs `pip install --no-index --find-links .whl NAMES` (pip
+takes what is already installed from the environment and the rest from the folder); otherwise a
+plain `pip install NAMES`.
 """
 from __future__ import annotations
 
@@ -41,10 +47,18 @@ from pathlib import Path
 from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
+WHEEL_DIR = REPO / ".whl"
 BENCH_RUNS = [(variant, kv) for variant in ("e2b", "e4b") for kv in ("bf16", "int8_per_token_head")]
+QUICK_BENCH_RUNS = [("e2b", "bf16")]
 # Seconds per part (cut to what is left of --budget): the first bench of a process also JIT-compiles
 # every kernel it launches (~1 s each), later ones reuse Triton's on-disk cache.
 LIMITS = {"install": 120, "pytest": 180, "gemv": 120, "bench": 120}
+# --quick: 440 s in all, so `make gpu-check` (python start, report) ends inside 8 minutes.
+QUICK_LIMITS = {"install": 60, "pytest": 150, "gemv": 90, "bench": 140}
+QUICK_BUDGET = 440.0
+# What a GPU machine lacks (textual's markdown plugins with it) and `make wheels` carries in .whl/.
+GPU_WHEELS = ("gguf", "textual", "platformdirs", "mdit-py-plugins", "linkify-it-py", "diskcache")
+LLAMA = "llama-cpp-python==0.3.36"  # tests/test_cuda.py's quantizer; built once by `make test`
 
 
 @dataclass
@@ -95,11 +109,11 @@ def run_part(name: str, cmd: list[str], timeout: float, env: Optional[dict] = No
 # ------------------------------------------------------------------------------------- install
 
 def requirements() -> list[str]:
-    """Distribution names the check needs: pyproject's dependencies, plus pytest."""
+    """Distribution names the check needs: pyproject's dependencies, pytest and llama-cpp-python."""
     import tomllib
 
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
-    return [re.match(r"[A-Za-z0-9_.\-]+", d).group(0) for d in deps] + ["pytest"]
+    return [re.match(r"[A-Za-z0-9_.\-]+", d).group(0) for d in deps] + ["pytest", "llama-cpp-python"]
 
 
 def missing_distributions(names: list[str]) -> list[str]:
@@ -112,12 +126,50 @@ def missing_distributions(names: list[str]) -> list[str]:
     return out
 
 
-def install_command(missing: list[str], wheel_dir: Path = REPO / ".whl") -> list[str]:
+def install_command(missing: list[str], wheel_dir: Path = WHEEL_DIR) -> list[str]:
     """pip from the wheels in `wheel_dir` when it exists (no network), else from the index."""
     cmd = [sys.executable, "-m", "pip", "install", "--quiet"]
     if wheel_dir.is_dir():
         cmd += ["--no-index", "--find-links", str(wheel_dir)]
     return cmd + missing
+
+
+def wheel_commands(wheel_dir: Path = WHEEL_DIR, python_version: str = "3.12") -> list[list[str]]:
+    """What `make wheels` runs: pip download of GPU_WHEELS (this machine's versions, pure-Python
+    wheels for `python_version`, from pip's cache where it has them) and pip wheel of LLAMA (the
+    wheel pip's cache holds from building it for `make test`; built again, ~5 minutes, if not)."""
+    pins = []
+    for name in GPU_WHEELS:
+        try:
+            pins.append(f"{name}=={metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            pins.append(name)
+    pip = [sys.executable, "-m", "pip"]
+    return [pip + ["download", "--quiet", "--no-deps", "--only-binary=:all:", "--python-version", python_version,
+                   "--implementation", "py", "--abi", "none", "--platform", "any", "-d", str(wheel_dir), *pins],
+            pip + ["wheel", "--quiet", "--no-deps", "-w", str(wheel_dir), LLAMA]]
+
+
+def wheels_main(wheel_dir: Path = WHEEL_DIR, python_version: str = "3.12") -> int:
+    """`make wheels`: fill `wheel_dir` (created) for a GPU machine without a package index."""
+    wheel_dir.mkdir(parents=True, exist_ok=True)
+    for cmd in wheel_commands(wheel_dir, python_version):
+        print("+", " ".join(cmd), flush=True)
+        rc = subprocess.run(cmd).returncode
+        if rc:
+            return rc
+    wheels = sorted(wheel_dir.glob("*.whl"))
+    total = sum(w.stat().st_size for w in wheels)
+    print(f"{len(wheels)} wheels in {wheel_dir} ({total / 2**20:.1f} MiB): " + ", ".join(w.name for w in wheels))
+    return 0
+
+
+def wheel_check_command(wheel_dir: Path = WHEEL_DIR, python_version: str = "3.12") -> list[str]:
+    """Dry run: pip resolves every GPU wheel (and llama-cpp-python) from `wheel_dir` alone for the
+    GPU machine's Python, as the install step there would, installing nothing."""
+    return [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-deps",
+            "--no-index", "--find-links", str(wheel_dir), "--only-binary=:all:", "--python-version", python_version,
+            *GPU_WHEELS, LLAMA]
 
 
 # ----------------------------------------------------------------------------------- the parts
@@ -128,10 +180,11 @@ def _env() -> dict:
     return env
 
 
-def bench_cmd(variant: str, kv: str) -> list[str]:
+def bench_cmd(variant: str, kv: str, quick: bool = False) -> list[str]:
     return [sys.executable, "-m", "app.cli", "bench", "--synthetic", variant, "--device", "cuda",
             "--gpu-memory-budget", "8GiB", "--kv-cache-dtype", kv, "--swa-kv-cache-dtype", kv,
-            "--prompt-lengths", "512,2048", "--contexts", "0,4096", "--decode-steps", "32", "--json"]
+            "--prompt-lengths", "512,2048", "--contexts", "0,4096" if quick else "0,4096,32768",
+            "--decode-steps", "32", "--json"]
 
 
 def _json_tail(text: str) -> dict:
@@ -144,43 +197,60 @@ def _json_tail(text: str) -> dict:
         return {}
 
 
-def microbench_main(out_path: str, iters: int) -> int:
+def microbench_main(out_path: str, iters: int, variants: str = "e2b,e4b") -> int:
     """The gemv part, in its own process: the sweep as JSON to `out_path`."""
     import torch
 
     from engine.kernel_bench import gemv_sweep
 
-    rows = gemv_sweep(iters=iters)
+    rows = gemv_sweep(variants.split(","), iters=iters)
     Path(out_path).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
     return 0
 
 
-def run_all(args) -> list[Part]:
+def run_all(args, report: Optional[Path] = None) -> list[Part]:
+    """Every part in order; the report (when given) is rewritten after each one."""
     deadline = time.perf_counter() + args.budget
-    left = lambda part: min(LIMITS[part], deadline - time.perf_counter())  # noqa: E731
+    limits = QUICK_LIMITS if args.quick else LIMITS
+    left = lambda part: min(limits[part], deadline - time.perf_counter())  # noqa: E731
     env, parts = _env(), []
+
+    def done(part: Part) -> None:
+        parts.append(part)
+        if report is not None:
+            write_report(parts, report, quick=args.quick, dry_run=args.dry_run)
 
     missing = missing_distributions(requirements())
     if args.skip_install or not missing:
-        parts.append(Part("install", [], skipped="--skip-install" if args.skip_install else "nothing missing"))
+        install = Part("install", [], skipped="--skip-install" if args.skip_install else "nothing missing")
     else:
-        parts.append(run_part("install", install_command(missing), left("install"), env))
-    parts[-1].data["missing"] = missing
+        install = run_part("install", install_command(missing), left("install"), env)
+    install.data["missing"] = missing
+    done(install)
+    if args.dry_run and WHEEL_DIR.is_dir():
+        done(run_part("wheels", wheel_check_command(), left("install"), env))
 
-    parts.append(run_part("pytest", [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rA", "-p",
-                                     "no:cacheprovider", "tests/test_cuda.py"], left("pytest"), env))
+    pytest_cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rA", "-p", "no:cacheprovider",
+                  "tests/test_cuda.py"]
+    done(run_part("pytest", pytest_cmd + (["--collect-only"] if args.dry_run else []), left("pytest"), env))
 
     gemv_json = Path(args.work_dir) / "gemv.json"
-    gemv = run_part("gemv", [sys.executable, str(Path(__file__).resolve()), "_microbench", str(gemv_json),
-                             str(args.iters)], left("gemv"), env)
+    gemv_cmd = [sys.executable, str(Path(__file__).resolve()), "_microbench", str(gemv_json), str(args.iters),
+                "e2b" if args.quick else "e2b,e4b"]
+    runs = [(f"bench {variant} {kv}", bench_cmd(variant, kv, args.quick))
+            for variant, kv in (QUICK_BENCH_RUNS if args.quick else BENCH_RUNS)]
+    if args.dry_run:  # the GPU parts: listed with their commands, not run
+        for name, cmd in [("gemv", gemv_cmd)] + runs:
+            done(Part(name, cmd, skipped="dry run: needs a GPU"))
+        return parts
+    gemv = run_part("gemv", gemv_cmd, left("gemv"), env)
     if gemv_json.exists():
         gemv.data = json.loads(gemv_json.read_text())
-    parts.append(gemv)
-
-    for variant, kv in BENCH_RUNS:
-        p = run_part(f"bench {variant} {kv}", bench_cmd(variant, kv), left("bench"), env)
+    done(gemv)
+    for name, cmd in runs:
+        p = run_part(name, cmd, left("bench"), env)
         p.data = _json_tail(p.output) if p.rc == 0 else {}
-        parts.append(p)
+        done(p)
     return parts
 
 
@@ -222,12 +292,20 @@ def _bench_rows(parts: list[Part]) -> list[str]:
     return rows
 
 
-def write_report(parts: list[Part], path: Path, machine: Optional[list[str]] = None) -> Path:
+_MACHINE: list[str] = []  # _machine() once a run (nvidia-smi takes a moment)
+
+
+def write_report(parts: list[Part], path: Path, machine: Optional[list[str]] = None, quick: bool = False,
+                 dry_run: bool = False) -> Path:
     """One Markdown file: machine, a status line per part, then each part's figures and output."""
     from engine.kernel_bench import sweep_table
 
+    if machine is None:
+        _MACHINE[:] = _MACHINE or _machine()
+        machine = _MACHINE
+    mode = " --quick" * quick + " --dry-run" * dry_run
     lines = ["# edgegem gpu-check", "", f"{time.strftime('%Y-%m-%d %H:%M:%S')}, from `make gpu-check` "
-             "(packaging/gpu_check.py)", "", "## Machine", *(machine if machine is not None else _machine()), "",
+             f"(packaging/gpu_check.py{mode})", "", "## Machine", *machine, "",
              "## Parts", "| part | status | seconds |", "| --- | --- | ---: |"]
     lines += [f"| {p.name} | {p.status} | {p.seconds:.1f} |" for p in parts]
     for p in parts:
@@ -258,11 +336,16 @@ def default_out() -> Path:
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="GPU checks and benchmarks, one Markdown report")
     p.add_argument("--out", type=Path, help="report path (default: $OUT/gpu-check.md, else ./gpu-check.md)")
-    p.add_argument("--budget", type=float, default=540.0, help="seconds for all parts together")
+    p.add_argument("--quick", action="store_true",
+                   help=f"the CUDA tests, the E2B GEMV table and one E2B bench, inside {QUICK_BUDGET:.0f} s")
+    p.add_argument("--dry-run", action="store_true", help="every step but the GPU ones (runs on any machine)")
+    p.add_argument("--budget", type=float, default=None,
+                   help=f"seconds for all parts together (default 540, {QUICK_BUDGET:.0f} with --quick)")
     p.add_argument("--iters", type=int, default=100, help="timed calls per GEMV measurement")
     p.add_argument("--skip-install", action="store_true")
     p.add_argument("--work-dir", default=None, help="scratch folder (default: next to the report)")
     a = p.parse_args(argv)
+    a.budget = a.budget if a.budget is not None else QUICK_BUDGET if a.quick else 540.0
     a.out = a.out or default_out()
     a.work_dir = a.work_dir or str(Path(a.out).resolve().parent)
     return a
@@ -271,11 +354,18 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_microbench"]:
-        return microbench_main(argv[1], int(argv[2]))
+        return microbench_main(argv[1], int(argv[2]), *argv[3:4])
+    if argv[:1] == ["wheels"]:
+        w = argparse.ArgumentParser(prog="gpu_check.py wheels", description="fill .whl/ for a GPU machine")
+        w.add_argument("--wheel-dir", type=Path, default=WHEEL_DIR)
+        w.add_argument("--python-version", default="3.12", help="the GPU machine's Python (default 3.12)")
+        wa = w.parse_args(argv[1:])
+        return wheels_main(wa.wheel_dir, wa.python_version)
     args = parse_args(argv)
     Path(args.work_dir).mkdir(parents=True, exist_ok=True)
-    parts = run_all(args)
-    path = write_report(parts, Path(args.out))
+    path = Path(args.out)
+    parts = run_all(args, path)
+    write_report(parts, path, quick=args.quick, dry_run=args.dry_run)
     for p in parts:
         print(f"{p.name:28s} {p.status}")
     print(f"report: {path.resolve()}")

@@ -78,7 +78,7 @@ def test_every_matrix_is_a_ggml_product(fast, tiny_q4km):
     head = f.tensor("token_embd.weight")
     assert torch.equal(w["token_embd.weight"].raw.reshape(-1), torch.from_numpy(head.read()))  # the file's bytes
     gate_up = w["blk.0.ffn_gate_up.weight"]
-    assert gate_up.packed is not None and gate_up.packed.repacked == ggml.repacks(gate_up.ggml_type, gate_up.shape[0])
+    assert gate_up.repacked is not None and gate_up.repacked.repacked == ggml.repacks(gate_up.ggml_type, gate_up.shape[0])
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

@@ -19,7 +19,8 @@ from engine.attention_backend import get_attention_backend  # noqa: E402
 from engine.batch_decode import capacity_of, decode_splits as table_splits  # noqa: E402
 from engine.kv_format import FormatUnsupported, resolve_format  # noqa: E402
 from kernels import arch  # noqa: E402
-from kernels.attention import SPLIT_MIN_KEYS, decode_attention, decode_splits, extend_attention  # noqa: E402
+from kernels.attention import (MERGE_SHARE, SPLIT_MIN_KEYS, decode_attention, decode_splits, extend_attention,  # noqa: E402
+                               merge_read_bytes, split_read_bytes)
 from kernels.launch import record_launches, use_kernels  # noqa: E402
 
 META = torch.device("meta")
@@ -37,17 +38,57 @@ def fake_cuda(monkeypatch):
 
 # --- the split rule --------------------------------------------------------------------------------
 
+# (n_h / n_kv = group, n_kv, hd) of the layers the split rule serves: E2B full / sliding, E4B full / sliding
+LAYER_SHAPES = [(8, 1, 512), (8, 1, 256), (4, 2, 512), (4, 2, 256)]
+KV_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.float8_e4m3fn]
+
+
+def _rule(keys, rows, n_kv, sms, group=8, hd=512, kv_dtype=torch.bfloat16):
+    return decode_splits(keys, rows, n_kv, sms, group=group, hd=hd, kv_dtype=kv_dtype)
+
+
+def test_the_merge_never_costs_more_than_a_quarter_of_a_split():
+    """Issue 21 item 2, over every SM count 20-170 and contexts 1K-128K (odd ones too), for E2B and
+    E4B layers, every KV format and 1-12 query rows: the last split's merge reads (every split's
+    fp32 [group, hd + 1] partial) at most MERGE_SHARE of what one split reads (its keys' K/V,
+    scales, slots and positions); below that cap the SM fill decides (>= 2 programs per SM, or
+    SPLIT_MIN_KEYS keys a split). Before, an H200 (132 SMs) gave E2B 264 splits from 17K keys and
+    a merge 4-33x a split."""
+    assert MERGE_SHARE <= 0.25
+    contexts = [1024, 1500, 2048, 4096, 8192, 17408, 32768, 50000, 65536, 131072]
+    for sms in range(20, 171):
+        for group, n_kv, hd in LAYER_SHAPES:
+            for kv in KV_DTYPES:
+                key_bytes = 2 * hd * kv.itemsize + (8 if kv in (torch.int8, torch.float8_e4m3fn) else 0) + 16
+                for keys in contexts:
+                    for rows in (1, 2, 3, 4, 12):
+                        s = _rule(keys, rows, n_kv, sms, group, hd, kv)
+                        split = -(-keys // s) * key_bytes
+                        merge = 0 if s == 1 else s * group * (hd + 1) * 4
+                        assert merge <= MERGE_SHARE * split, (sms, group, n_kv, hd, kv, keys, rows, s)
+                        assert merge == merge_read_bytes(s, group, hd) and split == split_read_bytes(keys, s, hd, kv)
+                        if rows * n_kv * s < 2 * sms and s < keys // SPLIT_MIN_KEYS:
+                            # the cap decided: one split more would make the merge of s + 1 partials
+                            # exceed the share of an even split (keys / (s + 1))
+                            more = s + 1
+                            assert more * more * group * (hd + 1) * 4 > MERGE_SHARE * keys * key_bytes, \
+                                (sms, group, hd, kv, keys, rows, s)
+    # the H200 case of the issue: capped, and the GPU still gets many programs at long contexts
+    assert _rule(17408, 1, 1, 132) == 23 and _rule(131072, 1, 1, 132) == 64
+
+
 @pytest.mark.parametrize("sms", [14, 28, 46, 132])
 def test_decode_splits_fill_the_gpu_where_keys_allow(sms):
     """Programs (rows x KV heads x splits) >= 2 per SM unless every split already holds only
-    SPLIT_MIN_KEYS keys; never a split with fewer keys than that (beyond the first)."""
+    SPLIT_MIN_KEYS keys or the merge cap binds; never a split with fewer keys than that (beyond the
+    first)."""
     for rows in (1, 2, 3, 4, 12):
         for n_kv in (1, 2):
             for keys in (16, 64, 100, 1000, 4096, 32768, 1 << 17):
-                s = decode_splits(keys, rows, n_kv, sms)
+                s = _rule(keys, rows, n_kv, sms)
                 assert s >= 1 and (s == 1 or s * SPLIT_MIN_KEYS <= keys), (rows, n_kv, keys, s)
                 if rows * n_kv * s < 2 * sms:
-                    assert s == max(1, keys // SPLIT_MIN_KEYS), (rows, n_kv, keys, s)
+                    assert s == max(1, min(keys // SPLIT_MIN_KEYS, _rule(keys, 1, 1, 10 ** 6))), (rows, n_kv, keys, s)
 
 
 def test_table_splits_are_constant_within_a_capacity_bucket():
@@ -58,11 +99,11 @@ def test_table_splits_are_constant_within_a_capacity_bucket():
         by_cap: dict[int, set] = {}
         for n in list(range(1, 300)) + list(range(4000, 4200)) + [8191, 8192, 8193]:
             cap = capacity_of(n)
-            by_cap.setdefault(cap, set()).add(table_splits(cap, rows, n_kv, META))
+            by_cap.setdefault(cap, set()).add(table_splits(cap, rows, n_kv, META, 8, 256, torch.bfloat16))
         assert all(len(v) == 1 for v in by_cap.values()), by_cap
-    assert table_splits(4096, 1, 1, META) == decode_splits(4096, 1, 1, arch.REFERENCE.sms) == 56
-    with arch.assume_gpu((7, 5), sms=16):
-        assert table_splits(4096, 1, 1, "cpu") == 32
+    assert table_splits(65536, 1, 1, META, 8, 512, torch.bfloat16) == _rule(65536, 1, 1, arch.REFERENCE.sms) == 45
+    with arch.assume_gpu((7, 5), sms=16):  # 32 programs wanted: fewer SMs, fewer splits
+        assert table_splits(65536, 1, 1, "cpu", 8, 512, torch.bfloat16) == 32
 
 
 def _decode_launches(record):
@@ -79,9 +120,9 @@ def test_dry_run_decode_grid_fixed_per_capacity_and_fills_the_gpu():
     a = _decode_launches(decode_step(model, 1, 1, 2100, torch_ops=False).record)
     b = _decode_launches(decode_step(model, 1, 1, 4000, torch_ops=False).record)
     assert a == b and len(a) == model.cfg.n_layer
-    full = [g for g, _ in a if g[2] == decode_splits(4096, 1, 1, arch.REFERENCE.sms)]
+    full = [g for g, _ in a if g[2] == _rule(4096, 1, 1, arch.REFERENCE.sms, 8, 512)]
     assert len(full) == sum(not s for s in model.cfg.is_sliding)
-    assert all(g[0] * g[1] * g[2] >= 2 * arch.REFERENCE.sms for g in full)
+    assert all(g[2] == 11 for g in full)  # the merge cap (fill alone wanted 56 on 28 SMs)
 
 
 # --- launch parameters follow the arch -------------------------------------------------------------
@@ -117,7 +158,8 @@ def test_a_cuda_device_answers_for_itself(fake_cuda):
     with arch.assume_gpu((8, 9)):  # the override is for launches with no GPU behind them
         assert arch.gpu_of(torch.device("cuda", 0)).arch == (7, 5)
         assert arch.gpu_of(META).arch == (8, 9)
-    assert table_splits(4096, 1, 1, "cuda") == 64  # 80 programs wanted, 4096 // 64 allowed
+    assert table_splits(65536, 1, 1, "cuda", 8, 512, torch.bfloat16) == 45  # 80 wanted, the merge cap allows 45
+    assert table_splits(65536, 1, 2, "cuda", 4, 256, torch.int8) == 40  # E4B-like: 40 wanted per KV head
 
 
 # --- fp8 KV below sm_80, the torch path below sm_75 --------------------------------------------------

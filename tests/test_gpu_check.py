@@ -98,3 +98,87 @@ def test_without_a_gpu_every_part_fails_on_its_own_and_the_report_is_written(tmp
     assert "| install | skipped (--skip-install) |" in text
     assert text.count("| bench e") >= 4 and "torch sees no CUDA device" in text  # each bench ran and failed
     assert "## gemv" in text and "## pytest" in text
+
+
+def test_quick_mode_runs_the_cuda_tests_the_e2b_gemv_table_and_one_e2b_bench():
+    a = gpu_check.parse_args(["--quick"])
+    assert a.quick and a.budget == gpu_check.QUICK_BUDGET <= 450  # + python start and report: < 8 min
+    assert sum(gpu_check.QUICK_LIMITS.values()) <= a.budget
+    assert gpu_check.parse_args([]).budget == 540.0 and gpu_check.parse_args(["--quick", "--budget", "99"]).budget == 99
+    assert gpu_check.QUICK_BENCH_RUNS == [("e2b", "bf16")]
+    cmd = gpu_check.bench_cmd("e2b", "bf16", quick=True)
+    assert cmd[cmd.index("--contexts") + 1] == "0,4096" and "--synthetic" in cmd
+
+
+REPO = _path.parents[1]
+
+
+def test_make_gpu_check_is_quick_and_make_wheels_fills_the_wheel_folder():
+    """`make gpu-check` runs the quick mode by default; `make wheels` runs gpu_check.py wheels."""
+    text = (REPO / "Makefile").read_text()
+    assert "GPU_CHECK_ARGS ?= --quick" in text and "$(VPY) packaging/gpu_check.py wheels" in text
+    dl, wheel = gpu_check.wheel_commands(Path("/w"), "3.12")
+    assert dl[3:5] == ["download", "--quiet"] and "--no-deps" in dl and dl[dl.index("--python-version") + 1] == "3.12"
+    assert {p.split("==")[0] for p in dl if "==" in p} == set(gpu_check.GPU_WHEELS)  # this machine's versions
+    assert wheel[3] == "wheel" and wheel[-1] == gpu_check.LLAMA and wheel[wheel.index("-w") + 1] == "/w"
+    assert "llama-cpp-python" in gpu_check.requirements()  # tests/test_cuda.py quantizes with it
+
+
+def test_the_report_is_written_after_every_part(monkeypatch, tmp_path):
+    """A run cut short (the device's time limit) still leaves the figures of the parts that ended:
+    the report is on disk, with every finished part, before the next part starts."""
+    out = tmp_path / "gpu-check.md"
+    seen = []
+
+    def fake_run_part(name, cmd, timeout, env=None):
+        seen.append((name, out.read_text() if out.exists() else ""))
+        return gpu_check.Part(name, cmd, rc=0, seconds=0.1, output=f"{name} output")
+
+    monkeypatch.setattr(gpu_check, "run_part", fake_run_part)
+    monkeypatch.setattr(gpu_check, "missing_distributions", lambda names: ["gguf"])
+    monkeypatch.setattr(gpu_check, "_MACHINE", ["- GPU: test"])
+    rc = gpu_check.main(["--quick", "--out", str(out)])
+    assert rc == 0
+    assert [name for name, _ in seen] == ["install", "pytest", "gemv", "bench e2b bf16"]
+    for i, (name, report) in enumerate(seen[1:], 1):
+        for earlier, _ in seen[:i]:
+            assert f"| {earlier} | ok |" in report, (name, earlier)
+        assert f"| {name} |" not in report
+    assert "packaging/gpu_check.py --quick)" in out.read_text()
+
+
+def test_dry_run_goes_through_every_step_but_the_gpu_ones(tmp_path):
+    """`--dry-run` on the CPU: the install check, the CUDA tests collected (imported, not run), the
+    GEMV table and the bench listed as skipped; with a wheel folder, pip checks that its wheels
+    install on the GPU machine's Python (3.12) from the folder alone."""
+    import time as _time
+
+    out = tmp_path / "gpu-check.md"
+    t0 = _time.perf_counter()
+    rc = gpu_check.main(["--dry-run", "--quick", "--skip-install", "--out", str(out)])
+    text = out.read_text()
+    assert rc == 0, text
+    assert "| install | skipped (--skip-install) |" in text and "| pytest | ok |" in text
+    assert "tests collected" in text or "test_cuda.py::" in text
+    assert "| gemv | skipped (dry run: needs a GPU) |" in text
+    assert "| bench e2b bf16 | skipped (dry run: needs a GPU) |" in text and "bench e4b" not in text
+    assert "packaging/gpu_check.py --quick --dry-run)" in text
+    assert _time.perf_counter() - t0 < 300  # no GPU step ran (a collection, an import of torch)
+
+
+def test_dry_run_checks_the_wheel_folder_for_the_gpu_python(monkeypatch, tmp_path):
+    """With `.whl/` present the dry run asks pip to resolve every GPU wheel from it alone; a folder
+    missing one fails that part (and the run), naming it."""
+    import subprocess
+
+    whl = tmp_path / ".whl"
+    whl.mkdir()
+    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+                    "--python-version", "3.12", "--implementation", "py", "--abi", "none", "--platform", "any",
+                    "-d", str(whl), "platformdirs"], check=True, capture_output=True)
+    monkeypatch.setattr(gpu_check, "WHEEL_DIR", whl)
+    part = gpu_check.run_part("wheels", gpu_check.wheel_check_command(whl), timeout=120)
+    assert part.rc != 0 and "gguf" in part.output  # the first wheel the folder lacks
+    ok = gpu_check.run_part("wheels", gpu_check.wheel_check_command(whl)[:-len(gpu_check.GPU_WHEELS) - 1]
+                            + ["platformdirs"], timeout=120)
+    assert ok.rc == 0 and "platformdirs" in ok.output

@@ -1,12 +1,15 @@
-"""Every Triton kernel the engine launches compiles for sm_75, sm_80, sm_86 and sm_89 with the
-wheel's ptxas, at the launch parameters the engine really uses (no GPU needed).
+"""Every Triton kernel the engine launches compiles for sm_75, sm_80, sm_86, sm_89, sm_90 (H100/H200)
+and sm_120 (RTX 50) with the wheel's ptxas, at the launch parameters the engine really uses (no GPU
+needed).
 
 The launches are recorded from meta-device dry runs of synthetic E2B and E4B (`engine/static_bench.py`
 `engine_specs`): decode steps at B = 1, 2, 4, a verify step (B = 1, T = 3) and a 2048-token prefill
-chunk, for every KV format; identical specializations compile once, and the results are kept in
-the test-data cache (a rerun compiles only what changed). Checked: no compile error, no register
-spill in a decode-path kernel (launched by a decode or verify step) on sm_80+ (and, issue 11 item
-4, on sm_75), and shared memory within each arch's per-block limit.
+chunk, for every KV format, and the float32 (`--exact`) model's B = 1 decode, verify and prefill
+with bf16, fp32 and int8 KV (its attention runs FMA dots over the 8 / 4 query heads of a KV head on
+every arch); identical specializations compile once, and the results are kept in the test-data
+cache (a rerun compiles only what changed). Checked: no compile error, no register spill in a
+decode-path kernel (launched by a decode or verify step) on sm_80+ (and, issue 11 item 4, on
+sm_75), and shared memory within each arch's per-block limit (227 KB on sm_90).
 
 Failures known today are listed in KNOWN, each with its reason: they are reported as expected
 failures, and an entry that no longer matches anything fails the test so that it gets removed.
@@ -23,7 +26,8 @@ from conftest import CACHE
 from engine.static_bench import compile_engine_kernels, compile_summary, decode_path
 
 pytestmark = pytest.mark.slow
-ARCHS = ("sm_75", "sm_80", "sm_86", "sm_89")
+ARCHS = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_120")
+SM80_PLUS = ARCHS[1:]
 
 
 @dataclass(frozen=True)
@@ -91,11 +95,25 @@ def test_every_kernel_compiles_for_every_arch(compiled):
         assert {"_gemv_kernel", "_decode_split_kernel", "_extend_kernel", "_qkv_norm_rope_store_kernel",
                 "_add_rms_norm_kernel"} <= {s.name for (s, a) in results if a == arch}, arch
     fp8 = {a for (s, a) in results if dict(s.constexprs).get("FP8")}
-    assert fp8 == {"sm_80", "sm_86", "sm_89"}  # fp8 KV is refused on Turing, so never built there
+    assert fp8 == set(SM80_PLUS)  # fp8 KV is refused on Turing, so never built there
     _judge("compile", [(s, a, r) for (s, a), r in results.items() if r.error], specs)
 
 
-@pytest.mark.parametrize("archs", [("sm_80", "sm_86", "sm_89"), ("sm_75",)], ids=["sm80_plus", "turing"])
+def test_the_float32_model_is_compiled_with_its_fma_attention_dots(compiled):
+    """The `--exact` model (fp32 activations) on every arch: its decode attention holds the head
+    group itself as the dot's M (E2B 8, E4B 4 query heads per KV head) over head-dim chunks of 32,
+    ieee fp32 FMA dots, and compiles without spills on the decode path."""
+    specs, results = compiled
+    for arch in ARCHS:
+        dec = [(s, r) for (s, a), r in results.items() if a == arch and s.name == "_decode_split_kernel"
+               and dict(s.signature)["q_ptr"] == "*fp32" and any(" fp32 " in lab for lab in specs[s])]
+        assert {dict(s.constexprs)["BLOCK_H"] for s, _ in dec} == {4, 8}, arch
+        assert all(dict(s.constexprs)["BLOCK_DK"] == 32 and dict(s.constexprs)["DOT_PRECISION"] == "ieee"
+                   for s, _ in dec), arch
+        assert all(not r.error and not r.spills for _, r in dec), arch
+
+
+@pytest.mark.parametrize("archs", [SM80_PLUS, ("sm_75",)], ids=["sm80_plus", "turing"])
 def test_no_register_spills_on_the_decode_path(compiled, archs):
     specs, results = compiled
     assert any(decode_path(labels) for labels in specs.values())

@@ -22,10 +22,15 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton", reason="the launch recorder intercepts Triton launches")
 
-from engine.dry_run import decode_step, dry_model  # noqa: E402
+from engine.dry_run import decode_step, dry_model, prefill_chunk  # noqa: E402
 
 PINNED = {"e2b": 404, "e4b": 486}
 TARGET = {"e2b": 450, "e4b": 520}  # issue 11
+
+
+@pytest.fixture(scope="module")
+def e2b():
+    return dry_model("e2b")
 
 
 @pytest.fixture(scope="module")
@@ -72,3 +77,19 @@ def test_decode_step_structure(steps, variant):
 @pytest.mark.parametrize("variant", ["e2b", "e4b"])
 def test_decode_step_meets_the_issue_target(steps, variant):
     assert steps[variant].kernels <= TARGET[variant], _breakdown(steps[variant])
+
+
+@pytest.mark.parametrize("chunk,context", [(64, 0), (300, 700), (1, 4096)], ids=["first-chunk", "chunk", "decode"])
+def test_one_host_to_device_copy_of_slot_tables_per_forward(e2b, chunk, context):
+    """Issue 21 item 3: an eager forward through the runner (a prefill chunk; its KV-shared layers'
+    last-token pass; a decode outside a graph) copies host data to the device twice: the gathered
+    embedding rows and the step's positions + slot tables, packed (pinned on CUDA, non-blocking).
+    Each pageable `.to(device)` makes the host wait for the GPU; attention did two per layer (74
+    copies for an E2B chunk)."""
+    run = prefill_chunk(e2b, chunk, context=context)
+    assert run.record.host_copies == 2, f"{run.record.host_copies} copies: {dict(run.record.torch_ops)}"
+
+
+def test_batched_decode_step_copies_its_inputs_once(steps):
+    """The batched decoder: the embedding rows and one packed buffer of every other input."""
+    assert steps["e2b"].record.host_copies == 2

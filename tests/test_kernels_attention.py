@@ -416,3 +416,40 @@ def test_split_merge_leaves_counters_at_zero():
         got = att.decode_attention(q, k, v, slots, k_pos, q_pos, 0.2, slot_indptr=indptr, num_splits=5)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert int(att._split_counters(q.device, B * n_kv).abs().sum()) == 0, step
+
+
+@pytest.mark.parametrize("sms,keys,kv_dtype", [(132, 2048, torch.bfloat16), (170, 3000, torch.int8),
+                                               (20, 1500, torch.float16)],
+                         ids=["h200-bf16", "170sm-int8", "20sm-fp16"])
+def test_decode_at_the_capped_split_count(sms, keys, kv_dtype):
+    """Issue 21 item 2: on a many-SM GPU the eager launcher takes the merge-capped split count
+    (`decode_splits`: E2B's head group of 8 at hd 256, 2048 keys on an H200 gets 8 splits, not the
+    32 the SM count alone allows), and the merged rows equal the reference."""
+    from triton.runtime.jit import KernelInterface
+
+    from kernels import attention as att
+
+    g = torch.Generator().manual_seed(keys)
+    n_h, n_kv, hd = 8, 1, 256
+    cap = keys + 37
+    k, v = (torch.zeros(cap, n_kv, hd, dtype=kv_dtype, device=DEVICE) for _ in range(2))
+    ks, vs = ((torch.zeros(cap, n_kv, device=DEVICE) for _ in range(2)) if kv_dtype in SCALED else (None, None))
+    slots = torch.randperm(cap, generator=g)[:keys].to(DEVICE)
+    kv_store_ref(torch.randn(keys, n_kv, hd, generator=g).to(DEVICE),
+                 torch.randn(keys, n_kv, hd, generator=g).to(DEVICE), k, v, slots, ks, vs)
+    k_pos = torch.randperm(keys, generator=g).to(DEVICE)
+    q = (torch.randn(n_h, hd, generator=g) * 0.3).to(DEVICE)
+    q_pos = torch.tensor([keys - 1], device=DEVICE)
+    want = decode_attention_ref(q, k, v, slots, k_pos, q_pos, 0.0625, None, ks, vs)
+    with assume_gpu((9, 0), sms=sms):
+        expect = att.decode_splits(keys, 1, n_kv, sms, group=n_h // n_kv, hd=hd, kv_dtype=kv_dtype)
+        grids = []
+        original = KernelInterface.__getitem__
+        KernelInterface.__getitem__ = lambda self, grid: grids.append(grid) or original(self, grid)
+        try:
+            got = decode_attention(q, k, v, slots, k_pos, q_pos, 0.0625, None, ks, vs, block_n=128)
+        finally:
+            KernelInterface.__getitem__ = original
+    assert grids == [(1, n_kv, expect)] and 1 < expect < -(-2 * sms // n_kv) and expect <= keys // 64
+    assert att.merge_read_bytes(expect, n_h, hd) <= att.MERGE_SHARE * att.split_read_bytes(keys, expect, hd, kv_dtype)
+    assert_close(got, want, *TOL[torch.float32], f"{expect} splits vs ref")
