@@ -67,7 +67,7 @@ def token_logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
     top: tuple = ()
     if k:
         vals, idx = lp.topk(min(k, lp.shape[-1]))
-        top = tuple(zip(idx.tolist(), vals.tolist()))
+        top = tuple(sorted(zip(idx.tolist(), vals.tolist()), key=lambda t: (-t[1], t[0])))  # ties: lower id first
     return TokenLogprob(int(token), float(lp[token]), top)
 
 
