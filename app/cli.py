@@ -12,7 +12,7 @@ import sys
 import threading
 from pathlib import Path
 
-from . import cli_chat, cli_kvcheck, cli_tools
+from . import cli_chat, cli_kvcheck, cli_serve, cli_tools
 
 EXIT_BAD_INPUT = 2
 
@@ -124,6 +124,7 @@ def _parser() -> argparse.ArgumentParser:
     _kv_session_arg(c)
     cli_tools.add_commands(sub)
     cli_kvcheck.add_command(sub)
+    cli_serve.add_command(sub, _engine_args, _image_model_args)
     return p
 
 
@@ -492,6 +493,7 @@ COMMANDS = {"app": cmd_app, "score": cmd_score, "tokenize": cmd_tokenize, "run":
             "bench": cmd_bench, "chat": cli_chat.cmd_chat}
 COMMANDS.update(cli_tools.COMMANDS)
 COMMANDS.update(cli_kvcheck.COMMANDS)
+COMMANDS.update(cli_serve.COMMANDS)
 
 
 def _with_default_command(argv: list[str]) -> list[str]:

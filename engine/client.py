@@ -62,6 +62,13 @@ def _with_image_markers(message: dict, image_tokens: int) -> dict:
     return {**message, "images": images, "content": place_markers(_text(message), len(images), IMAGE)}
 
 
+def image_marker() -> str:
+    """The text that stands for one image in a message (Gemma-4's `<|image|>`): images are placed
+    there, in order (messages without markers get their images before the text)."""
+    from models.gemma4_vision import IMAGE
+    return IMAGE
+
+
 class EngineClient(abc.ABC):
     @abc.abstractmethod
     def submit(self, messages: Sequence[dict], params: GenerationParams) -> int: ...
