@@ -36,6 +36,11 @@ def _parser() -> argparse.ArgumentParser:
                         "0 turns saving off)")
     # A chat should go on when it outgrows the context: the app drops the oldest turns by default.
     a.set_defaults(context_overflow="truncate")
+    srv = a.add_argument_group("API server in the app (--serve)")
+    srv.add_argument("--serve", nargs="?", type=int, const=cli_serve.DEFAULT_PORT, metavar="PORT",
+                     help=f"also serve the OpenAI and Ollama APIs on this app's engine (port {cli_serve.DEFAULT_PORT} "
+                          f"unless given); the status panel shows the address and the requests in flight")
+    cli_serve.add_server_args(srv)
 
     s = sub.add_parser("score", help="write float32 logits [n_tokens, vocab] of every position")
     s.add_argument("--model", required=True)
@@ -483,9 +488,20 @@ def cmd_app(a) -> int:
     budget = parse_size(a.kv_disk_budget) if a.kv_disk_budget not in ("0", "") else 0
     kv = {"kv_save": "evict", "kv_dir": str(store.data_dir / "kv"), "kv_disk_budget": budget} if budget else {}
     backend = EngineBackend(a.model, replace(_engine_options(a), **kv), a.device, mmproj=a.mmproj)
+    server = None
+    if a.serve is not None:  # refused (bad flags, port in use) in one line before the app starts
+        from .server.run import BackgroundServer
+        from .server.state import ServerState
+        cfg = cli_serve.server_config(a, a.serve)
+        cfg.kv_auto = bool(kv)  # API conversations' KV files go beside the app's, in one budget
+        server = BackgroundServer(ServerState(cfg), cfg)
     app = EdgegemApp(backend, store,
-                     default_settings={"image_tokens": a.image_tokens} if a.image_tokens else None)
-    app.run()
+                     default_settings={"image_tokens": a.image_tokens} if a.image_tokens else None, server=server)
+    try:
+        app.run()
+    finally:
+        if server is not None:
+            server.stop()
     return app.return_code or 0
 
 

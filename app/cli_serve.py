@@ -51,7 +51,7 @@ def server_config(a, port: int) -> ServerConfig:
                        allowed_hosts=list(a.allowed_hosts), cors_origins=list(a.cors_origin),
                        max_body=parse_size(a.max_body) if a.max_body else DEFAULT_MAX_BODY,
                        max_image_pixels=a.max_image_pixels, max_queued_requests=a.max_queued_requests,
-                       default_max_tokens=a.default_max_tokens)
+                       default_max_tokens=a.default_max_tokens, image_tokens=a.image_tokens or 280)
     if cfg.max_queued_requests < 0 or (cfg.default_max_tokens is not None and cfg.default_max_tokens < 1):
         raise ValueError("--max-queued-requests must be >= 0 and --default-max-tokens >= 1")
     cfg.check()

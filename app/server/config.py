@@ -53,6 +53,7 @@ class ServerConfig:
     max_queued_requests: int = 32  # waiting in the engine; past it, 429
     default_max_tokens: Optional[int] = None  # a request without one: None = up to the context
     kv_auto: bool = False  # --kv-dir: each conversation's KV saved, found again by its tokens
+    image_tokens: int = 280  # soft-token budget per image (--image-tokens)
 
     def check(self) -> None:
         """Refuse settings that would expose the model: one line saying why."""

@@ -91,7 +91,7 @@ def router(state: ServerState) -> APIRouter:
     async def chat(req: ChatRequest, request: Request):
         model = state.check_model(req.model)
         limit = state.info()["context_length"]
-        msgs, gen_params = P.ollama_chat(req, limit, cfg.default_max_tokens, cfg.max_image_pixels, cfg.kv_auto)
+        msgs, gen_params = P.ollama_chat(req, limit, cfg)
         t0 = time.perf_counter()
         gen = await state.start(lambda c, on, ql: c.submit(msgs, gen_params, on_event=on, queue_limit=ql))
         text = TokenText(gen.client)
@@ -112,7 +112,7 @@ def router(state: ServerState) -> APIRouter:
         if not req.prompt and not req.images and not req.context:  # Ollama: load the model, answer done
             return {"model": model, "created_at": _now(), "response": "", "done": True, "done_reason": "load"}
         limit = state.info()["context_length"]
-        msgs, images, gen_params = P.ollama_generate(req, limit, cfg.default_max_tokens, cfg.max_image_pixels)
+        msgs, images, gen_params = P.ollama_generate(req, limit, cfg)
         ids = _generate_ids(client, state, req, msgs, gen_params)
         t0 = time.perf_counter()
         if ids is None:

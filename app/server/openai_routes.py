@@ -83,7 +83,7 @@ def router(state: ServerState) -> APIRouter:
     async def chat(req: ChatCompletionRequest, request: Request):
         model_id = state.check_model(req.model)
         limit = state.info()["context_length"]
-        msgs, gen_params = P.openai_chat(req, limit, cfg.default_max_tokens, cfg.max_image_pixels, cfg.kv_auto)
+        msgs, gen_params = P.openai_chat(req, limit, cfg)
         gen = await state.start(lambda c, on, ql: c.submit(msgs, gen_params, on_event=on, queue_limit=ql))
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": model_id}
         text = TokenText(gen.client)
@@ -116,7 +116,7 @@ def router(state: ServerState) -> APIRouter:
         model_id = state.check_model(req.model)
         client = state.client()
         limit = state.info()["context_length"]
-        gen_params = P.openai_completion(req, limit, cfg.default_max_tokens)
+        gen_params = P.openai_completion(req, limit, cfg)
         prompt = P.completion_prompt(req)
         if isinstance(prompt, str):
             ids = client.tokenize(prompt, add_special=True)

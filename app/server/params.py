@@ -99,28 +99,28 @@ def openai_messages(req: ChatCompletionRequest, max_pixels: int) -> list[dict]:
     return out
 
 
-def openai_chat(req: ChatCompletionRequest, limit: int, default_max: Optional[int], max_pixels: int,
-                kv_auto: bool = False) -> tuple[list[dict], GenerationParams]:
+def openai_chat(req: ChatCompletionRequest, limit: int, cfg) -> tuple[list[dict], GenerationParams]:
+    """`cfg`: the ServerConfig (token default, image caps and budget, KV files)."""
     refuse_unwired(tools=req.tools, tool_choice=req.tool_choice, response_format=req.response_format,
                    tool_messages=any(m.role == "tool" or m.tool_calls for m in req.messages))
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    sampling = _openai_common(req, limit, default_max, max_tokens,
+    sampling = _openai_common(req, limit, cfg.default_max_tokens, max_tokens,
                               (req.top_logprobs or 0) if req.logprobs else None)
-    msgs = openai_messages(req, max_pixels)
+    msgs = openai_messages(req, cfg.max_image_pixels)
     return msgs, GenerationParams(sampling, thinking=openai_thinking(req), stop_strings=_stops(req.stop),
-                                  kv_auto=kv_auto)
+                                  kv_auto=cfg.kv_auto, image_tokens=cfg.image_tokens)
 
 
-def openai_completion(req: CompletionRequest, limit: int, default_max: Optional[int]) -> GenerationParams:
+def openai_completion(req: CompletionRequest, limit: int, cfg) -> GenerationParams:
     if req.suffix:
         raise APIError(400, "suffix (fill-in-the-middle) is not supported", "suffix")
     if req.echo and req.logprobs is not None:
         raise APIError(400, "echo with logprobs (the prompt's logprobs) is not supported", "echo")
     # OpenAI's completions default is 16 tokens
-    max_tokens = req.max_tokens if req.max_tokens is not None else (default_max or 16)
-    sampling = _openai_common(req, limit, default_max, max_tokens, req.logprobs)
+    max_tokens = req.max_tokens if req.max_tokens is not None else (cfg.default_max_tokens or 16)
+    sampling = _openai_common(req, limit, cfg.default_max_tokens, max_tokens, req.logprobs)
     return GenerationParams(sampling, stop_strings=_stops(req.stop))
 
 
@@ -160,8 +160,7 @@ def ollama_images(images: Optional[list[str]], max_pixels: int, where: str) -> l
     return [media.from_base64(im, max_pixels, f"{where}.{k}") for k, im in enumerate(images or ())]
 
 
-def ollama_chat(req: OllamaChat, limit: int, default_max: Optional[int], max_pixels: int,
-                kv_auto: bool = False) -> tuple[list[dict], GenerationParams]:
+def ollama_chat(req: OllamaChat, limit: int, cfg) -> tuple[list[dict], GenerationParams]:
     refuse_unwired(tools=req.tools, fmt=req.format,
                    tool_messages=any(m.role == "tool" or m.tool_calls for m in req.messages))
     if not req.messages:
@@ -169,16 +168,16 @@ def ollama_chat(req: OllamaChat, limit: int, default_max: Optional[int], max_pix
     msgs = []
     for i, m in enumerate(req.messages):
         msg = {"role": m.role, "content": m.content}
-        images = ollama_images(m.images, max_pixels, f"messages.{i}.images")
+        images = ollama_images(m.images, cfg.max_image_pixels, f"messages.{i}.images")
         if images:
             msg["images"] = images
         msgs.append(msg)
-    sampling, stops = ollama_sampling(req.options, limit, default_max, _ollama_logprobs(req))
-    return msgs, GenerationParams(sampling, thinking=bool(req.think), stop_strings=stops, kv_auto=kv_auto)
+    sampling, stops = ollama_sampling(req.options, limit, cfg.default_max_tokens, _ollama_logprobs(req))
+    return msgs, GenerationParams(sampling, thinking=bool(req.think), stop_strings=stops, kv_auto=cfg.kv_auto,
+                                  image_tokens=cfg.image_tokens)
 
 
-def ollama_generate(req: GenerateRequest, limit: int, default_max: Optional[int], max_pixels: int
-                    ) -> tuple[list[dict], list[bytes], GenerationParams]:
+def ollama_generate(req: GenerateRequest, limit: int, cfg) -> tuple[list[dict], list[bytes], GenerationParams]:
     """(messages for a templated prompt, or [] for raw, images, params)."""
     refuse_unwired(fmt=req.format)
     if req.suffix:
@@ -186,9 +185,9 @@ def ollama_generate(req: GenerateRequest, limit: int, default_max: Optional[int]
     if req.template:
         raise APIError(400, "template: a custom prompt template is not supported (the model's own is used)",
                        "template")
-    images = ollama_images(req.images, max_pixels, "images")
-    sampling, stops = ollama_sampling(req.options, limit, default_max, _ollama_logprobs(req))
-    params = GenerationParams(sampling, thinking=bool(req.think), stop_strings=stops)
+    images = ollama_images(req.images, cfg.max_image_pixels, "images")
+    sampling, stops = ollama_sampling(req.options, limit, cfg.default_max_tokens, _ollama_logprobs(req))
+    params = GenerationParams(sampling, thinking=bool(req.think), stop_strings=stops, image_tokens=cfg.image_tokens)
     if req.raw:
         return [], images, params
     msgs = ([{"role": "system", "content": req.system}] if req.system else [])
