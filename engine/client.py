@@ -287,8 +287,10 @@ class LocalClient(EngineClient):
         if kind == "add":
             _, ids, params, reply, images, on_event, queue_limit = cmd
             try:
-                if queue_limit is not None and len(self.engine.waiting) >= queue_limit:
-                    raise QueueFullError(f"{len(self.engine.waiting)} requests are waiting already "
+                e = self.engine
+                free = max(0, e.config.max_running_requests - len(e.running))  # admitted at the next step
+                if queue_limit is not None and len(e.waiting) + 1 - free > queue_limit:
+                    raise QueueFullError(f"{len(e.waiting)} requests are waiting already "
                                          f"(--max-queued-requests {queue_limit}); try again later")
                 req = self.engine.add(ids, params.sampling, params.stop_strings, kv_session=params.kv_session,
                                       images=images, kv_auto=params.kv_auto)

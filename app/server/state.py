@@ -32,6 +32,7 @@ class ServerState:
         self._lock = threading.Lock()
         self.in_flight = 0  # API requests generating or waiting (the app's status panel shows it)
         self.served = 0
+        self.aborted = 0  # requests whose client went away before the end
         self.started = time.time()
 
     # --- the engine -------------------------------------------------------------------------
@@ -132,4 +133,6 @@ class Generation:
         """The client went away (or the handler ended early): abort what is still running."""
         if not self.done:
             self.client.abort(self.rid)
+            with self.state._lock:
+                self.state.aborted += 1
             self._end()
