@@ -5,8 +5,9 @@ API clients resend a whole conversation every turn and name no file, so a reques
 prompt + answer is saved as `api-<sha256 of its tokens>.safetensors`. Each file is indexed under the
 sha256 of its whole token list and of its prompt part (a regenerated answer, or a history whose
 answer re-tokenizes differently, still finds the prompt); a prompt is looked up at each length the
-index has, longest first (one hash per length). A new save that extends the file its request came
-from replaces it, so a conversation keeps one file. The folder is scanned once (a restart finds
+index has, longest first (one hash per length). A request's new file replaces the file it was
+served from (the same conversation one turn shorter, or a regenerated answer), so a conversation
+keeps one file. The folder is scanned once (a restart finds
 every file written for this model); the writer thread adds files, the engine thread looks up.
 """
 from __future__ import annotations
@@ -74,19 +75,20 @@ class KVIndex:
         return None
 
     def added(self, path: Path, tokens: list[int], n_prompt: Optional[int], replaces: Optional[str]) -> None:
-        """Writer thread, after `path` was written: index it; delete `replaces` (the file its
-        request was served from) when the new tokens extend that file's whole token list."""
+        """Writer thread, after `path` was written: index it, and retire `replaces` (the file its
+        request was served from: the same conversation, one turn shorter, or a regenerated answer):
+        its keys that are prefixes of the new tokens now find the new file, and it is deleted."""
         with self._lock:
             self._add(Path(path), tokens, n_prompt)
             old = Path(replaces) if replaces else None
             if old is None or old == Path(path) or old not in self._keys:
                 return
-            n_old, d_old = self._keys[old][0]
-            if len(tokens) < n_old or digest(tokens[:n_old]) != d_old:
-                return  # another branch of the conversation (a regenerated answer): keep it
-            for key in self._keys.pop(old):  # its prefixes are the new file's prefixes too
-                self._by_key[key] = Path(path)
-                self._keys[Path(path)].append(key)
+            for n, d in self._keys.pop(old):
+                if self._by_key.get((n, d)) == old:
+                    del self._by_key[(n, d)]
+                    if n <= len(tokens) and digest(tokens[:n]) == d:
+                        self._by_key[(n, d)] = Path(path)
+                        self._keys[Path(path)].append((n, d))
         old.unlink(missing_ok=True)
 
     def removed(self, paths) -> None:
