@@ -48,7 +48,10 @@ class _NotifyingQueue(queue.Queue):
 
     def put(self, item, block=True, timeout=None):
         super().put(item, block, timeout)
-        self._notify()
+        try:
+            self._notify()
+        except Exception:  # noqa: BLE001 - a front end's wake-up (its loop gone) must not break a step
+            pass
 
 
 def _with_image_markers(message: dict, image_tokens: int) -> dict:

@@ -8,7 +8,7 @@ import time
 from datetime import datetime, timezone
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from . import params as P
 from .config import OLLAMA_VERSION
@@ -16,7 +16,7 @@ from .errors import APIError
 from .ollama_schemas import ChatRequest, GenerateRequest, ShowRequest
 from .openai_routes import engine_error
 from .output import ReasoningSplitter, TokenText, ollama_logprobs, split_all
-from .state import ServerState
+from .state import EngineStream, ServerState
 
 
 def _now() -> str:
@@ -96,7 +96,7 @@ def router(state: ServerState) -> APIRouter:
         gen = await state.start(lambda c, on, ql: c.submit(msgs, gen_params, on_event=on, queue_limit=ql))
         text = TokenText(gen.client)
         if req.stream:
-            return StreamingResponse(_stream(gen, model, t0, text, chat=True), media_type="application/x-ndjson")
+            return EngineStream(_stream(gen, model, t0, text, chat=True), gen, media_type="application/x-ndjson")
         raw, picked, _, last = await _collect(gen, request)
         if last is None:
             return JSONResponse({}, status_code=499)
@@ -123,8 +123,8 @@ def router(state: ServerState) -> APIRouter:
         text = TokenText(gen.client)
         split = not req.raw
         if req.stream:
-            return StreamingResponse(_stream(gen, model, t0, text, chat=False, split=split),
-                                     media_type="application/x-ndjson")
+            return EngineStream(_stream(gen, model, t0, text, chat=False, split=split), gen,
+                                media_type="application/x-ndjson")
         raw, picked, out_ids, last = await _collect(gen, request)
         if last is None:
             return JSONResponse({}, status_code=499)

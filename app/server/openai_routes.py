@@ -7,13 +7,13 @@ import time
 import uuid
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from . import params as P
 from .errors import APIError, error_body
 from .output import ReasoningSplitter, TokenText, chat_logprobs, completion_logprobs, split_all
 from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from .state import ServerState
+from .state import EngineStream, ServerState
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 FINISH = {"stop": "stop", "length": "length"}
@@ -89,8 +89,8 @@ def router(state: ServerState) -> APIRouter:
         text = TokenText(gen.client)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_chat_stream(gen, meta, text, include_usage), media_type="text/event-stream",
-                                     headers=SSE_HEADERS)
+            return EngineStream(_chat_stream(gen, meta, text, include_usage), gen, media_type="text/event-stream",
+                                headers=SSE_HEADERS)
         raw, picked, last = "", [], None
         async for ev in gen.events(request.is_disconnected):
             raw += ev.text
@@ -132,8 +132,8 @@ def router(state: ServerState) -> APIRouter:
         echo = prompt_text if req.echo else ""
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_completion_stream(gen, meta, text, echo, req.logprobs is not None, include_usage),
-                                     media_type="text/event-stream", headers=SSE_HEADERS)
+            return EngineStream(_completion_stream(gen, meta, text, echo, req.logprobs is not None, include_usage),
+                                gen, media_type="text/event-stream", headers=SSE_HEADERS)
         out, picked, last = "", [], None
         async for ev in gen.events(request.is_disconnected):
             out += ev.text

@@ -53,7 +53,12 @@ def _uvicorn(state: ServerState, quiet: bool, access_log: bool = False):
                             log_config=None if quiet else uvicorn.config.LOGGING_CONFIG,
                             timeout_graceful_shutdown=GRACEFUL_S, lifespan="off", server_header=False,
                             proxy_headers=False, ws="none")
-    return uvicorn.Server(config)
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            state.abort_all()  # streams end with "shutting down" and close inside the grace period
+            await super().shutdown(sockets)
+    return Server(config)
 
 
 def serve(state: ServerState, sock: socket.socket, access_log: bool = False) -> None:

@@ -24,6 +24,23 @@ from .errors import APIError
 DISCONNECT_POLL_S = 0.5  # a non-streaming request checks this often whether its client went away
 
 
+class EngineStream:
+    """A StreamingResponse whose request is aborted however the response ends: finished, the
+    client gone (Starlette cancels the response), or the server stopping. (An async generator
+    left suspended at a `yield` would only be closed when collected, maybe never.)"""
+
+    def __new__(cls, content, gen, **kw):
+        from starlette.responses import StreamingResponse
+
+        class _Stream(StreamingResponse):
+            async def __call__(self, scope, receive, send):
+                try:
+                    await super().__call__(scope, receive, send)
+                finally:
+                    gen.close()
+        return _Stream(content, **kw)
+
+
 class ServerState:
     def __init__(self, config: ServerConfig, client=None):
         self.config = config
@@ -33,6 +50,7 @@ class ServerState:
         self.in_flight = 0  # API requests generating or waiting (the app's status panel shows it)
         self.served = 0
         self.aborted = 0  # requests whose client went away before the end
+        self.live: set = set()  # Generations not finished yet
         self.started = time.time()
 
     # --- the engine -------------------------------------------------------------------------
@@ -82,17 +100,30 @@ class ServerState:
         wake = asyncio.Event()
 
         def on_event():
-            loop.call_soon_threadsafe(wake.set)
+            try:
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:  # the server's loop has closed (shutting down): nobody waits
+                pass
         try:
             rid = await run_in_threadpool(submit, client, on_event, self.config.max_queued_requests)
         except QueueFullError as e:
             raise APIError(429, str(e), code="queue_full") from None
         except ValueError as e:  # ContextOverflowError, ImageRequestError, ChatTemplateError, TokenizerError
             raise APIError(400, str(e) or type(e).__name__) from None
+        gen = Generation(self, client, rid, wake)
         with self._lock:
             self.in_flight += 1
             self.served += 1
-        return Generation(self, client, rid, wake)
+            self.live.add(gen)
+        return gen
+
+    def abort_all(self) -> None:
+        """The server is stopping: every request in flight ends now (its stream says so), so
+        connections close within the shutdown grace instead of being cancelled."""
+        with self._lock:
+            live = list(self.live)
+        for gen in live:
+            gen.client.abort(gen.rid)
 
 
 class Generation:
@@ -128,6 +159,7 @@ class Generation:
             self.done = True
             with self.state._lock:
                 self.state.in_flight -= 1
+                self.state.live.discard(self)
 
     def close(self) -> None:
         """The client went away (or the handler ended early): abort what is still running."""
