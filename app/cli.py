@@ -117,6 +117,16 @@ def _parser() -> argparse.ArgumentParser:
                    help="reopening a conversation from its KV file against prefilling it, and file size per "
                         "token per KV format")
     g.add_argument("--kv-lengths", default="2048,8192,32000", metavar="N,N,...", help="conversation lengths")
+    g = b.add_argument_group("API server (--serve)")
+    g.add_argument("--serve", action="store_true",
+                   help="edgegem serve beside llama_cpp.server on the same GGUF: aggregate decode tok/s with "
+                        "--clients concurrent streaming clients, and a long conversation's second-turn TTFT")
+    g.add_argument("--clients", default="1,4,16", metavar="N,N,...", help="--serve: concurrent clients per run")
+    g.add_argument("--serve-tokens", type=int, default=32, metavar="N", help="--serve: tokens per answer")
+    g.add_argument("--long-words", type=int, default=1200, metavar="N",
+                   help="--serve: words of the long conversation's first message")
+    g.add_argument("--max-running-requests", type=int, metavar="N",
+                   help="--serve: edgegem's running requests (default: its own default)")
     b.add_argument("--json", action="store_true")
 
     c = sub.add_parser("chat", help="plain line-by-line chat in the terminal (no full-screen app)")
@@ -411,7 +421,14 @@ def cmd_bench(a) -> int:
         raise ValueError("give --model or --synthetic, not both")
     _int_list(a.prompt_lengths, "--prompt-lengths")  # bad lists fail before any work starts
     _int_list(a.contexts, "--contexts")
-    if a.static:  # compiled, not run: kernels per step, bytes per token, GEMV instructions per byte
+    if a.serve:  # the API server beside llama-cpp-python's, each in its own process
+        from engine import api
+
+        from .server.bench import serve_bench
+        out = serve_bench(api.resolve_model(a.model), list(_int_list(a.clients, "--clients")), a.serve_tokens,
+                          a.long_words, a.threads, not a.no_llama_cpp, a.max_running_requests,
+                          progress=lambda s: print(s, file=sys.stderr))
+    elif a.static:  # compiled, not run: kernels per step, bytes per token, GEMV instructions per byte
         if not a.synthetic:
             raise ValueError("--static needs --synthetic e2b or e4b")
         from engine.static_bench import static_report
