@@ -4,7 +4,9 @@ on the same GGUF and machine, each in a process of its own, one after the other.
 - Aggregate decode: N concurrent streaming clients (1, 4, 16), each a different prompt through
   `/v1/completions` (the raw text on both servers, so no chat-template difference), greedy, a fixed
   token limit; tokens / wall time from the first request sent to the last stream's end. Tokens
-  are the streamed text chunks (both servers stream one token per chunk).
+  are the streamed text chunks (both servers stream one token per chunk). llama-cpp-python's
+  server runs one request at a time (its lock; `--interrupt_requests false` so a new request
+  waits instead of cutting the running stream off).
 - Second turn of a long conversation: a ~`long_tokens` excerpt of Pride and Prejudice and a question,
   answered; then the same text + answer + a second question: time to the first streamed token of
   that second turn (edgegem: its radix prefix cache; llama-cpp-python: it keeps the last prompt's
@@ -18,6 +20,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -38,7 +41,8 @@ def _start(cmd: list[str], ready: re.Pattern, env: dict, timeout: float = 300) -
         if not line and p.poll() is not None:
             break
         m = ready.search(line)
-        if m:
+        if m:  # keep reading its output, or a full pipe would stall it
+            threading.Thread(target=p.stdout.read, daemon=True).start()
             return p, m.group(1)
     p.kill()
     raise RuntimeError(f"{cmd[2]} did not start")
@@ -56,7 +60,7 @@ async def _one(client, url: str, prompt: str, n: int) -> tuple[int, Optional[flo
     """(tokens, time to first token, end) of one streamed completion."""
     t0 = time.perf_counter()
     first, tokens = None, 0
-    body = {"model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True}
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True}  # no model: each its own
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
@@ -94,7 +98,7 @@ async def _second_turn(url: str, long_words: int, n: int) -> dict:
     turn1 = f"{_long_text(long_words)}\n\nQuestion: who is Mr. Bingley?\nAnswer:"
     async with httpx.AsyncClient(timeout=None) as c:
         t1 = time.perf_counter()
-        body = {"model": "m", "prompt": turn1, "max_tokens": n, "temperature": 0}
+        body = {"prompt": turn1, "max_tokens": n, "temperature": 0}
         r = await c.post(f"{url}/v1/completions", json=body)
         r.raise_for_status()
         first_turn_s = time.perf_counter() - t1
@@ -128,7 +132,8 @@ def serve_bench(model: Path, clients: list[int], n_tokens: int = 32, long_words:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1", "--port",
-               str(port), "--n_ctx", "8192", "--verbose", "false"]
+               str(port), "--n_ctx", "8192", "--verbose", "false",
+               "--interrupt_requests", "false"]  # its default drops a running stream for each new request
         if threads:
             cmd += ["--n_threads", str(threads)]
         runs.append(("llama_cpp.server", cmd, re.compile(r"Uvicorn running on (http://\S+)")))
