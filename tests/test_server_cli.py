@@ -43,6 +43,12 @@ def test_unsafe_or_bad_settings_refuse_to_start_in_one_line(tiny, capsys, args, 
     assert time.perf_counter() - t0 < 5  # before the model loads
 
 
+def test_the_apps_serve_flag_refuses_the_same_settings_before_the_app_starts(tiny, capsys, tmp_path):
+    assert main(["--model", str(tiny), "--data-dir", str(tmp_path), "--serve", "8089", "--host", "0.0.0.0"]) == 2
+    err = capsys.readouterr().err
+    assert "--api-key" in err and err.count("\n") == 1
+
+
 def test_a_port_in_use_is_one_line(tiny, capsys):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

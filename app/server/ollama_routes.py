@@ -9,6 +9,7 @@ from datetime import datetime, timezone
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.concurrency import run_in_threadpool
 
 from . import params as P
 from .config import OLLAMA_VERSION
@@ -113,7 +114,7 @@ def router(state: ServerState) -> APIRouter:
             return {"model": model, "created_at": _now(), "response": "", "done": True, "done_reason": "load"}
         limit = state.info()["context_length"]
         msgs, images, gen_params = P.ollama_generate(req, limit, cfg)
-        ids = _generate_ids(client, state, req, msgs, gen_params)
+        ids = await run_in_threadpool(_generate_ids, client, state, req, msgs, gen_params)
         t0 = time.perf_counter()
         if ids is None:
             gen = await state.start(lambda c, on, ql: c.submit(msgs, gen_params, on_event=on, queue_limit=ql))

@@ -8,6 +8,7 @@ import uuid
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 
 from . import params as P
 from .errors import APIError, error_body
@@ -65,8 +66,8 @@ def router(state: ServerState) -> APIRouter:
 
     @r.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
-        client = state.client()
-        ids = client.tokenize(req.content, add_special=req.add_special, parse_special=req.parse_special)
+        client = state.client()  # a long text is tokenized off the event loop
+        ids = await run_in_threadpool(client.tokenize, req.content, req.add_special, req.parse_special)
         if not req.with_pieces:
             return {"tokens": ids}
         text = TokenText(client)
@@ -119,7 +120,7 @@ def router(state: ServerState) -> APIRouter:
         gen_params = P.openai_completion(req, limit, cfg)
         prompt = P.completion_prompt(req)
         if isinstance(prompt, str):
-            ids = client.tokenize(prompt, add_special=True)
+            ids = await run_in_threadpool(client.tokenize, prompt, True)
             prompt_text = prompt
         else:
             vocab = state.info()["vocab_size"]

@@ -15,6 +15,7 @@ import time
 from typing import Callable, Optional
 
 from starlette.concurrency import run_in_threadpool
+from starlette.responses import StreamingResponse
 
 from app.backend import QueueFullError
 
@@ -24,21 +25,20 @@ from .errors import APIError
 DISCONNECT_POLL_S = 0.5  # a non-streaming request checks this often whether its client went away
 
 
-class EngineStream:
+class EngineStream(StreamingResponse):
     """A StreamingResponse whose request is aborted however the response ends: finished, the
     client gone (Starlette cancels the response), or the server stopping. (An async generator
     left suspended at a `yield` would only be closed when collected, maybe never.)"""
 
-    def __new__(cls, content, gen, **kw):
-        from starlette.responses import StreamingResponse
+    def __init__(self, content, gen: "Generation", **kw):
+        super().__init__(content, **kw)
+        self.gen = gen
 
-        class _Stream(StreamingResponse):
-            async def __call__(self, scope, receive, send):
-                try:
-                    await super().__call__(scope, receive, send)
-                finally:
-                    gen.close()
-        return _Stream(content, **kw)
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.gen.close()
 
 
 class ServerState:
