@@ -135,7 +135,7 @@ def serve_bench(model: Path, clients: list[int], n_tokens: int = 32, long_words:
                str(port), "--n_ctx", "8192", "--verbose", "false",
                "--interrupt_requests", "false"]  # its default drops a running stream for each new request
         if threads:
-            cmd += ["--n_threads", str(threads)]
+            cmd += ["--n_threads", str(threads), "--n_threads_batch", str(threads)]
         runs.append(("llama_cpp.server", cmd, re.compile(r"Uvicorn running on (http://\S+)")))
     for name, cmd, ready in runs:
         progress(f"bench --serve: starting {name}")
