@@ -43,13 +43,15 @@ def _stream_text(oa, topic: str, n: int = N_TOKENS) -> str:
 
 
 def _stream_and_leave(server, topic: str, after: int) -> int:
-    """Read `after` content chunks of a stream, then drop the connection."""
+    """Read `after` text chunks of a long stream (a counting continuation: no end of turn before
+    its 300 tokens), then drop the connection."""
     got = 0
+    body = {"model": MODEL, "prompt": f"{topic}: 1, 2, 3, 4, 5, 6,", "stream": True, "max_tokens": 300,
+            "temperature": 0}
     with server.http() as h:
-        with h.stream("POST", "/v1/chat/completions", json={"model": MODEL, "messages": _msgs(topic), "stream": True,
-                                                            "max_tokens": 200, "temperature": 0}) as r:
+        with h.stream("POST", "/v1/completions", json=body) as r:
             for line in r.iter_lines():
-                if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                if line.startswith("data: {") and json.loads(line[6:])["choices"][0].get("text"):
                     got += 1
                     if got >= after:
                         break
