@@ -30,9 +30,12 @@ class EdgegemApp(App[int]):
     TITLE = "edgegem"
 
     def __init__(self, backend, store: Optional[Store] = None, data_dir: Optional[Path] = None,
-                 default_settings: Optional[dict] = None, plan_seconds: float = 1.0) -> None:
+                 default_settings: Optional[dict] = None, plan_seconds: float = 1.0, server=None) -> None:
         super().__init__()
         self.backend = backend
+        # `edgegem --serve`: app/server/run.BackgroundServer, bound already; it serves this app's
+        # engine (one model, one KV pool, one prefix cache) and answers 503 while a model loads.
+        self.server = server
         self.store = store or Store(data_dir)
         self.export_dir = self.store.data_dir / "exports"
         self.default_settings = default_settings or {}
@@ -49,6 +52,8 @@ class EdgegemApp(App[int]):
                 self._signals.append(sig)
         except (NotImplementedError, RuntimeError, ValueError):
             pass  # not the main thread, or a platform without loop signal handlers
+        if self.server is not None:
+            self.server.start()
         self.start_load()
 
     def _on_signal(self, code: int) -> None:
@@ -79,6 +84,8 @@ class EdgegemApp(App[int]):
 
     def on_loaded(self, msg: Loaded) -> None:
         self.session = msg.session
+        if self.server is not None:
+            self.server.state.set_client(msg.session.client)
         self.sub_title = msg.session.info.get("model", "")
         if isinstance(self.screen, LoadingScreen):
             self.screen.show_plan(msg.session.info.get("plan", []))
@@ -111,6 +118,8 @@ class EdgegemApp(App[int]):
 
     def reload(self, changes: dict) -> None:
         conv = self.screen.conversation_id if isinstance(self.screen, ChatScreen) else None
+        if self.server is not None:
+            self.server.state.set_client(None)  # 503 until the new model is in
         if self.session is not None:
             self.session.client.close()
             self.session = None
@@ -130,6 +139,9 @@ class EdgegemApp(App[int]):
         loop = asyncio.get_running_loop()
         for sig in getattr(self, "_signals", []):
             loop.remove_signal_handler(sig)
+        if self.server is not None:
+            self.server.state.set_client(None)
+            self.server.stop()
         if self.session is not None:
             self.session.client.close()
         self.store.close()

@@ -9,11 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
-from engine.api import EngineOptions, GenerationParams, SamplingParams, split_thinking
+from engine.api import EngineOptions, GenerationParams, QueueFullError, SamplingParams, image_marker, split_thinking
 from engine.media import as_audio_input, as_image_input  # path | bytes -> ImageInput / AudioInput, or a one-line ValueError
 
 __all__ = ["EngineBackend", "EngineOptions", "GenerationParams", "SamplingParams", "Session", "size",
-           "split_thinking", "plan_lines", "kv_pools", "exiting_on_signal", "as_image_input", "as_audio_input"]
+           "split_thinking", "plan_lines", "kv_pools", "exiting_on_signal", "as_image_input", "as_audio_input",
+           "image_marker", "QueueFullError"]
 
 # progress(fraction 0..1, one-line description)
 Progress = Callable[[float, str], None]

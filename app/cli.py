@@ -12,7 +12,7 @@ import sys
 import threading
 from pathlib import Path
 
-from . import cli_chat, cli_kvcheck, cli_tools
+from . import cli_chat, cli_kvcheck, cli_serve, cli_tools
 
 EXIT_BAD_INPUT = 2
 
@@ -36,6 +36,11 @@ def _parser() -> argparse.ArgumentParser:
                         "0 turns saving off)")
     # A chat should go on when it outgrows the context: the app drops the oldest turns by default.
     a.set_defaults(context_overflow="truncate")
+    srv = a.add_argument_group("API server in the app (--serve)")
+    srv.add_argument("--serve", nargs="?", type=int, const=cli_serve.DEFAULT_PORT, metavar="PORT",
+                     help=f"also serve the OpenAI and Ollama APIs on this app's engine (port {cli_serve.DEFAULT_PORT} "
+                          f"unless given); the status panel shows the address and the requests in flight")
+    cli_serve.add_server_args(srv)
 
     s = sub.add_parser("score", help="write float32 logits [n_tokens, vocab] of every position")
     s.add_argument("--model", required=True)
@@ -132,6 +137,16 @@ def _parser() -> argparse.ArgumentParser:
                    help="reopening a conversation from its KV file against prefilling it, and file size per "
                         "token per KV format")
     g.add_argument("--kv-lengths", default="2048,8192,32000", metavar="N,N,...", help="conversation lengths")
+    g = b.add_argument_group("API server (--serve)")
+    g.add_argument("--serve", action="store_true",
+                   help="edgegem serve beside llama_cpp.server on the same GGUF: aggregate decode tok/s with "
+                        "--clients concurrent streaming clients, and a long conversation's second-turn TTFT")
+    g.add_argument("--clients", default="1,4,16", metavar="N,N,...", help="--serve: concurrent clients per run")
+    g.add_argument("--serve-tokens", type=int, default=32, metavar="N", help="--serve: tokens per answer")
+    g.add_argument("--long-words", type=int, default=1200, metavar="N",
+                   help="--serve: words of the long conversation's first message")
+    g.add_argument("--max-running-requests", type=int, metavar="N",
+                   help="--serve: edgegem's running requests (default: its own default)")
     b.add_argument("--json", action="store_true")
 
     c = sub.add_parser("chat", help="plain line-by-line chat in the terminal (no full-screen app)")
@@ -145,6 +160,7 @@ def _parser() -> argparse.ArgumentParser:
     _kv_session_arg(c)
     cli_tools.add_commands(sub)
     cli_kvcheck.add_command(sub)
+    cli_serve.add_command(sub, _engine_args, _image_model_args)
     return p
 
 
@@ -460,6 +476,13 @@ def cmd_bench(a) -> int:
         from engine import api
         from engine.constraint_bench import constraint_bench
         out = constraint_bench(api.resolve_model(a.model), threads=a.threads)
+    elif a.serve:  # the API server beside llama-cpp-python's, each in its own process
+        from engine import api
+
+        from .server.bench import serve_bench
+        out = serve_bench(api.resolve_model(a.model), list(_int_list(a.clients, "--clients")), a.serve_tokens,
+                          a.long_words, a.threads, not a.no_llama_cpp, a.max_running_requests,
+                          progress=lambda s: print(s, file=sys.stderr))
     elif a.static:  # compiled, not run: kernels per step, bytes per token, GEMV instructions per byte
         if not a.synthetic:
             raise ValueError("--static needs --synthetic e2b or e4b")
@@ -558,9 +581,20 @@ def cmd_app(a) -> int:
     budget = parse_size(a.kv_disk_budget) if a.kv_disk_budget not in ("0", "") else 0
     kv = {"kv_save": "evict", "kv_dir": str(store.data_dir / "kv"), "kv_disk_budget": budget} if budget else {}
     backend = EngineBackend(a.model, replace(_engine_options(a), **kv), a.device, mmproj=a.mmproj)
+    server = None
+    if a.serve is not None:  # refused (bad flags, port in use) in one line before the app starts
+        from .server.run import BackgroundServer
+        from .server.state import ServerState
+        cfg = cli_serve.server_config(a, a.serve)
+        cfg.kv_auto = bool(kv)  # API conversations' KV files go beside the app's, in one budget
+        server = BackgroundServer(ServerState(cfg), cfg)
     app = EdgegemApp(backend, store,
-                     default_settings={"image_tokens": a.image_tokens} if a.image_tokens else None)
-    app.run()
+                     default_settings={"image_tokens": a.image_tokens} if a.image_tokens else None, server=server)
+    try:
+        app.run()
+    finally:
+        if server is not None:
+            server.stop()
     return app.return_code or 0
 
 
@@ -568,6 +602,7 @@ COMMANDS = {"app": cmd_app, "score": cmd_score, "tokenize": cmd_tokenize, "run":
             "bench": cmd_bench, "chat": cli_chat.cmd_chat}
 COMMANDS.update(cli_tools.COMMANDS)
 COMMANDS.update(cli_kvcheck.COMMANDS)
+COMMANDS.update(cli_serve.COMMANDS)
 
 
 def _with_default_command(argv: list[str]) -> list[str]:

@@ -4,6 +4,8 @@
 callers post commands and read per-request event queues, so a UI thread never blocks on the model.
 Conversations are rendered with the model's chat format here; with `--context-overflow truncate`
 the oldest whole turns after the system prompt are dropped until the prompt fits.
+Front ends that wait in an event loop (app/server/) pass `on_event`, called on the engine thread
+after each event is queued, and drain with `poll`; `queue_limit` bounds the engine's wait queue.
 """
 from __future__ import annotations
 
@@ -35,6 +37,29 @@ class GenerationParams:
     # "required" | {"type": "function", "function": {"name": ...}} (engine/structured.py)
     tools: Optional[Sequence[dict]] = None
     tool_choice: Any = None
+    kv_auto: bool = False  # the engine's kv_dir: the file the prompt extends serves it, saved there after
+
+
+KEEP_PROMPTS = 1024  # last_prompt_ids answers for this many recent requests (a server makes many)
+
+
+class QueueFullError(RuntimeError):
+    """The engine's wait queue is at the caller's `queue_limit` (a server answers 429)."""
+
+
+class _NotifyingQueue(queue.Queue):
+    """A request's event queue that calls `notify()` (on the engine thread) after each put."""
+
+    def __init__(self, notify):
+        super().__init__()
+        self._notify = notify
+
+    def put(self, item, block=True, timeout=None):
+        super().put(item, block, timeout)
+        try:
+            self._notify()
+        except Exception:  # noqa: BLE001 - a front end's wake-up (its loop gone) must not break a step
+            pass
 
 
 def _with_media_markers(message: dict, image_tokens: int) -> dict:
@@ -51,6 +76,13 @@ def _with_media_markers(message: dict, image_tokens: int) -> dict:
     audio = [as_audio_input(clip) for clip in message.get("audio", ())]
     text = place_markers(place_markers(_text(message), len(audio), AUDIO), len(images), IMAGE)
     return {**message, "images": images, "audio": audio, "content": text}
+
+
+def image_marker() -> str:
+    """The text that stands for one image in a message (Gemma-4's `<|image|>`): images are placed
+    there, in order (messages without markers get their images before the text)."""
+    from models.gemma4_vision import IMAGE
+    return IMAGE
 
 
 class EngineClient(abc.ABC):
@@ -123,31 +155,90 @@ class LocalClient(EngineClient):
             msgs = msgs[:first] + msgs[nxt:]
 
     # --- the interface ---------------------------------------------------------------------
-    def submit(self, messages: Sequence[dict], params: GenerationParams = GenerationParams()) -> int:
+    def submit(self, messages: Sequence[dict], params: GenerationParams = GenerationParams(),
+               on_event=None, queue_limit: Optional[int] = None) -> int:
         """messages: [{"role", "content", optional "images": [ImageInput | path | bytes, ...],
-        optional "audio": [AudioInput | path | bytes, ...]}]."""
+        optional "audio": [AudioInput | path | bytes, ...]}]. `on_event()`: called on the engine
+        thread after each event of this request is queued; `queue_limit`: QueueFullError when that
+        many requests already wait."""
         grammar = request_grammar(params, self.loaded.tokenizer)   # ConstraintError: bad schema/tools
         ids, media = self._prompt_ids(messages, params.thinking, params.image_tokens, params.tools)
-        reply: "queue.Queue[Any]" = queue.Queue()
-        self._commands.put(("add", ids, params, reply, media, grammar))
-        out = reply.get()
-        if isinstance(out, Exception):
-            raise out
-        return out
+        return self._add(ids, params, media, grammar, on_event, queue_limit)
 
     def submit_ids(self, prompt_ids: list[int], params: GenerationParams = GenerationParams(),
-                   images: Sequence = (), audio: Sequence = ()) -> int:
+                   images: Sequence = (), audio: Sequence = (), on_event=None,
+                   queue_limit: Optional[int] = None) -> int:
         """Already expanded ids: each image's / clip's N placeholders in order (`images`:
         ImageInput, `audio`: AudioInput, or paths or bytes of either, in prompt order)."""
         media = {"image": [as_image_input(im, params.image_tokens) for im in images],
                  "audio": [as_audio_input(clip) for clip in audio]}
         grammar = request_grammar(params, self.loaded.tokenizer)
+        return self._add(list(prompt_ids), params, media, grammar, on_event, queue_limit)
+
+    def _add(self, ids, params, media, grammar, on_event, queue_limit) -> int:
         reply: "queue.Queue[Any]" = queue.Queue()
-        self._commands.put(("add", list(prompt_ids), params, reply, media, grammar))
+        self._commands.put(("add", ids, params, reply, media, grammar, on_event, queue_limit))
         out = reply.get()
         if isinstance(out, Exception):
             raise out
         return out
+
+    def poll(self, request_id: int) -> list[StreamEvent]:
+        """The events queued for a request so far, without waiting (the last one `finished`)."""
+        q, out = self._events.get(request_id), []
+        tools = self._tool_events.get(request_id)
+        while q is not None:
+            try:
+                ev = q.get_nowait()
+            except queue.Empty:
+                break
+            if tools is not None:
+                ev = tools.apply(ev)   # content only in `text`, calls in tool_call_deltas / tool_calls
+            out.append(ev)
+            if ev.finished:
+                self._events.pop(request_id, None)
+                self._tool_events.pop(request_id, None)
+                break
+        return out
+
+    # --- the model's vocabulary and identity (read-only: safe from any thread) ------------------
+    def tokenize(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
+        """Token ids of `text`; `add_special`: with BOS; `parse_special`: control-token texts such
+        as `<|turn>` become their ids (else their characters are tokenized as text)."""
+        return self.loaded.tokenizer.encode(text, add_bos=add_special, parse_special=parse_special)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Text of token ids (a one-line ValueError for an id out of range)."""
+        return self.loaded.tokenizer.decode(ids)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.loaded.tokenizer.token_bytes(token_id)
+
+    def chat_prompt_ids(self, messages: Sequence[dict], thinking: bool = False) -> list[int]:
+        """The ids `submit` would send for a text conversation (rendered, truncation as configured)."""
+        return self._prompt_ids(messages, thinking)[0]
+
+    def model_info(self) -> dict:
+        """What a server says about the model: names, file, family, sizes, context, capabilities."""
+        lm = self.loaded
+        src = lm.source
+        meta = getattr(src, "metadata", {}) or {}
+        path = Path(getattr(lm, "path", "") or "")
+        tensors = getattr(src, "tensors", None)
+        params = sum(t.n_elements for t in tensors.values()) if isinstance(tensors, dict) else None
+        quant = None
+        if isinstance(meta.get("general.file_type"), int):
+            try:
+                from gguf import LlamaFileType
+                quant = LlamaFileType(meta["general.file_type"]).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+            except ValueError:
+                pass
+        return {"name": meta.get("general.name") or path.stem, "file": path.name, "path": str(path),
+                "arch": lm.arch, "chat_family": getattr(lm.chat, "family", None),
+                "chat_template": getattr(lm.chat, "template", None),
+                "size_bytes": path.stat().st_size if path.is_file() else None, "parameters": params,
+                "quantization": quant, "context_length": self.engine.context_limit,
+                "vocab_size": lm.config.vocab_size, "vision": self.engine.vision is not None}
 
     def last_prompt_ids(self, request_id: int) -> list[int]:
         """The token ids a request was submitted with (after chat rendering and truncation)."""
@@ -223,15 +314,25 @@ class LocalClient(EngineClient):
     def _handle(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, ids, params, reply, media, grammar = cmd
+            _, ids, params, reply, media, grammar, on_event, queue_limit = cmd
             try:
+                e = self.engine
+                free = max(0, e.config.max_running_requests - len(e.running))  # admitted at the next step
+                if queue_limit is not None and len(e.waiting) + 1 - free > queue_limit:
+                    raise QueueFullError(f"{len(e.waiting)} requests are waiting already "
+                                         f"(--max-queued-requests {queue_limit}); try again later")
                 req = self.engine.add(ids, params.sampling, params.stop_strings, kv_session=params.kv_session,
-                                      images=media["image"], audio=media["audio"], grammar=grammar)
+                                      images=media["image"], audio=media["audio"], grammar=grammar,
+                                      kv_auto=params.kv_auto)
+                if on_event is not None:  # before any event: the engine only queues it so far
+                    req.events = _NotifyingQueue(on_event)
                 self._events[req.id] = req.events
                 tools = tool_events_for(params)
                 if tools is not None:
                     self._tool_events[req.id] = tools
                 self._prompts[req.id] = req.prompt_ids
+                while len(self._prompts) > KEEP_PROMPTS:  # oldest first (dicts keep insertion order)
+                    self._prompts.pop(next(iter(self._prompts)))
                 reply.put(req.id)
             except Exception as e:  # noqa: BLE001 - handed to the caller's thread
                 reply.put(e)

@@ -10,6 +10,8 @@ Snapshots are taken on the engine thread; files are written by one writer thread
 path). A managed folder (`KVDisk`) keeps its files under a byte budget, least recently used first.
 Failures never reach the chat: a file that cannot be used is one line on the request
 (`kv_session_error`), a failed write one line in `errors` (and the log).
+A request with `kv_auto` names no file: the managed folder's index (engine/kv_index.py) finds the
+one whose tokens its prompt extends, and its KV is saved there right after the answer.
 """
 from __future__ import annotations
 
@@ -106,6 +108,7 @@ class KVSessions:
         self.dirty: dict[str, list[int]] = {}  # path -> tokens not saved yet (policy "evict")
         self.errors: deque[str] = deque(maxlen=32)  # failed writes, one line each
         self.saved = 0  # files written
+        self._index = None  # engine.kv_index.KVIndex of the managed folder, built at first use
         self._queue: "queue.Queue" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
         _live.add(self)
@@ -115,8 +118,18 @@ class KVSessions:
         e = self.engine
         return kv_file.pool_layout(e.pools, e.window, type(e.model).__name__)
 
+    @property
+    def index(self):
+        if self._index is None and self.disk is not None:
+            from .kv_index import KVIndex
+            self._index = KVIndex(self.disk.folder, self.model_id)
+        return self._index
+
     def restore(self, req) -> None:
         """Before admission: put the file's KV for `req`'s prompt into the prefix cache."""
+        if getattr(req, "kv_auto", False) and not req.kv_session and self.index is not None:
+            found = self.index.find(req.key_ids[:req.n_prompt])
+            req.kv_session = str(found) if found is not None else None
         path = req.kv_session
         if not path or not os.path.exists(path):
             return
@@ -129,6 +142,10 @@ class KVSessions:
 
     def finished(self, req, n: int) -> None:
         """`req` ended with its first n tokens handed to the prefix cache."""
+        if getattr(req, "kv_auto", False) and n and self.index is not None:
+            tokens = req.key_ids[:n]
+            self.save(str(self.index.path_for(tokens)), tokens, n_prompt=req.n_prompt, replaces=req.kv_session)
+            return
         if not req.kv_session or n == 0:
             return
         tokens = req.key_ids[:n]  # image positions carry their images' content keys
@@ -137,15 +154,22 @@ class KVSessions:
         else:
             self.dirty[req.kv_session] = tokens
 
-    def save(self, path: str, tokens: list[int]) -> bool:
-        """Snapshot the cached KV of `tokens` now; the writer thread writes it."""
+    def save(self, path: str, tokens: list[int], n_prompt: Optional[int] = None,
+             replaces: Optional[str] = None) -> bool:
+        """Snapshot the cached KV of `tokens` now; the writer thread writes it. `n_prompt`: an
+        indexed (kv_auto) file, `replaces`: the file its request was served from."""
         e = self.engine
         snap = kv_file.snapshot(e.pools, e.cache, e.window, tokens, self.model_id, type(e.model).__name__,
                                 e.config.window_margin)
         if snap is None:
             return False
+        after = None
+        if n_prompt is not None:
+            snap.metadata["n_prompt"] = str(n_prompt)
+            index, kept = self.index, snap.tokens
+            after = lambda: index.added(Path(path), kept, n_prompt, replaces)  # noqa: E731
         self._start()
-        self._queue.put((snap, path))
+        self._queue.put((snap, path, after))
         return True
 
     def save_dirty(self) -> int:
@@ -175,12 +199,16 @@ class KVSessions:
             try:
                 if item is None:
                     return
-                snap, path = item
+                snap, path, after = item
                 try:
                     kv_file.write(snap, path)
                     self.saved += 1
+                    if after is not None:
+                        after()
                     if self.disk is not None:
-                        self.disk.enforce()
+                        gone = self.disk.enforce()
+                        if self._index is not None and gone:
+                            self._index.removed(gone)
                 except Exception as err:  # noqa: BLE001 - a full disk must not end the chat
                     msg = f"KV file {Path(path).name} not saved: {getattr(err, 'strerror', None) or err}"
                     self.errors.append(msg)  # the caller says it; no stderr under a full-screen app

@@ -141,20 +141,32 @@ class RadixCache:
         """Offer the slots of `tokens` (win_slots -1 where the sequence has none) to the tree.
 
         Returns (locked node path, full_taken [n], win_taken [n]): the tree owns the slots marked
-        taken from now on. Where it already holds other slots for the same tokens (two requests
-        prefilled the same prompt), the sequence keeps its own and frees them when it ends.
+        taken from now on. Where it already holds other slots for the same tokens that someone
+        reads (a locked node: two requests prefilled the same prompt), the sequence keeps its own
+        and frees them when it ends; a node nobody reads takes the sequence's slots and frees its
+        own, so no two copies of the same KV sit in the pool (a request recomputed a prefix whose
+        match was cut short by evicted window slots, e.g. after a preemption).
         """
         t = torch.tensor(tokens, dtype=torch.long)
         nodes, m = self._walk(tokens)
         full_taken = torch.zeros(len(tokens), dtype=torch.bool)
         win_taken = torch.zeros(len(tokens), dtype=torch.bool)
         done = 0
-        for node in nodes:  # the cached part: adopt only window slots the tree lacks
+        for node in nodes:  # the cached part
             n = len(node.tokens)
-            inc_win = win_slots[done:done + n]
-            adopt = (node.win < 0) & (inc_win >= 0)
-            node.win = torch.where(adopt, inc_win, node.win)
-            win_taken[done:done + n] = adopt
+            inc_full, inc_win = full_slots[done:done + n], win_slots[done:done + n]
+            if node.lock == 0 and bool((inc_full >= 0).all()) and not torch.equal(node.full, inc_full):
+                self.pools.full.free(node.full)  # unread: swap its copy for the sequence's
+                node.full = inc_full.clone()
+                full_taken[done:done + n] = True
+                swap = inc_win >= 0
+                self.pools.window.free(node.win[swap & (node.win >= 0)])
+                node.win = torch.where(swap, inc_win, node.win)
+                win_taken[done:done + n] = swap
+            else:  # adopt only window slots the tree lacks
+                adopt = (node.win < 0) & (inc_win >= 0)
+                node.win = torch.where(adopt, inc_win, node.win)
+                win_taken[done:done + n] = adopt
             done += n
         if m < len(tokens):
             parent = nodes[-1] if nodes else self.root

@@ -1,4 +1,8 @@
-"""A generation request and its state machine: WAITING -> PREFILL -> DECODE -> FINISHED."""
+"""A generation request and its state machine: WAITING -> PREFILL -> DECODE -> FINISHED.
+
+Preemption (engine/scheduler.py) sends a running request back to WAITING with its KV given up and
+its output kept; re-admitted, it prefills prompt + output so far (`prefill_end`) and decodes on.
+"""
 from __future__ import annotations
 
 import enum
@@ -40,6 +44,7 @@ class StreamEvent:
     # `tool_calls` is every call of the reply ({"id", "type", "function"})
     tool_call_deltas: Optional[list] = None
     tool_calls: Optional[list] = None
+    logprobs: Optional[list] = None  # engine.sampler.TokenLogprob per token of token_ids, when asked
 
 
 @dataclass(eq=False)
@@ -71,6 +76,10 @@ class Request:
     kv_checked: bool = False
     media: Optional["PromptMedia"] = None  # image and audio inputs of the prompt (engine/media.py)
     grammar: Optional["GrammarState"] = None  # structured output: masks every sampled token
+    kv_auto: bool = False  # KV file found by the prompt's prefix in the engine's kv_dir, saved there after
+    first_cached: Optional[int] = None  # prompt tokens the cache served at the first admission
+    preemptions: int = 0  # times its KV was given up for older requests (recomputed after)
+    resume_after: int = 0  # preempted: re-admitted once the engine has finished more requests than this
 
     def __post_init__(self):
         if not self.prompt_ids:
@@ -97,6 +106,12 @@ class Request:
     def n_prompt(self) -> int:
         return len(self.prompt_ids)
 
+    @property
+    def prefill_end(self) -> int:
+        """Tokens to compute before decoding: the prompt, or after a preemption prompt + output
+        less the last sampled token (the next decode step feeds it)."""
+        return len(self.all_ids) - 1 if self.output_ids else self.n_prompt
+
     def check(self) -> None:
         assert 0 <= self.cached_len <= self.computed_len <= len(self.all_ids), (self.cached_len, self.computed_len)
 
@@ -104,9 +119,11 @@ class Request:
         prefill_s = (self.t_first or time.perf_counter()) - self.t_submit
         decode_s = (self.t_done or time.perf_counter()) - (self.t_first or self.t_submit)
         n_out = len(self.output_ids)
-        return {"prompt_tokens": self.n_prompt, "cached_tokens": self.cached_len,
+        cached = self.cached_len if self.first_cached is None else self.first_cached
+        return {"prompt_tokens": self.n_prompt, "cached_tokens": cached,
                 "restored_tokens": self.restored_len, "kv_session_error": self.kv_error,
-                "prefilled_tokens": self.n_prompt - self.cached_len, "output_tokens": n_out,
+                "prefilled_tokens": self.n_prompt - cached, "output_tokens": n_out,
+                "preemptions": self.preemptions,
                 "image_tokens": self.media.counts.get("image", 0) if self.media is not None else 0,
                 "audio_tokens": self.media.counts.get("audio", 0) if self.media is not None else 0,
                 "prefill_s": prefill_s, "decode_s": decode_s,

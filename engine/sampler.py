@@ -1,11 +1,12 @@
 """Token sampling on the logits of the sampled rows only: greedy, temperature, top-k, top-p, min-p,
-repetition and presence penalties.
+repetition, presence and frequency penalties; optionally the log-probabilities of each pick.
 
 `SamplingParams.temperature == 0` is greedy (argmax, ties to the lowest id like llama.cpp).
 A seeded `torch.Generator` per request makes sampled runs repeatable.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
@@ -22,25 +23,52 @@ class SamplingParams:
     max_tokens: int = 256
     repetition_penalty: float = 1.0  # > 1 discourages tokens seen in the last `penalty_last_n`
     presence_penalty: float = 0.0  # subtracted once from each token seen there
+    frequency_penalty: float = 0.0  # subtracted once per occurrence there (llama.cpp's penalty_freq)
     penalty_last_n: int = 64  # llama.cpp's default window (prompt and output tokens)
+    logprobs: Optional[int] = None  # None: off; k >= 0: each pick's log-probability and the k best
 
     def __post_init__(self):
         if (self.temperature < 0 or not 0 < self.top_p <= 1 or not 0 <= self.min_p < 1 or self.top_k < 0
-                or self.repetition_penalty <= 0 or self.max_tokens < 0 or self.penalty_last_n < 0):
+                or self.repetition_penalty <= 0 or self.max_tokens < 0 or self.penalty_last_n < 0
+                or (self.logprobs is not None and self.logprobs < 0)):
             raise ValueError(f"invalid sampling parameters: {self}")
 
 
 def apply_penalties(logits: torch.Tensor, history: list[int], p: SamplingParams) -> torch.Tensor:
     """llama.cpp's penalties over the last `penalty_last_n` tokens: a seen token's logit is divided
-    by the repetition penalty when positive, multiplied when negative; presence subtracts."""
-    if (p.repetition_penalty == 1.0 and p.presence_penalty == 0.0) or not history or not p.penalty_last_n:
+    by the repetition penalty when positive, multiplied when negative; then presence subtracts
+    once and frequency once per occurrence (logit -= count * freq + (count > 0) * presence)."""
+    if ((p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
+            or not history or not p.penalty_last_n):
         return logits
-    seen = torch.tensor(sorted(set(history[-p.penalty_last_n:])), dtype=torch.long, device=logits.device)
+    seen, counts = torch.tensor(history[-p.penalty_last_n:], dtype=torch.long).unique(return_counts=True)
+    seen, counts = seen.to(logits.device), counts.to(logits.device)
     out = logits.clone()
     vals = out[seen]
     vals = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    out[seen] = vals - p.presence_penalty
+    out[seen] = vals - p.presence_penalty - p.frequency_penalty * counts.to(vals.dtype)
     return out
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One picked token's natural-log probability under the model's distribution (the logits before
+    penalties, temperature and filters, as vLLM and OpenAI report them) and the `k` best tokens."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first, ties in id order
+
+
+def token_logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    """[V] logits -> the logprob of `token` and the k most likely tokens (one log_softmax: ~1 ms for
+    262,144 entries on a small CPU, paid only by requests that ask)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    top: tuple = ()
+    if k:
+        vals, idx = lp.topk(min(k, lp.shape[-1]))
+        top = tuple(sorted(zip(idx.tolist(), vals.tolist()), key=lambda t: (-t[1], t[0])))  # ties: lower id first
+    return TokenLogprob(int(token), float(lp[token]), top)
 
 
 TOP_P_CANDIDATES = 256  # top-p first looks among this many best tokens (exact: see logits_to_probs)
@@ -84,11 +112,19 @@ class Sampler:
             self.gen.manual_seed(params.seed)
         else:
             self.gen.seed()
+        # With params.logprobs: one TokenLogprob per sample() call, in order; the scheduler takes
+        # them as it commits the tokens (a speculative round samples several rows before that).
+        self.picked: deque[TokenLogprob] = deque()
 
     def sample(self, logits: torch.Tensor, history: Optional[list[int]] = None) -> int:
         """One token id from a [V] logits row; `history`: tokens so far, for the penalties."""
+        raw = logits
         logits = apply_penalties(logits, history or [], self.params)
         if self.params.temperature == 0:
-            return int(torch.argmax(logits))
-        probs = logits_to_probs(logits, self.params).cpu()
-        return int(torch.multinomial(probs, 1, generator=self.gen))
+            tok = int(torch.argmax(logits))
+        else:
+            probs = logits_to_probs(logits, self.params).cpu()
+            tok = int(torch.multinomial(probs, 1, generator=self.gen))
+        if self.params.logprobs is not None:
+            self.picked.append(token_logprobs(raw, tok, self.params.logprobs))
+        return tok

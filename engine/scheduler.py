@@ -5,6 +5,12 @@ Prefill chunks run one sequence per forward. Decode-phase requests step together
 `BatchDecoder` (engine/batch_decode.py: static buffers, a CUDA graph per batch shape on CUDA) when
 `batched_decode` is on (the default on CUDA; it also runs on the CPU), else one forward each.
 Outputs are the same either way: a request's tokens depend only on its own KV.
+
+Preemption: when a forward needs KV slots the pools cannot give even after evicting cached
+prefixes, the newest running request gives its KV up (its computed tokens go to the prefix cache,
+where they may still be found) and goes back to the head of the queue with its output kept; it is
+re-admitted once an older request has finished and recomputes prompt + output so far, so its
+stream only pauses. Only a request that does not fit the pools alone ends with an error.
 """
 from __future__ import annotations
 
@@ -76,6 +82,7 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[int, Request] = {}
+        self.finished_running = 0  # requests that left `running` finished (preempted ones wait for it)
         c = self.config
         self.sessions = KVSessions(self, c.kv_save, KVDisk(c.kv_dir, c.kv_disk_budget) if c.kv_dir else None,
                                    model_id)
@@ -118,11 +125,13 @@ class Engine:
 
     # --- requests ----------------------------------------------------------------------------
     def add(self, prompt_ids: list[int], params: SamplingParams, stop_strings=(),
-            kv_session: Optional[str] = None, images=(), audio=(), grammar=None) -> Request:
+            kv_session: Optional[str] = None, images=(), audio=(), grammar=None, kv_auto: bool = False) -> Request:
         """`images` (models.gemma4_vision.ImageInput) and `audio` (models.audio.AudioInput), one per
         `<|image|>` / `<|audio|>` run of `prompt_ids` (each item's N placeholders, in order);
         encoded at admission unless the cache covers them. `grammar`: an
-        engine.constraints.GrammarState that masks every token sampled for it."""
+        engine.constraints.GrammarState that masks every token sampled for it. `kv_auto`: the KV
+        file of the prompt's longest saved prefix in `kv_dir` serves it, and the KV of prompt +
+        answer is saved there after (engine/kv_sessions.py)."""
         limit = self.context_limit
         media = {"image": list(images), "audio": list(audio)}
         pmedia = prompt_media(prompt_ids, media, self.media_kinds)
@@ -130,7 +139,8 @@ class Engine:
             what = f" ({describe_counts(media)})" if images or audio else ""
             raise ContextOverflowError(
                 f"prompt of {len(prompt_ids)} tokens{what} does not fit the {limit}-token context")
-        req = Request(list(prompt_ids), params, tuple(stop_strings), kv_session=kv_session, grammar=grammar)
+        req = Request(list(prompt_ids), params, tuple(stop_strings), kv_session=kv_session, grammar=grammar,
+                      kv_auto=kv_auto and self.sessions.disk is not None)
         req.media = pmedia
         if self.tokenizer is not None:
             req.detok = self.tokenizer.stream_decoder()
@@ -157,12 +167,14 @@ class Engine:
         budget = self.config.prefill_chunk
         touched, decoding = [], []
         for req in list(self.running):
+            if req.state not in (RequestState.PREFILL, RequestState.DECODE):
+                continue  # preempted (or finished) by an earlier forward of this step
             if req.state == RequestState.PREFILL:
                 if budget <= 0:
                     continue
-                n = min(budget, req.n_prompt - req.computed_len)
+                n = min(budget, req.prefill_end - req.computed_len)
                 budget -= n
-                self._run(req, req.prompt_ids[req.computed_len:req.computed_len + n])
+                self._run(req, req.all_ids[req.computed_len:req.computed_len + n])
             elif self.decoder is not None:
                 decoding.append(req)  # stepped together below
             elif self.spec is not None:
@@ -170,18 +182,22 @@ class Engine:
             else:
                 self._run(req, [req.all_ids[-1]])
             touched.append(req)
+        decoding = [r for r in decoding if r.state == RequestState.DECODE]  # not preempted meanwhile
         for i in range(0, len(decoding), BUCKETS[-1]):
-            self._decode_batch(decoding[i:i + BUCKETS[-1]])
+            self._decode_batch([r for r in decoding[i:i + BUCKETS[-1]] if r.state == RequestState.DECODE])
         return touched
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
-            if req.kv_session and not req.kv_checked:  # its KV file serves the common prefix
+            if req.preemptions and self.running and self.finished_running <= req.resume_after:
+                return  # preempted: back only once an older request made room (else at once again)
+            if (req.kv_session or req.kv_auto) and not req.kv_checked:  # a KV file serves the common prefix
                 req.kv_checked = True
                 self.sessions.restore(req)
-            match = self.cache.match(req.key_ids)
-            need = req.n_prompt - match.length + 1
+            end = req.prefill_end
+            match = self.cache.match(req.key_ids[:end])  # leaves at least the last of them to compute
+            need = end - match.length + 1
             if self.pools.full.layers and self.pools.full.n_free < need:
                 self.cache.evict(full_tokens=need)
                 if self.pools.full.n_free < need:
@@ -206,14 +222,18 @@ class Engine:
             if match.length:
                 req.kv.attach_prefix(match.full_slots, match.win_pos, match.win_slots)
             req.locked, req.cached_len, req.computed_len = match.nodes, match.length, match.length
+            if req.first_cached is None:
+                req.first_cached = match.length
             req.state = RequestState.PREFILL
             self.running.append(req)
 
     def _run(self, req: Request, tokens: list[int]) -> None:
-        last_of_prompt = req.state == RequestState.DECODE or req.computed_len + len(tokens) == req.n_prompt
+        last_of_prompt = req.state == RequestState.DECODE or req.computed_len + len(tokens) == req.prefill_end
+        resumed = req.state == RequestState.PREFILL and bool(req.output_ids)  # recomputing after a preemption
         hidden = self.spec is not None and last_of_prompt  # the draft's first h
+        if not self._room_for([(req, len(tokens))]):
+            return  # preempted, or finished: it does not fit alone
         try:
-            self._reserve(len(tokens))
             media = None
             if req.media is not None and req.state == RequestState.PREFILL:
                 media = req.media.chunk(req.computed_len, len(tokens))
@@ -228,9 +248,11 @@ class Engine:
             logits, req.h = logits
         req.computed_len += len(tokens)
         req.check()
-        if req.state == RequestState.PREFILL and req.computed_len == req.n_prompt:
-            self._hand_to_cache(req, req.n_prompt)  # "regenerate" can reuse the whole prompt
+        if req.state == RequestState.PREFILL and req.computed_len == req.prefill_end:
+            self._hand_to_cache(req, req.prefill_end)  # "regenerate" can reuse the whole prompt
             req.state = RequestState.DECODE
+            if resumed:
+                return  # its next token was sampled before the preemption: the next step feeds it
         if logits is not None:
             self._postprocess(req, logits)
 
@@ -240,6 +262,46 @@ class Engine:
         win = n if self.pools.window.layers and self.pools.window.n_free < n else 0
         if full or win:
             self.cache.evict(full_tokens=full, window_tokens=win)
+
+    def _fits(self, n: int) -> bool:
+        return ((not self.pools.full.layers or self.pools.full.n_free >= n)
+                and (not self.pools.window.layers or self.pools.window.n_free >= n))
+
+    def _room_for(self, needs: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+        """Free slots for each (running request, new tokens) of one forward: evict unlocked cached
+        prefixes, then preempt the newest running request until the rest fit. Returns the needs
+        still to run; a request alone in the engine that does not fit ends with an error."""
+        needs = list(needs)
+        while needs:
+            n = sum(k for _, k in needs)
+            self._reserve(n)
+            if self._fits(n):
+                break
+            victim = max(self.running, key=lambda r: r.id)  # ids grow with arrival: the newest
+            if len(self.running) == 1:
+                cap = self.pools.full.capacity if self.pools.full.layers else self.pools.window.capacity
+                self._finish(victim, "error", f"KV cache full: {len(victim.all_ids)} tokens of this request "
+                                              f"do not fit the {cap}-token KV pool alone")
+            else:
+                self._preempt(victim)
+            needs = [(r, k) for r, k in needs if r is not victim]
+        return needs
+
+    def _preempt(self, req: Request) -> None:
+        """Give `req`'s KV back and queue it first again, output kept; re-admitted, it recomputes
+        prompt + output so far (Request.prefill_end) and its stream goes on where it paused."""
+        if len(req.kv) > req.computed_len:  # a forward that began (speculative verify rows)
+            req.kv.truncate(req.computed_len)
+        if req.computed_len:
+            self._hand_to_cache(req, req.computed_len)  # evictable, but a later re-admission may hit it
+        req.kv.release()
+        self.cache.release(req.locked)
+        req.kv, req.locked, req.h = None, [], None
+        self.running.remove(req)
+        req.state, req.computed_len, req.cached_len = RequestState.WAITING, 0, 0
+        req.preemptions += 1
+        req.resume_after = self.finished_running
+        self.waiting.appendleft(req)
 
     def _hand_to_cache(self, req: Request, n: int) -> None:
         nodes, full_taken, win_taken = self.cache.insert(
@@ -251,10 +313,10 @@ class Engine:
     def _decode_batch(self, reqs: list[Request]) -> None:
         """One batched forward for up to 4 decode-phase requests: a token each, or with a draft
         model [last] + drafts each, padded to a verify width of 1 + spec.tokens rows."""
-        rows = [[req.all_ids[-1]] + self._drafts(req) for req in reqs]
-        self._reserve(sum(map(len, rows)))
+        rows = {req: [req.all_ids[-1]] + self._drafts(req) for req in reqs}
         batch = []
-        for req, tokens in zip(reqs, rows):
+        for req, _ in self._room_for([(req, len(t)) for req, t in rows.items()]):
+            tokens = rows[req]
             try:  # SequenceKV stays the owner of the slots; the decoder copies them into its tables
                 req.kv.begin(torch.arange(req.computed_len, req.computed_len + len(tokens)))
             except KVPoolFull as e:
@@ -293,8 +355,9 @@ class Engine:
         start, last = req.computed_len, req.all_ids[-1]
         drafts = self._drafts(req)
         tokens = [last] + drafts
+        if not self._room_for([(req, len(tokens))]):
+            return
         try:
-            self._reserve(len(tokens))
             logits, ys = self._retry_oom(lambda: self.runner.forward(req.kv, tokens, start, want_logits=True,
                                                                      all_rows=True, return_hidden=True),
                                          lambda: req.kv.truncate(start))
@@ -385,6 +448,7 @@ class Engine:
         """Append one sampled token: stream it, or finish on end-of-generation / stops / limits."""
         if req.t_first is None:
             req.t_first = time.perf_counter()
+        picked = req.sampler.picked.popleft() if req.sampler.picked else None  # its logprobs, when asked
         if tok in self._eog:
             self._finish(req, "stop")
             return
@@ -404,7 +468,8 @@ class Engine:
         # Hold back text that could still become a stop string, so none is ever streamed.
         hold = 0 if reason else max((len(s) - 1 for s in req.stop_strings), default=0)
         upto = max(req.emitted, len(req.text) - hold)
-        req.events.put(StreamEvent(req.id, [tok], req.text[req.emitted:upto]))
+        req.events.put(StreamEvent(req.id, [tok], req.text[req.emitted:upto],
+                                   logprobs=None if picked is None else [picked]))
         req.emitted = upto
         if reason:
             self._finish(req, reason)
@@ -414,6 +479,8 @@ class Engine:
             self.waiting.remove(req)
         if req in self.running:
             self.running.remove(req)
+            self.finished_running += 1
+        req.sampler.picked.clear()  # rows a speculative round sampled past the end
         if req.kv is not None:
             if len(req.kv) > len(req.all_ids):  # a speculative round committed fewer tokens
                 req.kv.truncate(len(req.all_ids))
@@ -429,6 +496,7 @@ class Engine:
         tail, req.emitted = req.text[req.emitted:], len(req.text)
         req.state, req.finish_reason = RequestState.FINISHED, reason
         req.t_done = time.perf_counter()
+        self.requests.pop(req.id, None)  # a server runs for days: finished requests are not kept
         req.events.put(StreamEvent(req.id, [], tail, True, reason, error, req.stats()))
 
     # --- status --------------------------------------------------------------------------------

@@ -40,9 +40,10 @@ def _idle_check(client) -> dict:
     return client.call(look)
 
 
-def test_eight_concurrent_requests_past_the_pool_finish_or_fail_cleanly(tiny):
-    """8 requests whose prompts and answers together need ~3x the full pool: each completes or ends
-    with a clear KV error; none hangs; afterwards nothing is leaked."""
+def test_eight_concurrent_requests_past_the_pool_all_finish_by_preemption(tiny):
+    """8 requests whose prompts and answers together need ~3x the full pool: the newest give their
+    KV up and are recomputed later (engine/scheduler.py), so every one completes; none hangs;
+    afterwards nothing is leaked."""
     rng = random.Random(0)
     client = start_client(tiny, EngineOptions(max_running_requests=8))
     client.rebuild(full_tokens=160, window_tokens=400)
@@ -55,14 +56,13 @@ def test_eight_concurrent_requests_past_the_pool_finish_or_fail_cleanly(tiny):
         ends = [list(client.stream(i, timeout=120))[-1] for i in ids]
         took = time.perf_counter() - t0
         reasons = [e.finish_reason for e in ends]
-        for e in ends:
-            assert e.finish_reason in ("stop", "length") or (e.finish_reason == "error" and "KV" in e.error), e
-            assert e.error is None or "\n" not in e.error
-        assert reasons.count("error") < 8  # the pool serves some of them
+        assert all(r in ("stop", "length") for r in reasons), [e.error for e in ends]
+        preempted = sum(e.stats["preemptions"] for e in ends)
+        assert preempted >= 1  # the pool was too small for them together
         st = _idle_check(client)
         assert st["full_free"] + st["cached"] == st["full_cap"]
-        print(f"\nload: 8 requests, full pool 160 tokens: {reasons.count('error')} ended with a KV error, "
-              f"{8 - reasons.count('error')} completed, {took:.1f} s, leaks 0")
+        print(f"\nload: 8 requests, full pool 160 tokens: {8 - reasons.count('error')} completed, "
+              f"{preempted} preemptions, {took:.1f} s, leaks 0")
     finally:
         client.close()
 

@@ -153,6 +153,29 @@ def test_presence_penalty_subtracts_once_per_seen_token():
     assert torch.equal(both, torch.tensor([0.5, -2.5, 3.0, 0.0]))
 
 
+def test_frequency_penalty_subtracts_once_per_occurrence_with_presence_once():
+    logits = torch.tensor([2.0, -1.0, 3.0, 0.0, 1.0])
+    # window of 5: token 2 three times, 1 and 3 once; token 4 is outside (too old)
+    out = apply_penalties(logits, [4, 2, 2, 2, 1, 3], SamplingParams(frequency_penalty=0.5, presence_penalty=0.25,
+                                                                     penalty_last_n=5))
+    assert torch.allclose(out, torch.tensor([2.0, -1.75, 1.25, -0.75, 1.0]))
+
+
+def test_logprobs_of_each_pick_and_the_k_best_are_the_models_log_softmax():
+    logits = torch.tensor([0.5, 2.0, -1.0, 2.0, 1.0])
+    s = Sampler(SamplingParams(logprobs=3, repetition_penalty=3.0))
+    tok = s.sample(logits, history=[1])  # the penalty moves the pick to 3, not the reported logprobs
+    assert tok == 3
+    (picked,) = s.picked
+    want = torch.log_softmax(logits, -1)
+    assert picked.token_id == 3 and math.isclose(picked.logprob, float(want[3]), rel_tol=1e-6)
+    assert [t for t, _ in picked.top] == [1, 3, 4]  # best first, the tie in id order
+    assert all(math.isclose(lp, float(want[t]), rel_tol=1e-6) for t, lp in picked.top)
+    assert not Sampler(SamplingParams()).picked  # off by default: nothing computed
+    with pytest.raises(ValueError):
+        SamplingParams(logprobs=-1)
+
+
 def test_penalties_off_or_empty_history_change_nothing():
     logits = torch.tensor([1.0, -1.0, 2.0])
     assert torch.equal(apply_penalties(logits, [0, 1], SamplingParams()), logits)

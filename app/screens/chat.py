@@ -328,7 +328,8 @@ class ChatScreen(MediaInputMixin, RecordMixin, ChatCommandsMixin, Screen[None]):
         bar = self.attachments
         self.query_one(StatusPanel).refresh_from(self.session.info, self.client.status(),
                                                  self.context_tokens(), self.last_stats,
-                                                 pending=(len(bar.pending), bar.tokens))
+                                                 pending=(len(bar.pending), bar.tokens),
+                                                 server=getattr(self.app, "server", None))
 
     def on_attachment_bar_changed(self, event: AttachmentBar.Changed) -> None:
         self.refresh_status()

@@ -24,8 +24,9 @@ class StatusPanel(Static):
         self.lines: list[str] = []
 
     def refresh_from(self, info: dict, status: dict, context_tokens: int, last: Optional[dict],
-                     pending: tuple[int, int] = (0, 0)) -> None:
-        """`pending`: (images and clips, soft tokens) attached to the message being written."""
+                     pending: tuple[int, int] = (0, 0), server=None) -> None:
+        """`pending`: (images and clips, soft tokens) attached to the message being written;
+        `server`: the API server running in this process (app/server/run.BackgroundServer), if any."""
         lines = [f"model   {info.get('model', '?')}", f"file    {info.get('file', '?')}",
                  f"device  {info.get('device', '?')}"]
         pools = kv_pools(status)
@@ -66,6 +67,9 @@ class StatusPanel(Static):
                          f"{spec.get('tokens_per_target_forward', 0.0):.2f} tok/forward")
         if status.get("running"):
             lines.append(f"running {status['running']}, waiting {status.get('waiting', 0)}")
+        if server is not None:
+            lines.append(f"serving {server.url}")
+            lines.append(f"  API requests in flight {server.in_flight}")
         if lines != self.lines:
             self.lines = lines
             self.update("\n".join(lines))

@@ -5,7 +5,7 @@ _edgegem() {
         case "${COMP_WORDS[i]}" in -*) ;; *) cmd="${COMP_WORDS[i]}"; break ;; esac
     done
     if [[ -z "$cmd" ]]; then
-        COMPREPLY=($(compgen -W "app score tokenize run info bench chat doctor pull models import kv-check -h --help --debug --version" -- "$cur"))
+        COMPREPLY=($(compgen -W "app score tokenize run info bench chat doctor pull models import kv-check serve -h --help --debug --version" -- "$cur"))
         return
     fi
     case "$cmd:$prev" in
@@ -29,6 +29,16 @@ _edgegem() {
         app:--image-tokens) COMPREPLY=($(compgen -W "70 140 280 560 1120" -- "$cur")); return ;;
         app:--mmproj) COMPREPLY=(); return ;;
         app:--kv-disk-budget) COMPREPLY=(); return ;;
+        app:--serve) COMPREPLY=(); return ;;
+        app:--host) COMPREPLY=(); return ;;
+        app:--api-key) COMPREPLY=(); return ;;
+        app:--api-key-file) COMPREPLY=(); return ;;
+        app:--allowed-hosts) COMPREPLY=(); return ;;
+        app:--cors-origin) COMPREPLY=(); return ;;
+        app:--max-body) COMPREPLY=(); return ;;
+        app:--max-image-pixels) COMPREPLY=(); return ;;
+        app:--max-queued-requests) COMPREPLY=(); return ;;
+        app:--default-max-tokens) COMPREPLY=(); return ;;
         score:--model) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         score:--tokens) COMPREPLY=(); return ;;
         score:--out) COMPREPLY=($(compgen -f -- "$cur")); return ;;
@@ -100,6 +110,10 @@ _edgegem() {
         bench:--spec-draft-model) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         bench:--spec-tokens) COMPREPLY=(); return ;;
         bench:--kv-lengths) COMPREPLY=(); return ;;
+        bench:--clients) COMPREPLY=(); return ;;
+        bench:--serve-tokens) COMPREPLY=(); return ;;
+        bench:--long-words) COMPREPLY=(); return ;;
+        bench:--max-running-requests) COMPREPLY=(); return ;;
         chat:--model) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         chat:--system) COMPREPLY=(); return ;;
         chat:--image) COMPREPLY=(); return ;;
@@ -146,20 +160,51 @@ _edgegem() {
         kv-check:--chunk) COMPREPLY=(); return ;;
         kv-check:--device) COMPREPLY=($(compgen -W "auto cpu cuda" -- "$cur")); return ;;
         kv-check:--data-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
+        serve:--model) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        serve:--port) COMPREPLY=(); return ;;
+        serve:--host) COMPREPLY=(); return ;;
+        serve:--api-key) COMPREPLY=(); return ;;
+        serve:--api-key-file) COMPREPLY=(); return ;;
+        serve:--allowed-hosts) COMPREPLY=(); return ;;
+        serve:--cors-origin) COMPREPLY=(); return ;;
+        serve:--max-body) COMPREPLY=(); return ;;
+        serve:--max-image-pixels) COMPREPLY=(); return ;;
+        serve:--max-queued-requests) COMPREPLY=(); return ;;
+        serve:--default-max-tokens) COMPREPLY=(); return ;;
+        serve:--kv-dir) COMPREPLY=(); return ;;
+        serve:--kv-disk-budget) COMPREPLY=(); return ;;
+        serve:--gpu-memory-budget) COMPREPLY=(); return ;;
+        serve:--kv-cache-dtype) COMPREPLY=($(compgen -W "auto bf16 fp16 fp32 int8_per_token_head fp8_per_token_head" -- "$cur")); return ;;
+        serve:--swa-kv-cache-dtype) COMPREPLY=($(compgen -W "auto bf16 fp16 fp32 int8_per_token_head fp8_per_token_head" -- "$cur")); return ;;
+        serve:--embed-weights) COMPREPLY=($(compgen -W "host device" -- "$cur")); return ;;
+        serve:--max-running-requests) COMPREPLY=(); return ;;
+        serve:--prefill-chunk) COMPREPLY=(); return ;;
+        serve:--fast-prefill) COMPREPLY=($(compgen -W "on off" -- "$cur")); return ;;
+        serve:--cache-type) COMPREPLY=($(compgen -W "radix naive" -- "$cur")); return ;;
+        serve:--context-overflow) COMPREPLY=($(compgen -W "error truncate" -- "$cur")); return ;;
+        serve:--device) COMPREPLY=($(compgen -W "auto cpu cuda" -- "$cur")); return ;;
+        serve:--attention-backend) COMPREPLY=($(compgen -W "auto torch triton" -- "$cur")); return ;;
+        serve:--spec-algo) COMPREPLY=($(compgen -W "none mtp" -- "$cur")); return ;;
+        serve:--spec-draft-model) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        serve:--spec-tokens) COMPREPLY=(); return ;;
+        serve:--spec-p-min) COMPREPLY=(); return ;;
+        serve:--image-tokens) COMPREPLY=($(compgen -W "70 140 280 560 1120" -- "$cur")); return ;;
+        serve:--mmproj) COMPREPLY=(); return ;;
     esac
     case "$cmd" in
-        app) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --data-dir --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min --image-tokens --mmproj --kv-disk-budget" -- "$cur")); else COMPREPLY=(); fi ;;
+        app) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --data-dir --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min --image-tokens --mmproj --kv-disk-budget --serve --host --api-key --api-key-file --insecure-no-key --allowed-hosts --cors-origin --max-body --max-image-pixels --max-queued-requests --default-max-tokens --access-log" -- "$cur")); else COMPREPLY=(); fi ;;
         score) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --tokens --out --image --image-tokens --mmproj" -- "$cur")); else COMPREPLY=(); fi ;;
         tokenize) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --text --image --image-tokens --mmproj" -- "$cur")); else COMPREPLY=(); fi ;;
         run) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --prompt --system --image --image-tokens --mmproj --max-tokens --temperature --top-k --top-p --min-p --repetition-penalty --presence-penalty --seed --raw --json --exact --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min --kv-session" -- "$cur")); else COMPREPLY=(); fi ;;
         info) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --synthetic --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --spec-draft-model --mmproj --device --json" -- "$cur")); else COMPREPLY=($(compgen -f -- "$cur")); fi ;;
-        bench) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --synthetic --device --prompt-tokens --decode-tokens --threads --no-llama-cpp --engine --both --keep-gguf --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --fast-prefill --prompt-lengths --contexts --decode-steps --peak-bandwidth --static --arch --spec-draft-model --spec-tokens --kv-resume --kv-lengths --json" -- "$cur")); else COMPREPLY=(); fi ;;
+        bench) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --synthetic --device --prompt-tokens --decode-tokens --threads --no-llama-cpp --engine --both --keep-gguf --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --fast-prefill --prompt-lengths --contexts --decode-steps --peak-bandwidth --static --arch --spec-draft-model --spec-tokens --kv-resume --kv-lengths --serve --clients --serve-tokens --long-words --max-running-requests --json" -- "$cur")); else COMPREPLY=(); fi ;;
         chat) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --system --thinking --image --image-tokens --mmproj --max-tokens --temperature --top-k --top-p --min-p --repetition-penalty --presence-penalty --seed --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min --kv-session" -- "$cur")); else COMPREPLY=(); fi ;;
         doctor) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --data-dir --models-dir --json" -- "$cur")); else COMPREPLY=(); fi ;;
         pull) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --draft --no-draft --no-mmproj --revision --data-dir --models-dir" -- "$cur")); else COMPREPLY=(); fi ;;
         models) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --data-dir --models-dir --gpu-memory-budget --device --json" -- "$cur")); else COMPREPLY=(); fi ;;
         import) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --data-dir" -- "$cur")); else COMPREPLY=(); fi ;;
         kv-check) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --text --tokens --chunk --device --data-dir --json" -- "$cur")); else COMPREPLY=(); fi ;;
+        serve) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --port --host --api-key --api-key-file --insecure-no-key --allowed-hosts --cors-origin --max-body --max-image-pixels --max-queued-requests --default-max-tokens --access-log --kv-dir --kv-disk-budget --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min --image-tokens --mmproj" -- "$cur")); else COMPREPLY=(); fi ;;
     esac
 }
 complete -o filenames -F _edgegem edgegem

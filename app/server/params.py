@@ -1,0 +1,197 @@
+"""Requests of both APIs -> the engine's messages and GenerationParams, in one place (the tool-call
+and structured-output wiring extends only this module).
+
+Defaults follow each API: OpenAI's temperature 1 and top_p 1; Ollama's temperature 0.8, top_k 40,
+top_p 0.9, repeat_penalty 1.1 over 64 tokens. A request without a token limit may write up to the
+context (or --default-max-tokens)."""
+from __future__ import annotations
+
+from typing import Optional
+
+from app.backend import GenerationParams, SamplingParams, image_marker
+
+from . import media
+from .errors import APIError
+from .ollama_schemas import ChatRequest as OllamaChat, GenerateRequest, Options
+from .schemas import ChatCompletionRequest, CompletionRequest
+
+
+def refuse_unwired(*, tools=None, tool_choice=None, response_format=None, fmt=None, tool_messages=False) -> None:
+    """Tool calls and structured output are not wired into the server yet: a request that uses them
+    is a 400 naming what (the later wiring replaces this one function)."""
+    if tools or tool_messages or (tool_choice not in (None, "none", "auto")):
+        raise APIError(400, "tools are not supported yet", "tools")
+    if response_format and response_format.get("type") not in (None, "text"):
+        raise APIError(400, "response_format is not supported yet", "response_format")
+    if fmt:
+        raise APIError(400, "format is not supported yet", "format")
+
+
+def _stops(stop) -> tuple[str, ...]:
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if any(not s for s in stops):
+        raise APIError(400, "stop: stop strings must not be empty", "stop")
+    return stops
+
+
+def _sampling(limit: int, default_max: Optional[int], *, max_tokens=None, temperature, top_p, top_k=0,
+              min_p=0.0, seed=None, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
+              penalty_last_n=64, logprobs=None) -> SamplingParams:
+    n = max_tokens if max_tokens is not None else (default_max or limit)
+    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                          max_tokens=min(n, limit), repetition_penalty=repetition_penalty,
+                          presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                          penalty_last_n=penalty_last_n, logprobs=logprobs)
+
+
+def _one_choice(n, best_of=None) -> None:
+    if n not in (None, 1):
+        raise APIError(400, f"n must be 1 (one choice per request), not {n}", "n")
+    if best_of not in (None, 1):
+        raise APIError(400, f"best_of must be 1, not {best_of}", "best_of")
+
+
+def _openai_common(req, limit: int, default_max: Optional[int], max_tokens, logprobs) -> SamplingParams:
+    _one_choice(req.n, getattr(req, "best_of", None))
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported", "logit_bias")
+    return _sampling(limit, default_max, max_tokens=max_tokens,
+                     temperature=1.0 if req.temperature is None else req.temperature,
+                     top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, min_p=req.min_p or 0.0,
+                     seed=req.seed, repetition_penalty=req.repetition_penalty or 1.0,
+                     presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+                     logprobs=logprobs)
+
+
+# --- OpenAI -----------------------------------------------------------------------------------------
+
+def openai_thinking(req: ChatCompletionRequest) -> bool:
+    """`reasoning_effort` low|medium|high, or `chat_template_kwargs.enable_thinking`, turn it on."""
+    if req.reasoning_effort is not None:
+        return req.reasoning_effort not in ("none", "minimal")
+    kw = req.chat_template_kwargs or {}
+    value = kw.get("enable_thinking", False)
+    if not isinstance(value, bool):
+        raise APIError(400, "chat_template_kwargs.enable_thinking must be true or false",
+                       "chat_template_kwargs.enable_thinking")
+    return value
+
+
+def openai_messages(req: ChatCompletionRequest, max_pixels: int) -> list[dict]:
+    """OpenAI messages -> the engine's: text, image parts as bytes with a marker where each stood."""
+    out = []
+    for i, m in enumerate(req.messages):
+        images, text = [], ""
+        if isinstance(m.content, list):
+            for j, part in enumerate(m.content):
+                if part.type == "text":
+                    text += part.text
+                else:
+                    images.append(media.from_data_url(part.image_url.url, max_pixels,
+                                                      f"messages.{i}.content.{j}.image_url"))
+                    text += image_marker()
+        else:
+            text = m.content or ""
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": text}
+        if images:
+            msg["images"] = images
+        out.append(msg)
+    return out
+
+
+def openai_chat(req: ChatCompletionRequest, limit: int, cfg) -> tuple[list[dict], GenerationParams]:
+    """`cfg`: the ServerConfig (token default, image caps and budget, KV files)."""
+    refuse_unwired(tools=req.tools, tool_choice=req.tool_choice, response_format=req.response_format,
+                   tool_messages=any(m.role == "tool" or m.tool_calls for m in req.messages))
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    sampling = _openai_common(req, limit, cfg.default_max_tokens, max_tokens,
+                              (req.top_logprobs or 0) if req.logprobs else None)
+    msgs = openai_messages(req, cfg.max_image_pixels)
+    return msgs, GenerationParams(sampling, thinking=openai_thinking(req), stop_strings=_stops(req.stop),
+                                  kv_auto=cfg.kv_auto, image_tokens=cfg.image_tokens)
+
+
+def openai_completion(req: CompletionRequest, limit: int, cfg) -> GenerationParams:
+    if req.suffix:
+        raise APIError(400, "suffix (fill-in-the-middle) is not supported", "suffix")
+    if req.echo and req.logprobs is not None:
+        raise APIError(400, "echo with logprobs (the prompt's logprobs) is not supported", "echo")
+    # OpenAI's completions default is 16 tokens
+    max_tokens = req.max_tokens if req.max_tokens is not None else (cfg.default_max_tokens or 16)
+    sampling = _openai_common(req, limit, cfg.default_max_tokens, max_tokens, req.logprobs)
+    return GenerationParams(sampling, stop_strings=_stops(req.stop))
+
+
+def completion_prompt(req: CompletionRequest):
+    """The one prompt: text or token ids (a list of several prompts is refused)."""
+    p = req.prompt
+    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+        if len(p) != 1:
+            raise APIError(400, f"prompt: one prompt per request, not {len(p)}", "prompt")
+        p = p[0]
+    if isinstance(p, list) and not p:
+        raise APIError(400, "prompt: empty", "prompt")
+    return p
+
+
+# --- Ollama -----------------------------------------------------------------------------------------
+
+def ollama_sampling(options: Optional[Options], limit: int, default_max: Optional[int],
+                    logprobs: Optional[int]) -> tuple[SamplingParams, tuple[str, ...]]:
+    o = options or Options()
+    n = o.num_predict if o.num_predict is not None and o.num_predict >= 0 else None
+    last_n = 64 if o.repeat_last_n is None else (limit if o.repeat_last_n == -1 else o.repeat_last_n)
+    sampling = _sampling(limit, default_max, max_tokens=n, temperature=0.8 if o.temperature is None else o.temperature,
+                         top_p=0.9 if o.top_p is None else o.top_p, top_k=40 if o.top_k is None else o.top_k,
+                         min_p=o.min_p or 0.0, seed=o.seed if o.seed is not None and o.seed >= 0 else None,
+                         repetition_penalty=1.1 if o.repeat_penalty is None else o.repeat_penalty,
+                         presence_penalty=o.presence_penalty or 0.0, frequency_penalty=o.frequency_penalty or 0.0,
+                         penalty_last_n=last_n, logprobs=logprobs)
+    return sampling, _stops(o.stop)
+
+
+def _ollama_logprobs(req) -> Optional[int]:
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def ollama_images(images: Optional[list[str]], max_pixels: int, where: str) -> list[bytes]:
+    return [media.from_base64(im, max_pixels, f"{where}.{k}") for k, im in enumerate(images or ())]
+
+
+def ollama_chat(req: OllamaChat, limit: int, cfg) -> tuple[list[dict], GenerationParams]:
+    refuse_unwired(tools=req.tools, fmt=req.format,
+                   tool_messages=any(m.role == "tool" or m.tool_calls for m in req.messages))
+    if not req.messages:
+        raise APIError(400, "messages: empty", "messages")
+    msgs = []
+    for i, m in enumerate(req.messages):
+        msg = {"role": m.role, "content": m.content}
+        images = ollama_images(m.images, cfg.max_image_pixels, f"messages.{i}.images")
+        if images:
+            msg["images"] = images
+        msgs.append(msg)
+    sampling, stops = ollama_sampling(req.options, limit, cfg.default_max_tokens, _ollama_logprobs(req))
+    return msgs, GenerationParams(sampling, thinking=bool(req.think), stop_strings=stops, kv_auto=cfg.kv_auto,
+                                  image_tokens=cfg.image_tokens)
+
+
+def ollama_generate(req: GenerateRequest, limit: int, cfg) -> tuple[list[dict], list[bytes], GenerationParams]:
+    """(messages for a templated prompt, or [] for raw, images, params)."""
+    refuse_unwired(fmt=req.format)
+    if req.suffix:
+        raise APIError(400, "suffix (fill-in-the-middle) is not supported", "suffix")
+    if req.template:
+        raise APIError(400, "template: a custom prompt template is not supported (the model's own is used)",
+                       "template")
+    images = ollama_images(req.images, cfg.max_image_pixels, "images")
+    sampling, stops = ollama_sampling(req.options, limit, cfg.default_max_tokens, _ollama_logprobs(req))
+    params = GenerationParams(sampling, thinking=bool(req.think), stop_strings=stops, image_tokens=cfg.image_tokens)
+    if req.raw:
+        return [], images, params
+    msgs = ([{"role": "system", "content": req.system}] if req.system else [])
+    user = {"role": "user", "content": req.prompt}
+    if images:
+        user["images"] = images
+    return msgs + [user], images, params

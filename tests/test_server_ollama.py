@@ -1,0 +1,127 @@
+"""The Ollama API of `edgegem serve` through the real `ollama` client: chat and generate (NDJSON
+streams and `"stream": false`), options, raw prompts and `context`, tags/show/ps/version and the
+`/` probe, errors in Ollama's shape; the demo model and a tiny Gemma-4 (thinking capability)."""
+from __future__ import annotations
+
+import pytest
+
+ollama = pytest.importorskip("ollama")
+
+from engine import api  # noqa: E402
+from server_helpers import LiveServer  # noqa: E402
+from tiny_models import TinySpec, write_tiny_gemma4  # noqa: E402
+
+MODEL = "gemma-3-270m-q4_k_m"
+GREEDY = {"temperature": 0, "num_predict": 10}
+ASK = [{"role": "user", "content": "Tell me about the sea."}]
+
+
+@pytest.fixture(scope="module")
+def server(gemma3_270m_path):
+    s = LiveServer(api.open_model(gemma3_270m_path, exact=False))
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def ol(server):
+    return server.ollama()
+
+
+def test_chat_streamed_equals_not_streamed_and_the_openai_api(ol, server):
+    whole = ol.chat(model=MODEL, messages=ASK, options=GREEDY, stream=False)
+    parts = list(ol.chat(model=MODEL, messages=ASK, options=GREEDY, stream=True))
+    assert "".join(p.message.content for p in parts) == whole.message.content and whole.message.content
+    assert parts[-1].done and not any(p.done for p in parts[:-1])
+    assert whole.done_reason == "length" and whole.eval_count == 10 and whole.prompt_eval_count > 5
+    assert whole.total_duration > 0 and whole.eval_duration > 0
+    oa = server.openai().chat.completions.create(model=MODEL, messages=ASK, max_tokens=10, temperature=0)
+    assert oa.choices[0].message.content == whole.message.content  # one engine, one answer
+
+
+def test_options_stop_seed_and_model_name_stems(ol):
+    base = ol.chat(model=MODEL, messages=ASK, options={**GREEDY, "num_predict": 20}, stream=False).message.content
+    stop = base.split()[len(base.split()) // 2]
+    cut = ol.chat(model="gemma-3-270m", messages=ASK, options={**GREEDY, "num_predict": 20, "stop": [stop]},
+                  stream=False)  # a stem of our name works, as does ":latest"
+    assert cut.message.content == base[:base.index(stop)] and cut.done_reason == "stop"
+    seeded = [ol.chat(model=f"{MODEL}:latest", messages=ASK, options={"seed": 5, "num_predict": 8}).message.content
+              for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+
+def test_generate_templated_raw_and_context_continuation(ol, server):
+    g = ol.generate(model=MODEL, prompt="Tell me about the sea.", options=GREEDY)
+    chat = ol.chat(model=MODEL, messages=ASK, options=GREEDY)
+    assert g.response == chat.message.content  # the prompt goes through the chat template
+    streamed = "".join(p.response for p in ol.generate(model=MODEL, prompt="Tell me about the sea.",
+                                                        options=GREEDY, stream=True))
+    assert streamed == g.response
+    raw = ol.generate(model=MODEL, prompt="The sea is", raw=True, options=GREEDY)
+    comp = server.openai().completions.create(model=MODEL, prompt="The sea is", max_tokens=10, temperature=0)
+    assert raw.response == comp.choices[0].text
+    # `context`: the previous prompt + answer ids; the next prompt continues from them
+    nxt = ol.generate(model=MODEL, prompt="And the sky?", context=g.context, options=GREEDY)
+    assert len(nxt.context) > len(g.context) and nxt.context[:len(g.context)] == list(g.context)
+    assert nxt.prompt_eval_count > len(g.context)
+    loaded = ol.generate(model=MODEL, prompt="")  # an empty prompt only "loads" the model
+    assert loaded.done and loaded.response == ""
+
+
+def test_tags_show_ps_version_and_the_root_probe(ol, server):
+    (m,) = ol.list().models
+    assert m.model == MODEL and m.details.family == "gemma3" and m.details.quantization_level == "Q4_K_M"
+    shown = ol.show(MODEL)
+    assert shown.capabilities == ["completion"] and shown.modelinfo["general.architecture"] == "gemma3"
+    (p,) = ol.ps().models
+    assert p.model == MODEL and p.context_length == server.client.status()["context_limit"]
+    h = server.http()
+    assert h.get("/api/version").json()["version"]
+    assert h.get("/").text == "Ollama is running" and h.head("/").status_code == 200
+
+
+def test_unknown_model_and_bad_requests_are_errors_in_ollamas_shape(ol, server):
+    with pytest.raises(ollama.ResponseError) as e:
+        ol.chat(model="llama3:8b", messages=ASK)
+    assert e.value.status_code == 404 and "not found" in e.value.error
+    h = server.http()
+    for body, path, words in (({"model": MODEL, "messages": ASK, "format": "json"}, "/api/chat", "format is not"),
+                              ({"model": MODEL, "messages": ASK, "tools": [{"type": "function"}]}, "/api/chat",
+                               "tools are not supported yet"),
+                              ({"model": MODEL, "messages": [{"role": "user", "content": "x", "images": ["%%"]}]},
+                               "/api/chat", "base64"),
+                              ({"model": MODEL, "messages": ASK, "options": {"temperature": "hot"}}, "/api/chat",
+                               "temperature"),
+                              ({"model": MODEL, "prompt": "x", "template": "{{ .Prompt }}"}, "/api/generate",
+                               "template"),
+                              ({"model": MODEL, "prompt": "x", "context": [-4]}, "/api/generate", "context"),
+                              ({"model": "nope"}, "/api/show", "not found")):
+        r = h.post(path, json={"stream": False, **body})
+        assert r.status_code in (400, 404) and set(r.json()) == {"error"} and words in r.json()["error"], r.text
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory):
+    path = write_tiny_gemma4(tmp_path_factory.mktemp("ol4") / "tiny-gemma4.gguf", TinySpec(), seed=3)
+    s = LiveServer(api.open_model(path, exact=False), api.EngineOptions(max_running_requests=2))
+    yield s
+    s.close()
+
+
+def test_a_gemma4_model_shows_thinking_and_think_reaches_the_template(tiny_server):
+    ol = tiny_server.ollama()
+    assert ol.show("tiny-gemma4").capabilities == ["completion", "thinking"]
+    seen = []
+    real = tiny_server.client.submit
+
+    def spy(messages, params, **kw):
+        seen.append(tiny_server.client.chat_prompt_ids(messages, params.thinking))
+        return real(messages, params, **kw)
+    tiny_server.client.submit = spy
+    try:
+        ol.chat(model="tiny-gemma4", messages=ASK, think=True, options={"num_predict": 2})
+        ol.chat(model="tiny-gemma4", messages=ASK, options={"num_predict": 2})
+    finally:
+        del tiny_server.client.submit
+    think_id = tiny_server.client.tokenize("<|think|>")[0]
+    assert think_id in seen[0] and think_id not in seen[1]

@@ -1,0 +1,214 @@
+"""The OpenAI API of `edgegem serve` through the real `openai` client, on the demo model (Gemma 3
+270M Q4_K_M): chat and completions, plain and streamed, stops, limits, seeds, logprobs, usage with
+the prefix cache's cached tokens, tokenize/detokenize, and an error for each bad request."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from engine import api  # noqa: E402
+from server_helpers import LiveServer  # noqa: E402
+
+MODEL = "gemma-3-270m-q4_k_m"
+HELLO = [{"role": "user", "content": "Write a short story about a cat."}]
+
+
+@pytest.fixture(scope="module")
+def lm(gemma3_270m_path):
+    return api.open_model(gemma3_270m_path, exact=False)
+
+
+@pytest.fixture(scope="module")
+def server(lm):
+    s = LiveServer(lm, api.EngineOptions(max_running_requests=4))
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def oa(server):
+    return server.openai()
+
+
+def _chat(oa, **kw):
+    return oa.chat.completions.create(model=MODEL, **{"messages": HELLO, "max_tokens": 10, "temperature": 0, **kw})
+
+
+def test_chat_streamed_equals_plain_and_the_engine_run(oa, server, lm):
+    plain = _chat(oa)
+    stream = _chat(oa, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content and text
+    assert plain.choices[0].finish_reason == "length" and plain.usage.completion_tokens == 10
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10  # include_usage: last chunk
+    assert chunks[0].choices[0].delta.role == "assistant"
+    # the same greedy answer `edgegem run` gives (engine.api.run_prompt on the same client)
+    ran = api.run_prompt(server.client, lm, HELLO[0]["content"], api.GenerationParams(api.SamplingParams(max_tokens=10)))
+    assert ran["text"] == text
+    assert plain.usage.prompt_tokens == len(ran["prompt_ids"])
+
+
+def test_completions_text_or_token_ids_and_echo(oa, lm):
+    prompt = "Once upon a time"
+    r = oa.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    ids = lm.tokenizer.encode(prompt, add_bos=True)
+    r_ids = oa.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    assert r.choices[0].text == r_ids.choices[0].text and r.usage.prompt_tokens == len(ids)
+    echo = oa.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, echo=True)
+    assert echo.choices[0].text == prompt + r.choices[0].text
+    streamed = "".join(c.choices[0].text for c in oa.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True) if c.choices)
+    assert streamed == r.choices[0].text
+
+
+def test_completions_default_to_16_tokens_as_openai(oa):
+    r = oa.completions.create(model=MODEL, prompt="The weather today is", temperature=0)
+    assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
+
+
+def test_stop_strings_end_the_answer_before_them_and_are_never_streamed(oa):
+    full = _chat(oa, max_tokens=24).choices[0].message.content
+    words = full.split()
+    stop = words[len(words) // 2]
+    cut = full[:full.index(stop)]
+    r = _chat(oa, max_tokens=24, stop=[stop, "zzzz-never"])
+    assert r.choices[0].message.content == cut and r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].delta.content or "" for c in _chat(oa, max_tokens=24, stop=stop, stream=True)
+                       if c.choices)
+    assert streamed == cut and stop not in streamed
+
+
+def test_max_tokens_and_max_completion_tokens(oa):
+    assert _chat(oa, max_tokens=3).usage.completion_tokens == 3
+    r = _chat(oa, max_tokens=50, max_completion_tokens=5)  # the newer name wins
+    assert r.usage.completion_tokens == 5
+
+
+def test_seed_makes_sampling_repeatable(oa):
+    a = _chat(oa, temperature=1.0, seed=11, max_tokens=12).choices[0].message.content
+    b = _chat(oa, temperature=1.0, seed=11, max_tokens=12).choices[0].message.content
+    assert a == b
+    others = {_chat(oa, temperature=1.0, seed=s, max_tokens=12).choices[0].message.content for s in (12, 13, 14)}
+    assert others - {a}  # other seeds write something else
+    assert _chat(oa, temperature=0, seed=1).choices[0].message.content == _chat(oa, temperature=0, seed=2) \
+        .choices[0].message.content  # greedy: the seed changes nothing
+
+
+def test_logprobs_are_the_models_log_softmax_and_top_ones_rank(oa, server, lm, gemma3_270m_path):
+    import torch
+
+    exact = api.open_model(gemma3_270m_path, exact=True)  # float32 weights and head: the reference
+
+    r = _chat(oa, max_tokens=6, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 6
+    ran = api.run_prompt(server.client, lm, HELLO[0]["content"], api.GenerationParams(api.SamplingParams(max_tokens=6)))
+    ids, out = ran["prompt_ids"], ran["ids"]
+    lsm = torch.log_softmax(torch.from_numpy(api.score(exact, ids + out[:-1])[len(ids) - 1:]), -1)
+    del exact
+    for k, c in enumerate(content):
+        assert c.top_logprobs[0].token == c.token  # greedy picks the most likely
+        assert [t.logprob for t in c.top_logprobs] == sorted((t.logprob for t in c.top_logprobs), reverse=True)
+        # the engine's head ranks in int8 and recomputes the best 64 exactly (models/cpu_head.py):
+        # the normalizer sees the int8 tail, measured within 0.004 nats of float32 here
+        assert math.isclose(c.logprob, float(lsm[k, out[k]]), abs_tol=1e-2)
+        assert bytes(c.bytes) == lm.tokenizer.token_bytes(out[k])
+    streamed = [lp for ch in _chat(oa, max_tokens=6, logprobs=True, top_logprobs=3, stream=True)
+                if ch.choices and ch.choices[0].logprobs for lp in ch.choices[0].logprobs.content]
+    assert [(s.token, round(s.logprob, 5)) for s in streamed] == [(c.token, round(c.logprob, 5)) for c in content]
+    comp = oa.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0, logprobs=2)
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == 4 == len(lp.token_logprobs) and all(len(t) == 2 for t in lp.top_logprobs)
+    assert "".join(lp.tokens) == comp.choices[0].text and lp.text_offset[0] == 0
+
+
+def test_second_turn_reports_the_prefix_cache_in_cached_tokens(oa):
+    turn1 = [{"role": "user", "content": "Name three colours of the rainbow, please."}]
+    r1 = _chat(oa, messages=turn1, max_tokens=8)
+    turn2 = turn1 + [{"role": "assistant", "content": r1.choices[0].message.content},
+                     {"role": "user", "content": "And two more?"}]
+    r2 = _chat(oa, messages=turn2, max_tokens=4)
+    assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens
+    assert r2.usage.prompt_tokens_details.cached_tokens < r2.usage.prompt_tokens
+
+
+def test_models_health_tokenize_detokenize(server, oa, lm):
+    (m,) = oa.models.list().data
+    assert m.id == MODEL and oa.models.retrieve(MODEL).id == MODEL
+    h = server.http()
+    assert h.get("/health").json() == {"status": "ok"}
+    t = h.post("/tokenize", json={"content": "Hello world", "with_pieces": True}).json()["tokens"]
+    assert [x["id"] for x in t] == lm.tokenizer.encode("Hello world", add_bos=False)
+    assert "".join(x["piece"] for x in t) == "Hello world"
+    ids = h.post("/tokenize", json={"content": "Hello world", "add_special": True}).json()["tokens"]
+    assert ids[0] == lm.tokenizer.bos_id
+    assert h.post("/detokenize", json={"tokens": ids[1:]}).json() == {"content": "Hello world"}
+
+
+BAD = {  # body (on /v1/chat/completions unless a path is given) -> status, words in the message
+    "n=2": ({"n": 2}, 400, "n must be 1"),
+    "unknown model": ({"model": "llama-70b"}, 404, "not found"),
+    "temperature out of range": ({"temperature": 7}, 400, "temperature"),
+    "no messages": ({"messages": []}, 400, "messages"),
+    "bad role": ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    "stop not strings": ({"stop": [1, 2]}, 400, "stop"),
+    "empty stop": ({"stop": [""]}, 400, "stop"),
+    "tools": ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400,
+              "tools are not supported yet"),
+    "tool message": ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, 400,
+                     "tools are not supported yet"),
+    "response_format": ({"response_format": {"type": "json_object"}}, 400, "response_format is not supported yet"),
+    "remote image": ({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]}, 400, "only data: URLs"),
+    "top_logprobs without logprobs": ({"top_logprobs": 2}, 400, "needs logprobs"),
+    "logit_bias": ({"logit_bias": {"5": 1.0}}, 400, "logit_bias"),
+    "max_tokens negative": ({"max_tokens": -1}, 400, "max_tokens"),
+    "prompt too long": ({"messages": [{"role": "user", "content": "word " * 40000}]}, 400, "context"),
+    "several prompts": ({"prompt": ["a", "b"], "_path": "/v1/completions"}, 400, "one prompt"),
+    "echo with logprobs": ({"prompt": "a", "echo": True, "logprobs": 1, "_path": "/v1/completions"}, 400, "echo"),
+    "token out of range": ({"prompt": [2, 10 ** 9], "_path": "/v1/completions"}, 400, "out of range"),
+    "detokenize out of range": ({"tokens": [10 ** 9], "_path": "/detokenize"}, 400, "out of range"),
+    "other model card": ({"_path": "/v1/models/llama-70b", "_get": True}, 404, "not found"),
+    "unknown route": ({"_path": "/v1/embeddings"}, 404, "no route"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_each_bad_request_is_an_openai_error_object_with_its_status(server, case):
+    body, status, words = BAD[case]
+    body = dict(body)
+    path = body.pop("_path", "/v1/chat/completions")
+    get = body.pop("_get", False)
+    if path == "/v1/chat/completions":
+        body = {"model": MODEL, "messages": HELLO, "max_tokens": 2, **body}
+    h = server.http()
+    r = h.get(path) if get else h.post(path, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and words in err["message"] and "\n" not in err["message"]
+
+
+def test_the_openai_client_raises_its_own_error_types(oa):
+    with pytest.raises(openai.BadRequestError):
+        _chat(oa, n=3)
+    with pytest.raises(openai.NotFoundError):
+        oa.chat.completions.create(model="nope", messages=HELLO)
+
+
+def test_while_the_model_loads_every_model_route_is_503(server):
+    from server_helpers import with_config
+    loading = with_config(server)
+    loading.state.set_client(None)
+    try:
+        h = loading.http()
+        for method, path in (("get", "/health"), ("get", "/v1/models"), ("post", "/v1/chat/completions")):
+            r = getattr(h, method)(path, **({"json": {"messages": HELLO}} if method == "post" else {}))
+            assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
+        assert h.get("/").status_code == 200  # the probe still answers
+    finally:
+        loading.bg.stop()

@@ -1,0 +1,221 @@
+"""A local server is reachable by every web page the user opens: remote binds need a key, keys are
+checked, foreign Host headers (DNS rebinding) and foreign origins are refused, a cross-site
+`text/plain` POST never generates, bodies are capped, nothing names a file; and a hypothesis fuzz
+of the JSON handlers (>= 2,000 cases) gets only 4xx error objects, never a 5xx, and the server
+keeps answering. Tiny Gemma-4 on the CPU; only 127.0.0.1 is contacted."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+from app.server.config import ServerConfig, ServerConfigError  # noqa: E402
+from engine import api  # noqa: E402
+from server_helpers import LiveServer, with_config  # noqa: E402
+from tiny_models import TinySpec, write_tiny_gemma4  # noqa: E402
+
+MODEL = "tiny-gemma4"
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = write_tiny_gemma4(tmp_path_factory.mktemp("sec") / "tiny-gemma4.gguf", TinySpec(), seed=5)
+    s = LiveServer(api.open_model(path, exact=False), api.EngineOptions(max_running_requests=2),
+                   default_max_tokens=2)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def submits(server, monkeypatch):
+    """Every prompt that reached the engine during a test."""
+    seen = []
+    real = type(server.client).submit
+
+    def spy(self, messages, params, **kw):
+        seen.append(messages)
+        return real(self, messages, params, **kw)
+    monkeypatch.setattr(type(server.client), "submit", spy)
+    return seen
+
+
+def test_a_non_loopback_bind_needs_a_key_and_a_wildcard_origin_never_goes_with_one():
+    for host in ("0.0.0.0", "192.168.1.5", "::"):
+        with pytest.raises(ServerConfigError, match="--api-key"):
+            ServerConfig(host=host).check()
+        ServerConfig(host=host, api_key="k").check()
+        ServerConfig(host=host, insecure_no_key=True).check()
+    for host in ("127.0.0.1", "localhost", "::1", "127.0.0.2"):
+        ServerConfig(host=host).check()
+    with pytest.raises(ServerConfigError, match="any web page"):
+        ServerConfig(api_key="k", cors_origins=["*"]).check()
+
+
+def test_missing_or_wrong_key_is_401_and_the_right_one_works(server):
+    keyed = with_config(server, api_key="s3cret-key")
+    try:
+        import openai
+        with pytest.raises(openai.AuthenticationError):
+            keyed.openai("wrong").chat.completions.create(**CHAT)
+        h = keyed.http()
+        for headers in ({}, {"authorization": "Bearer s3cret-ke"}, {"authorization": "Basic s3cret-key"},
+                        {"authorization": "Bearer s3cret-key-and-more"}):
+            r = h.post("/v1/chat/completions", json=CHAT, headers=headers)
+            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer" and "API key" in r.text
+        r = h.post("/api/chat", json={**CHAT, "stream": False})
+        assert r.status_code == 401 and set(r.json()) == {"error"}  # Ollama's shape on /api
+        ok = keyed.openai("s3cret-key").chat.completions.create(**CHAT)
+        assert ok.choices[0].finish_reason in ("stop", "length")
+        import ollama
+        assert ollama.Client(host=keyed.url, headers={"authorization": "Bearer s3cret-key"}).list().models
+        assert h.get("/health").status_code == 200 and h.get("/").status_code == 200  # probes stay open
+    finally:
+        keyed.bg.stop()
+
+
+def test_a_foreign_host_header_is_refused_ip_literals_and_loopback_names_are_not(server):
+    h = server.http()
+    for host in ("evil.example", "evil.example:8080", "attacker.localhost.evil.com"):
+        r = h.get("/v1/models", headers={"host": host})
+        assert r.status_code == 403 and "DNS rebinding" in r.json()["error"]["message"]
+    for host in ("127.0.0.1:1234", "localhost:8080", "[::1]:80", "10.1.2.3", "app.localhost"):
+        assert h.get("/v1/models", headers={"host": host}).status_code == 200
+    named = with_config(server, allowed_hosts=["edgegem.lan"])
+    try:
+        assert named.http().get("/v1/models", headers={"host": "edgegem.lan:8080"}).status_code == 200
+    finally:
+        named.bg.stop()
+
+
+def test_cors_is_granted_to_loopback_origins_and_never_to_a_foreign_one(server, submits):
+    h = server.http()
+    evil = {"origin": "https://evil.example"}
+    r = h.post("/v1/chat/completions", json=CHAT, headers=evil)
+    assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
+    pre = h.options("/v1/chat/completions", headers={**evil, "access-control-request-method": "POST",
+                                                      "access-control-request-headers": "content-type"})
+    assert pre.status_code == 403 and "access-control-allow-origin" not in pre.headers
+    assert not submits
+    for origin in ("http://localhost:3000", "http://127.0.0.1:8080", "http://[::1]:5173", "vscode-webview://abc"):
+        pre = h.options("/v1/chat/completions", headers={"origin": origin, "access-control-request-method": "POST",
+                                                          "access-control-request-headers": "content-type, authorization"})
+        assert pre.status_code == 204 and pre.headers["access-control-allow-origin"] == origin
+        assert "authorization" in pre.headers["access-control-allow-headers"]
+        r = h.get("/v1/models", headers={"origin": origin})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin
+    assert h.get("/v1/models", headers={"origin": "null"}).status_code == 403  # sandboxed frames, file:// pages
+    opened = with_config(server, cors_origins=["https://chat.example"])
+    try:
+        r = opened.http().get("/v1/models", headers={"origin": "https://chat.example"})
+        assert r.headers["access-control-allow-origin"] == "https://chat.example"
+    finally:
+        opened.bg.stop()
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x", None])
+def test_a_body_that_is_not_json_is_refused_before_anything_generates(server, submits, content_type):
+    # A page can POST these cross-site without a preflight; with no Origin (a page that strips it,
+    # or an older browser) the content type still stops it.
+    headers = {"content-type": content_type} if content_type else {}
+    for path in ("/v1/chat/completions", "/api/chat", "/api/generate", "/v1/completions"):
+        r = server.http().post(path, content=json.dumps(CHAT).encode(), headers=headers)
+        assert r.status_code == 415 and "JSON" in r.text
+    assert not submits
+
+
+def test_an_oversize_body_is_413_with_or_without_a_content_length(server, submits):
+    small = with_config(server, max_body=4096)
+    try:
+        h = small.http()
+        big = {**CHAT, "messages": [{"role": "user", "content": "x" * 5000}]}
+        r = h.post("/v1/chat/completions", json=big)
+        assert r.status_code == 413 and "--max-body" in r.json()["error"]["message"]
+
+        def chunks():  # no Content-Length: the body arrives chunked
+            data = json.dumps(big).encode()
+            for i in range(0, len(data), 1000):
+                yield data[i:i + 1000]
+        r = h.post("/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"})
+        assert r.status_code == 413
+        assert not submits
+        assert h.post("/v1/chat/completions", json=CHAT).status_code == 200
+    finally:
+        small.bg.stop()
+
+
+def test_nothing_in_a_request_reads_a_file_on_the_server(server, tmp_path, submits):
+    secret = tmp_path / "secret.png"
+    secret.write_bytes(b"\x89PNG not really")
+    h = server.http()
+    for url in (f"file://{secret}", str(secret), "http://127.0.0.1/x.png"):
+        body = {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}
+        r = h.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400 and "only data: URLs" in r.text
+    r = h.post("/api/chat", json={"model": MODEL, "stream": False,
+                                  "messages": [{"role": "user", "content": "x", "images": [str(secret)]}]})
+    assert r.status_code == 400
+    r = h.post("/api/generate", json={"model": str(secret), "prompt": "x", "stream": False})
+    assert r.status_code == 404  # a model name is a name, never a path
+    assert not submits
+
+
+# --- the fuzz -------------------------------------------------------------------------------------
+
+ENDPOINTS = ["/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize", "/api/chat",
+             "/api/generate", "/api/show"]
+FIELDS = ["model", "messages", "prompt", "stream", "stream_options", "max_tokens", "max_completion_tokens",
+          "temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty", "frequency_penalty",
+          "repetition_penalty", "logprobs", "top_logprobs", "n", "echo", "reasoning_effort", "chat_template_kwargs",
+          "tools", "tool_choice", "response_format", "options", "format", "images", "think", "raw", "context",
+          "content", "tokens", "add_special", "with_pieces", "role", "system", "keep_alive", "suffix", "name"]
+scalars = (st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats(allow_nan=True)
+           | st.text(max_size=40) | st.sampled_from([MODEL, "user", "assistant", "tool", "text", "image_url",
+                                                     "json", "data:image/png;base64,AAAA", "", "<|image|>", "-1"]))
+values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
+                      | st.dictionaries(st.sampled_from(FIELDS + ["type", "text", "url", "image_url", "num_predict",
+                                                                  "include_usage", "role", "content"]),
+                                        inner, max_size=5), max_leaves=12)
+message = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "tool", "x"])},
+                                optional={"content": values, "images": values})
+bodies = (values
+          | st.dictionaries(st.sampled_from(FIELDS), values, max_size=8)
+          | st.builds(lambda extra, msgs: {"model": MODEL, "messages": msgs, "max_tokens": 2, **extra},
+                      st.dictionaries(st.sampled_from(FIELDS), values, max_size=3), st.lists(message, max_size=3)))
+raw_bodies = st.binary(max_size=64) | st.sampled_from([b"{", b"[]", b"null", b'{"messages": [}', b"\xff\xfe"])
+FUZZ_CASES = 2000
+
+
+def test_fuzzed_requests_get_4xx_error_objects_never_a_5xx_and_the_server_keeps_answering(server):
+    from fastapi.testclient import TestClient
+
+    from app.server import create_app
+
+    statuses: dict[int, int] = {}
+    client = TestClient(create_app(server.state), base_url="http://127.0.0.1:8080", raise_server_exceptions=False)
+
+    @settings(max_examples=FUZZ_CASES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(path=st.sampled_from(ENDPOINTS), body=bodies | raw_bodies)
+    def one(path, body):
+        if isinstance(body, bytes):
+            r = client.post(path, content=body, headers={"content-type": "application/json"})
+        else:
+            r = client.post(path, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+        statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+        assert r.status_code < 500, (path, body, r.text)
+        if r.status_code >= 400:
+            err = r.json()["error"]
+            msg = err if path.startswith("/api/") else err["message"]
+            assert isinstance(msg, str) and msg and "Traceback" not in msg and "\n" not in msg
+    one()
+    assert sum(statuses.values()) >= FUZZ_CASES
+    ok = client.post("/v1/chat/completions", json=CHAT)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    server.engine(lambda e: e.check())  # no slot leaked by thousands of refused and finished requests
+    print(f"\nfuzz: {sum(statuses.values())} requests, statuses {dict(sorted(statuses.items()))}")
