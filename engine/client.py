@@ -124,6 +124,9 @@ class LocalClient(EngineClient):
         self._tool_events: dict = {}   # request id -> engine.structured.ToolEvents (requests with tools)
         self._status: dict = self.engine.status()
         self._closed = threading.Event()
+        if loaded.model.device.type == "cpu":  # the engine thread computes from now on: this thread's
+            from .cpu_runtime import release_idle_openmp_threads  # OpenMP team (it loaded the model) goes
+            release_idle_openmp_threads()
         self._thread = threading.Thread(target=self._loop, name="edgegem-engine", daemon=True)
         self._thread.start()
 

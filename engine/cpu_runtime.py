@@ -35,6 +35,44 @@ def physical_cores() -> int:
 _threads: list = []
 
 
+def _openmp():
+    """The OpenMP runtime torch (and, sharing it, ggml) runs on, as a ctypes library, or None: the
+    libgomp / libiomp the process has loaded (read off /proc/self/maps)."""
+    import ctypes
+
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    for line in maps.splitlines():
+        path = line.split()[-1] if line.strip() else ""
+        if "/libgomp" in path or "/libiomp" in path:
+            try:
+                return ctypes.CDLL(path)
+            except OSError:
+                return None
+    return None
+
+
+def release_idle_openmp_threads() -> bool:
+    """Give back this thread's OpenMP team (made while it loaded the model: dequantizing and
+    repacking run parallel regions), before another thread (the engine's) takes over the compute.
+    Why: libgomp keeps one team per thread that ever ran a parallel region, and once all teams'
+    threads outnumber the cores it stops spinning at barriers (throttled waits): the demo model's
+    decode step through the engine thread took 42 ms against 26 ms in the loading thread at 2
+    threads on the 2-core VM. `omp_pause_resource_all(omp_pause_soft)` (OpenMP 5.0) frees the
+    calling thread's team (libgomp frees no other thread's: it must run in the thread that loaded);
+    its next parallel region would make a new one. Returns whether the runtime did it."""
+    lib = _openmp()
+    fn = getattr(lib, "omp_pause_resource_all", None) if lib is not None else None
+    if fn is None:
+        return False
+    import ctypes
+
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    return fn(1) == 0  # omp_pause_soft
+
+
 def set_threads(n: Optional[int] = None) -> int:
     """Threads for torch and ggml from now on: n, or the physical cores for None/0. Returns it."""
     import torch
