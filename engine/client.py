@@ -38,6 +38,10 @@ class GenerationParams:
     tools: Optional[Sequence[dict]] = None
     tool_choice: Any = None
     kv_auto: bool = False  # the engine's kv_dir: the file the prompt extends serves it, saved there after
+    # False: the prefix cache serves none of the prompt (it is computed afresh, so a seeded request
+    # repeats exactly: reused KV sits in other slot runs, and attention summed over two runs
+    # rounds differently from one, which llama.cpp's Q8 activations can turn into another token)
+    cache_prompt: bool = True
 
 
 KEEP_PROMPTS = 1024  # last_prompt_ids answers for this many recent requests (a server makes many)
@@ -326,7 +330,7 @@ class LocalClient(EngineClient):
                                          f"(--max-queued-requests {queue_limit}); try again later")
                 req = self.engine.add(ids, params.sampling, params.stop_strings, kv_session=params.kv_session,
                                       images=media["image"], audio=media["audio"], grammar=grammar,
-                                      kv_auto=params.kv_auto)
+                                      kv_auto=params.kv_auto, cache_prompt=params.cache_prompt)
                 if on_event is not None:  # before any event: the engine only queues it so far
                     req.events = _NotifyingQueue(on_event)
                 self._events[req.id] = req.events

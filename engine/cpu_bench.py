@@ -6,7 +6,7 @@ table and Q4_K_M type mix, random blocks: engine/synthetic.py) to a temporary GG
 llama.cpp runs the very file edgegem runs. Prefill is one prompt of `n_prompt` tokens (llama.cpp:
 one batch of the whole prompt; the model loop: one forward; the engine: its prefill chunks, with
 fast prefill as configured), decode `n_decode` greedy steps after it; the same thread count.
-Peak RSS is the child's ru_maxrss: everything it touched, weights read through a memory map
+Peak RSS is the child's own VmHWM: everything it touched, weights read through a memory map
 included (llama.cpp maps the file; edgegem maps only its lookup tables).
 """
 from __future__ import annotations
@@ -27,7 +27,14 @@ LABELS = {"llama.cpp": "llama-cpp-python 0.3.36", "loop": "edgegem model loop",
 
 
 def _peak_rss() -> int:
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    """This process's own peak RSS in bytes: /proc's VmHWM. Not ru_maxrss: exec records there the
+    peak of the memory map it replaces, so a child of a parent that wrote a 3 GB GGUF would report
+    the parent's peak."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024
+    except (OSError, StopIteration, ValueError):
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def _run_llama_cpp(path: str, prompt: list[int], n_decode: int, threads: int) -> dict:

@@ -77,6 +77,7 @@ class Request:
     media: Optional["PromptMedia"] = None  # image and audio inputs of the prompt (engine/media.py)
     grammar: Optional["GrammarState"] = None  # structured output: masks every sampled token
     kv_auto: bool = False  # KV file found by the prompt's prefix in the engine's kv_dir, saved there after
+    cache_prompt: bool = True  # False: the prefix cache serves none of it (engine.client.GenerationParams)
     first_cached: Optional[int] = None  # prompt tokens the cache served at the first admission
     preemptions: int = 0  # times its KV was given up for older requests (recomputed after)
     resume_after: int = 0  # preempted: re-admitted once the engine has finished more requests than this

@@ -125,13 +125,15 @@ class Engine:
 
     # --- requests ----------------------------------------------------------------------------
     def add(self, prompt_ids: list[int], params: SamplingParams, stop_strings=(),
-            kv_session: Optional[str] = None, images=(), audio=(), grammar=None, kv_auto: bool = False) -> Request:
+            kv_session: Optional[str] = None, images=(), audio=(), grammar=None, kv_auto: bool = False,
+            cache_prompt: bool = True) -> Request:
         """`images` (models.gemma4_vision.ImageInput) and `audio` (models.audio.AudioInput), one per
         `<|image|>` / `<|audio|>` run of `prompt_ids` (each item's N placeholders, in order);
         encoded at admission unless the cache covers them. `grammar`: an
         engine.constraints.GrammarState that masks every token sampled for it. `kv_auto`: the KV
         file of the prompt's longest saved prefix in `kv_dir` serves it, and the KV of prompt +
-        answer is saved there after (engine/kv_sessions.py)."""
+        answer is saved there after (engine/kv_sessions.py). `cache_prompt` False: the prefix cache
+        serves none of it."""
         limit = self.context_limit
         media = {"image": list(images), "audio": list(audio)}
         pmedia = prompt_media(prompt_ids, media, self.media_kinds)
@@ -140,7 +142,7 @@ class Engine:
             raise ContextOverflowError(
                 f"prompt of {len(prompt_ids)} tokens{what} does not fit the {limit}-token context")
         req = Request(list(prompt_ids), params, tuple(stop_strings), kv_session=kv_session, grammar=grammar,
-                      kv_auto=kv_auto and self.sessions.disk is not None)
+                      kv_auto=kv_auto and self.sessions.disk is not None, cache_prompt=cache_prompt)
         req.media = pmedia
         if self.tokenizer is not None:
             req.detok = self.tokenizer.stream_decoder()
@@ -174,6 +176,15 @@ class Engine:
                     continue
                 n = min(budget, req.prefill_end - req.computed_len)
                 budget -= n
+                if n > 1 and req.computed_len + n == req.prefill_end:
+                    # The prompt's last token is a forward of its own, as it is when the prefix
+                    # cache serves the rest: its logits (and the draft's h) are then the same
+                    # whether or not the prompt was cached, so a seed repeats (a 1-row and an
+                    # N-row product may round differently: ggml's kernels, fast prefill's GEMM).
+                    self._run(req, req.all_ids[req.computed_len:req.computed_len + n - 1])
+                    if req.state != RequestState.PREFILL:
+                        continue  # preempted or finished meanwhile
+                    n = 1
                 self._run(req, req.all_ids[req.computed_len:req.computed_len + n])
             elif self.decoder is not None:
                 decoding.append(req)  # stepped together below
@@ -196,7 +207,8 @@ class Engine:
                 req.kv_checked = True
                 self.sessions.restore(req)
             end = req.prefill_end
-            match = self.cache.match(req.key_ids[:end])  # leaves at least the last of them to compute
+            # leaves at least the last of them to compute; nothing cached when the request says so
+            match = self.cache.match(req.key_ids[:end] if req.cache_prompt else req.key_ids[:1])
             need = end - match.length + 1
             if self.pools.full.layers and self.pools.full.n_free < need:
                 self.cache.evict(full_tokens=need)

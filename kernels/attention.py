@@ -352,12 +352,17 @@ def decode_tiles(hd: int, group: int, q_dtype: torch.dtype, arch: tuple[int, int
     in chunks of 32 (see _scores). Two exceptions from the sm_90/sm_120 and fp32-model compiles
     (issue 21), each checked on the archs it touches: fp32 queries over fp32 KV at hd 256 spilled
     16/12 B with 4 warps on sm_86/sm_89 (none with 8 on sm_80-89; 8 spill on sm_90/sm_120, 4 do
-    not), and int8 KV at hd 256 spilled 4/4 B on sm_90 over 32-key tiles (none over 16)."""
+    not), and int8 KV at hd 256 spilled 4/4 B on sm_90 over 32-key tiles (none over 16). At hd
+    512 on sm_90/sm_120 the fp32 model's 4-row group (E4B) spilled with 8 warps and the 8-row one
+    (E2B) with 4: each gets the other, but for the 4-row group over int8 KV on sm_90, which
+    spilled with 4 warps and not with 8."""
     block_d = max(16, triton.next_power_of_2(hd))
     arch = tuple(arch)
     if _fma_dots(q_dtype, arch):
-        wide = hd > 256 or (q_dtype == kv_dtype == torch.float32 and (8, 0) <= arch < (9, 0))
-        return Tiles(max(1, triton.next_power_of_2(group)), min(32, block_d), 16, 8 if wide else 4)
+        rows = max(1, triton.next_power_of_2(group))
+        wide = (hd > 256 and (arch < (9, 0) or rows >= 8 or (kv_dtype == torch.int8 and arch < (10, 0)))) or \
+            (q_dtype == kv_dtype == torch.float32 and (8, 0) <= arch < (9, 0))
+        return Tiles(rows, min(32, block_d), 16, 8 if wide else 4)
     narrow = hd > 256 or (kv_dtype == torch.int8 and (9, 0) <= arch < (10, 0))
     return Tiles(max(16, triton.next_power_of_2(group)), block_d, 16 if narrow else 32, 4 if hd <= 256 else 8)
 

@@ -465,8 +465,11 @@ def qmatmul(x: torch.Tensor, w: PackedQuant, out_dtype: torch.dtype | None = Non
         y = torch.empty((m, n_y), dtype=out_dtype, device=x.device)
         (q, h, s, d), strides = _typed_planes(w)
         e2 = None if gelu_mul is None else gelu_mul.reshape(-1, n_out)   # a view when rows collapse
-        for m0 in range(0, m, GEMV_MAX_M):
-            mc = min(GEMV_MAX_M, m - m0)
+        # float32 rows of x over Q6_K take two a launch: four spilled 16/16 B on sm_80 (the
+        # exact model's 3-row verify; x's registers are twice bf16's)
+        step = 2 if x2.dtype == torch.float32 and w.ggml_type == Q6_K else GEMV_MAX_M
+        for m0 in range(0, m, step):
+            mc = min(step, m - m0)
             block_m, block_n, warps = gemv_config(mc, n_out, x.device)
             _gemv_kernel[(triton.cdiv(n_out, block_n),)](
                 x2[m0:], q, h, s, d, y[m0:], y if e2 is None else e2[m0:], mc, n_out, n_in, _ONE,

@@ -508,14 +508,20 @@ def head_logits(y: torch.Tensor, w, cap: Optional[float]) -> torch.Tensor:
     softcap), whatever y's dtype. On the kernel path the quantized head's GEMV writes float32 and
     the softcap reads it: bf16 logits are 0.125 apart between 16 and 32, which made greedy ties
     and moved probabilities by 6-13% against llama.cpp and the CPU path (issue 21 item 1). A dense
-    or CPU head computes in y's dtype (float32 on the CPU) and is widened after."""
+    or CPU head computes in y's dtype (float32 on the CPU) and is widened after; a float64 model
+    (the oracle runs) keeps float64. Only a `kernels.qpack.PackedQuant` takes the kernel: the CPU
+    heads keep other things under `packed` (fbgemm's prepacked chunks)."""
+    from kernels.qpack import PackedQuant
+
     packed = None if isinstance(w, torch.Tensor) else getattr(w, "packed", None)
-    if packed is not None:
+    if isinstance(packed, PackedQuant):
         from kernels.qmatmul import qmatmul
 
         logits = qmatmul(y, packed, out_dtype=torch.float32)
     else:
-        logits = linear(y, w).float()
+        logits = linear(y, w)
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
     return softcap(logits, cap)
 
 

@@ -228,6 +228,12 @@ def test_int8_head_ranks_in_int8_and_its_top_rows_are_exact():
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
     assert torch.equal(head.rows(torch.tensor([0, 60])), big[[0, 60]])
     assert got.dtype == x.dtype and head.linear(x[0]).shape == (3000,)
+    # one row 50x the others (a prompt's BOS row) leaves the others as they were alone
+    x[0] *= 50
+    alone = torch.cat([head.rank(x[i:i + 1]) for i in range(x.shape[0])])
+    err = ((head.rank(x) - x @ big.t()).norm(dim=1) / (x @ big.t()).norm(dim=1))
+    assert float(err.max()) < 0.04, err
+    assert float(((alone - x @ big.t()).norm(dim=1) / (x @ big.t()).norm(dim=1)).max()) < 0.04
 
 
 def test_prefill_buffers_survive_inference_mode_then_no_grad():

@@ -110,7 +110,8 @@ def openai_chat(req: ChatCompletionRequest, limit: int, cfg) -> tuple[list[dict]
                               (req.top_logprobs or 0) if req.logprobs else None)
     msgs = openai_messages(req, cfg.max_image_pixels)
     return msgs, GenerationParams(sampling, thinking=openai_thinking(req), stop_strings=_stops(req.stop),
-                                  kv_auto=cfg.kv_auto, image_tokens=cfg.image_tokens)
+                                  kv_auto=cfg.kv_auto and req.cache_prompt, image_tokens=cfg.image_tokens,
+                                  cache_prompt=req.cache_prompt)
 
 
 def openai_completion(req: CompletionRequest, limit: int, cfg) -> GenerationParams:
@@ -121,7 +122,7 @@ def openai_completion(req: CompletionRequest, limit: int, cfg) -> GenerationPara
     # OpenAI's completions default is 16 tokens
     max_tokens = req.max_tokens if req.max_tokens is not None else (cfg.default_max_tokens or 16)
     sampling = _openai_common(req, limit, cfg.default_max_tokens, max_tokens, req.logprobs)
-    return GenerationParams(sampling, stop_strings=_stops(req.stop))
+    return GenerationParams(sampling, stop_strings=_stops(req.stop), cache_prompt=req.cache_prompt)
 
 
 def completion_prompt(req: CompletionRequest):

@@ -73,6 +73,9 @@ class _Sampling(_Body):
     n: Optional[int] = None
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[StrictStr] = None
+    # llama.cpp server's extension: false = no prefix-cache reuse, so a seeded request repeats bit
+    # for bit whatever ran before (reused KV sits in other slot runs, which rounds differently)
+    cache_prompt: StrictBool = True
 
 
 class ChatCompletionRequest(_Sampling):

@@ -26,6 +26,7 @@ _edgegem() {
         app:--spec-draft-model) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         app:--spec-tokens) COMPREPLY=(); return ;;
         app:--spec-p-min) COMPREPLY=(); return ;;
+        app:--threads) COMPREPLY=(); return ;;
         app:--image-tokens) COMPREPLY=($(compgen -W "70 140 280 560 1120" -- "$cur")); return ;;
         app:--mmproj) COMPREPLY=(); return ;;
         app:--kv-disk-budget) COMPREPLY=(); return ;;
@@ -45,17 +46,20 @@ _edgegem() {
         score:--image) COMPREPLY=(); return ;;
         score:--image-tokens) COMPREPLY=($(compgen -W "70 140 280 560 1120" -- "$cur")); return ;;
         score:--mmproj) COMPREPLY=(); return ;;
+        score:--audio) COMPREPLY=(); return ;;
         tokenize:--model) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         tokenize:--text) COMPREPLY=(); return ;;
         tokenize:--image) COMPREPLY=(); return ;;
         tokenize:--image-tokens) COMPREPLY=($(compgen -W "70 140 280 560 1120" -- "$cur")); return ;;
         tokenize:--mmproj) COMPREPLY=(); return ;;
+        tokenize:--audio) COMPREPLY=(); return ;;
         run:--model) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         run:--prompt) COMPREPLY=(); return ;;
         run:--system) COMPREPLY=(); return ;;
         run:--image) COMPREPLY=(); return ;;
         run:--image-tokens) COMPREPLY=($(compgen -W "70 140 280 560 1120" -- "$cur")); return ;;
         run:--mmproj) COMPREPLY=(); return ;;
+        run:--audio) COMPREPLY=(); return ;;
         run:--max-tokens) COMPREPLY=(); return ;;
         run:--temperature) COMPREPLY=(); return ;;
         run:--top-k) COMPREPLY=(); return ;;
@@ -64,6 +68,8 @@ _edgegem() {
         run:--repetition-penalty) COMPREPLY=(); return ;;
         run:--presence-penalty) COMPREPLY=(); return ;;
         run:--seed) COMPREPLY=(); return ;;
+        run:--json-schema) COMPREPLY=(); return ;;
+        run:--grammar) COMPREPLY=(); return ;;
         run:--gpu-memory-budget) COMPREPLY=(); return ;;
         run:--kv-cache-dtype) COMPREPLY=($(compgen -W "auto bf16 fp16 fp32 int8_per_token_head fp8_per_token_head" -- "$cur")); return ;;
         run:--swa-kv-cache-dtype) COMPREPLY=($(compgen -W "auto bf16 fp16 fp32 int8_per_token_head fp8_per_token_head" -- "$cur")); return ;;
@@ -79,6 +85,7 @@ _edgegem() {
         run:--spec-draft-model) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         run:--spec-tokens) COMPREPLY=(); return ;;
         run:--spec-p-min) COMPREPLY=(); return ;;
+        run:--threads) COMPREPLY=(); return ;;
         run:--kv-session) COMPREPLY=(); return ;;
         info:--synthetic) COMPREPLY=($(compgen -W "e2b e4b" -- "$cur")); return ;;
         info:--gpu-memory-budget) COMPREPLY=(); return ;;
@@ -109,6 +116,8 @@ _edgegem() {
         bench:--arch) COMPREPLY=(); return ;;
         bench:--spec-draft-model) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         bench:--spec-tokens) COMPREPLY=(); return ;;
+        bench:--audio-seconds) COMPREPLY=(); return ;;
+        bench:--mmproj) COMPREPLY=(); return ;;
         bench:--kv-lengths) COMPREPLY=(); return ;;
         bench:--clients) COMPREPLY=(); return ;;
         bench:--serve-tokens) COMPREPLY=(); return ;;
@@ -119,6 +128,7 @@ _edgegem() {
         chat:--image) COMPREPLY=(); return ;;
         chat:--image-tokens) COMPREPLY=($(compgen -W "70 140 280 560 1120" -- "$cur")); return ;;
         chat:--mmproj) COMPREPLY=(); return ;;
+        chat:--audio) COMPREPLY=(); return ;;
         chat:--max-tokens) COMPREPLY=(); return ;;
         chat:--temperature) COMPREPLY=(); return ;;
         chat:--top-k) COMPREPLY=(); return ;;
@@ -142,6 +152,7 @@ _edgegem() {
         chat:--spec-draft-model) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         chat:--spec-tokens) COMPREPLY=(); return ;;
         chat:--spec-p-min) COMPREPLY=(); return ;;
+        chat:--threads) COMPREPLY=(); return ;;
         chat:--kv-session) COMPREPLY=(); return ;;
         doctor:--data-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
         doctor:--models-dir) COMPREPLY=($(compgen -d -- "$cur")); return ;;
@@ -188,23 +199,24 @@ _edgegem() {
         serve:--spec-draft-model) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         serve:--spec-tokens) COMPREPLY=(); return ;;
         serve:--spec-p-min) COMPREPLY=(); return ;;
+        serve:--threads) COMPREPLY=(); return ;;
         serve:--image-tokens) COMPREPLY=($(compgen -W "70 140 280 560 1120" -- "$cur")); return ;;
         serve:--mmproj) COMPREPLY=(); return ;;
     esac
     case "$cmd" in
-        app) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --data-dir --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min --image-tokens --mmproj --kv-disk-budget --serve --host --api-key --api-key-file --insecure-no-key --allowed-hosts --cors-origin --max-body --max-image-pixels --max-queued-requests --default-max-tokens --access-log" -- "$cur")); else COMPREPLY=(); fi ;;
-        score) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --tokens --out --image --image-tokens --mmproj" -- "$cur")); else COMPREPLY=(); fi ;;
-        tokenize) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --text --image --image-tokens --mmproj" -- "$cur")); else COMPREPLY=(); fi ;;
-        run) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --prompt --system --image --image-tokens --mmproj --max-tokens --temperature --top-k --top-p --min-p --repetition-penalty --presence-penalty --seed --raw --json --exact --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min --kv-session" -- "$cur")); else COMPREPLY=(); fi ;;
+        app) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --data-dir --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min --threads --image-tokens --mmproj --kv-disk-budget --serve --host --api-key --api-key-file --insecure-no-key --allowed-hosts --cors-origin --max-body --max-image-pixels --max-queued-requests --default-max-tokens --access-log" -- "$cur")); else COMPREPLY=(); fi ;;
+        score) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --tokens --out --image --image-tokens --mmproj --audio" -- "$cur")); else COMPREPLY=(); fi ;;
+        tokenize) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --text --image --image-tokens --mmproj --audio" -- "$cur")); else COMPREPLY=(); fi ;;
+        run) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --prompt --system --image --image-tokens --mmproj --audio --max-tokens --temperature --top-k --top-p --min-p --repetition-penalty --presence-penalty --seed --raw --json-schema --grammar --json --exact --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min --threads --kv-session" -- "$cur")); else COMPREPLY=(); fi ;;
         info) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --synthetic --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --spec-draft-model --mmproj --device --json" -- "$cur")); else COMPREPLY=($(compgen -f -- "$cur")); fi ;;
-        bench) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --synthetic --device --prompt-tokens --decode-tokens --threads --no-llama-cpp --engine --both --keep-gguf --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --fast-prefill --prompt-lengths --contexts --decode-steps --peak-bandwidth --static --arch --spec-draft-model --spec-tokens --kv-resume --kv-lengths --serve --clients --serve-tokens --long-words --max-running-requests --json" -- "$cur")); else COMPREPLY=(); fi ;;
-        chat) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --system --thinking --image --image-tokens --mmproj --max-tokens --temperature --top-k --top-p --min-p --repetition-penalty --presence-penalty --seed --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min --kv-session" -- "$cur")); else COMPREPLY=(); fi ;;
+        bench) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --synthetic --device --prompt-tokens --decode-tokens --threads --no-llama-cpp --engine --both --keep-gguf --profile --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --fast-prefill --prompt-lengths --contexts --decode-steps --peak-bandwidth --static --arch --spec-draft-model --spec-tokens --constraints --audio --audio-seconds --mmproj --kv-resume --kv-lengths --serve --clients --serve-tokens --long-words --max-running-requests --json" -- "$cur")); else COMPREPLY=(); fi ;;
+        chat) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --system --thinking --image --image-tokens --mmproj --audio --max-tokens --temperature --top-k --top-p --min-p --repetition-penalty --presence-penalty --seed --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min --threads --kv-session" -- "$cur")); else COMPREPLY=(); fi ;;
         doctor) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --data-dir --models-dir --json" -- "$cur")); else COMPREPLY=(); fi ;;
         pull) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --draft --no-draft --no-mmproj --revision --data-dir --models-dir" -- "$cur")); else COMPREPLY=(); fi ;;
         models) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --data-dir --models-dir --gpu-memory-budget --device --json" -- "$cur")); else COMPREPLY=(); fi ;;
         import) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --data-dir" -- "$cur")); else COMPREPLY=(); fi ;;
         kv-check) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --text --tokens --chunk --device --data-dir --json" -- "$cur")); else COMPREPLY=(); fi ;;
-        serve) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --port --host --api-key --api-key-file --insecure-no-key --allowed-hosts --cors-origin --max-body --max-image-pixels --max-queued-requests --default-max-tokens --access-log --kv-dir --kv-disk-budget --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min --image-tokens --mmproj" -- "$cur")); else COMPREPLY=(); fi ;;
+        serve) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --port --host --api-key --api-key-file --insecure-no-key --allowed-hosts --cors-origin --max-body --max-image-pixels --max-queued-requests --default-max-tokens --access-log --kv-dir --kv-disk-budget --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min --threads --image-tokens --mmproj" -- "$cur")); else COMPREPLY=(); fi ;;
     esac
 }
 complete -o filenames -F _edgegem edgegem
