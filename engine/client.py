@@ -10,8 +10,10 @@ after each event is queued, and drain with `poll`; `queue_limit` bounds the engi
 from __future__ import annotations
 
 import abc
+import atexit
 import queue
 import threading
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
@@ -133,6 +135,7 @@ class LocalClient(EngineClient):
             release_idle_openmp_threads()
         self._thread = threading.Thread(target=self._loop, name="edgegem-engine", daemon=True)
         self._thread.start()
+        _open_clients.add(self)
 
     # --- prompt building ---------------------------------------------------------------------
     def _prompt_ids(self, messages: Sequence[dict], thinking: bool, image_tokens: int = 280, tools=None
@@ -316,6 +319,7 @@ class LocalClient(EngineClient):
         self._closed.set()
         self._commands.put(("wake",))
         self._thread.join(timeout=30)
+        _open_clients.discard(self)
 
     # --- the engine thread -----------------------------------------------------------------
     def _handle(self, cmd: tuple) -> None:
@@ -375,3 +379,15 @@ class LocalClient(EngineClient):
         for req in list(self.engine.running) + list(self.engine.waiting):
             self.engine._finish(req, "abort")
         self.engine.close()  # conversations' KV still only in the cache go to disk
+
+
+# Clients still open when the interpreter exits are closed first: an engine thread still inside a
+# step while Python finalizes aborted the process (libstdc++'s "terminate called without an
+# active exception", exit status 134) for a script that never called close().
+_open_clients: "weakref.WeakSet[LocalClient]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_clients() -> None:
+    for client in list(_open_clients):
+        client.close()

@@ -236,3 +236,21 @@ def test_decode_reads_window_runs_in_place_after_chunked_prefill(tiny, monkeypat
     got = pool.alloc(6)
     pool.free(got)
     assert pool.alloc(6).tolist() == got.tolist() == sorted(got.tolist())
+
+
+def test_a_script_that_never_closes_its_client_exits_cleanly(gemma3_270m_path):
+    """An open client is closed at interpreter exit: its engine thread still running while Python
+    finalized aborted the process (libstdc++'s terminate, exit status 134) in 4 of 6 runs here."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = ("import sys\nfrom pathlib import Path\nfrom engine import api\n"
+              f"lm = api.open_model(Path({str(gemma3_270m_path)!r}), exact=False)\n"
+              "c = api.start_client(lm, api.EngineOptions())\n"
+              "r = api.run_prompt(c, lm, 'hi', api.GenerationParams(api.SamplingParams(max_tokens=3)))\n"
+              "print(len(r['ids']))\n")
+    repo = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-c", script], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "3" and "terminate called" not in run.stderr
