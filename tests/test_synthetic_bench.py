@@ -1,4 +1,4 @@
-"""Synthetic random-weight Gemma-4 models (engine/synthetic.py) and the engine bench (engine/bench.py
+"""Synthetic random-weight Gemma-4 models (engine/synthetic.py) and the engine bench (engine/bench/throughput.py
 `gpu_bench`), on the CPU: the tiny variant runs through the kernels under Triton's interpreter and
 through the bench on the plain torch path; E2B's byte accounting is checked from the plan alone."""
 from __future__ import annotations

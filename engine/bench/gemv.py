@@ -53,7 +53,7 @@ def gemv_bandwidth(fmt: str, n_out: int, n_in: int, device="cuda", iters: int = 
 
     from models.weights import QuantWeight
 
-    from .synthetic import _random_quant_bytes
+    from ..synthetic import _random_quant_bytes
 
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -81,7 +81,7 @@ def gemv_sweep(variants=("e2b", "e4b"), formats=None, device="cuda", iters: int 
     shapes; a format or shape that fails gives a row with "error" instead of stopping the sweep."""
     from models.weights import QuantWeight
 
-    from .bench import peak_bandwidth_gbps
+    from .throughput import peak_bandwidth_gbps
 
     device = torch.device(device)
     if peak_gbps is None and device.type == "cuda":

@@ -38,7 +38,7 @@ def _peak_rss() -> int:
 
 
 def _run_llama_cpp(path: str, prompt: list[int], n_decode: int, threads: int) -> dict:
-    from .bench import _llama_cpp
+    from .throughput import _llama_cpp
 
     r = _llama_cpp(Path(path), prompt, n_decode, threads)
     r.pop("ids", None)
@@ -46,8 +46,8 @@ def _run_llama_cpp(path: str, prompt: list[int], n_decode: int, threads: int) ->
 
 
 def _run_loop(path: str, prompt: list[int], n_decode: int, threads: int) -> dict:
-    from .api import open_model
-    from .bench import _greedy_loop
+    from ..api import open_model
+    from .throughput import _greedy_loop
 
     t0 = time.perf_counter()
     lm = open_model(Path(path), exact=False, device="cpu")
@@ -57,9 +57,9 @@ def _run_loop(path: str, prompt: list[int], n_decode: int, threads: int) -> dict
 
 def _run_engine(path: str, prompt: list[int], n_decode: int, threads: int, fast_prefill: bool = True) -> dict:
     """Through the client thread, as `edgegem run` and the app drive it."""
-    from . import api
-    from .client import GenerationParams
-    from .sampler import SamplingParams
+    from .. import api
+    from ..client import GenerationParams
+    from ..sampler import SamplingParams
 
     t0 = time.perf_counter()
     lm = api.open_model(Path(path), exact=False, device="cpu")
@@ -80,7 +80,7 @@ def _run_engine(path: str, prompt: list[int], n_decode: int, threads: int, fast_
 
 
 def _child(kind: str, path: str, prompt: list[int], n_decode: int, threads: int, out) -> None:
-    from .cpu_runtime import set_threads
+    from ..cpu_runtime import set_threads
 
     set_threads(threads)
     try:
@@ -123,7 +123,7 @@ def synthetic_gguf(variant: Optional[str], keep: Optional[Path] = None) -> Itera
     if not variant:
         yield None
         return
-    from .synthetic import write_synthetic_gguf
+    from ..synthetic import write_synthetic_gguf
 
     if keep is not None and Path(keep).exists():
         yield Path(keep)
@@ -144,9 +144,9 @@ def cpu_side_by_side(path: Optional[Path] = None, synthetic: Optional[str] = Non
     kind's best round reported (prefill and decode each their best; peak RSS the largest)."""
     from models.gguf import GGUFFile
 
-    from .bench import _prompt
+    from .throughput import _prompt
     from .cpu_profile import cpu_flags
-    from .cpu_runtime import kernels, physical_cores
+    from ..cpu_runtime import kernels, physical_cores
 
     threads = threads or physical_cores()
     with synthetic_gguf(synthetic, keep) as written:

@@ -1,9 +1,9 @@
 """`edgegem bench --static`: what a decode step costs on a GPU, read without one.
 
-From a dry run of the synthetic E2B/E4B model on the meta device (`engine/dry_run.py`):
+From a dry run of the synthetic E2B/E4B model on the meta device (`engine/bench/dry_run.py`):
   * kernels_per_step: every launch of one B = 1 decode step of the batched decoder, Triton and
     device-side torch ops, counted by intercepting them (`kernels.launch.record_launches`);
-  * weight_bytes_per_token: the device weights a decode step reads (`engine.bench.device_weight_bytes`:
+  * weight_bytes_per_token: the device weights a decode step reads (`engine.bench.throughput.device_weight_bytes`:
     every quantized/dense/vector tensor on the device, the tied LM head included, the host lookup
     tables not);
   * per decode-GEMV format (those the model uses and every other one `QuantWeight` reads): the
@@ -218,7 +218,7 @@ def _static_report(variant: str, arch: str, kv: str, cache_dir) -> dict:
     from kernels.compile_check import ARCHS
     from kernels.qmatmul import gemv_launch_info
 
-    from .bench import device_weight_bytes
+    from .throughput import device_weight_bytes
     from .dry_run import decode_step, dry_model
 
     model = dry_model(variant)
@@ -247,7 +247,7 @@ def static_report(variant: str, arch: str = "sm_86", kv: str = "bf16", cache_dir
     "table" holds the human-readable form."""
     from kernels.compile_check import ARCHS
 
-    from .kv_format import resolve_format
+    from ..kv_format import resolve_format
 
     kv = resolve_format(kv, "cuda").name
     if arch not in ARCHS:

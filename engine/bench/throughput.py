@@ -73,7 +73,7 @@ def _llama_cpp(path: Path, prompt: list[int], n_decode: int, threads: int) -> di
 
 def cpu_bench(path: Path, n_prompt: int = 128, n_decode: int = 64, threads: int = 0,
               with_llama_cpp: bool = True) -> dict:
-    from .cpu_runtime import set_threads
+    from ..cpu_runtime import set_threads
 
     threads = set_threads(threads)
     from models.gguf import GGUFFile
@@ -191,17 +191,17 @@ def gpu_bench(model=None, device="cuda", budget=None, kv_cache_dtype: str = "aut
     TRITON_INTERPRET=1), else dense weights on the plain torch path."""
     import os
 
-    from .kv_format import resolve_format
-    from .memory_plan import PlanOptions, parse_size, plan_memory
-    from .sampler import SamplingParams
-    from .scheduler import Engine, EngineConfig
+    from ..kv_format import resolve_format
+    from ..memory_plan import PlanOptions, parse_size, plan_memory
+    from ..sampler import SamplingParams
+    from ..scheduler import Engine, EngineConfig
 
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     t0 = time.perf_counter()
     if synthetic:
-        from .synthetic import synthetic_layout, synthetic_model
+        from ..synthetic import synthetic_layout, synthetic_model
         if quantized is None:
             quantized = dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
         layout = synthetic_layout(synthetic)
@@ -209,7 +209,7 @@ def gpu_bench(model=None, device="cuda", budget=None, kv_cache_dtype: str = "aut
                                    quantized=quantized)
         label = f"synthetic {synthetic.upper()} (random weights, Q4_K_M mix)"
     elif isinstance(model, (str, Path)):
-        from .api import open_model
+        from ..api import open_model
         lm = open_model(Path(model), exact=False, device=dev.type, embed_weights=embed_weights)
         layout, lm_model, label = lm.source, lm.model, Path(model).name
     else:
@@ -312,7 +312,7 @@ def _device_name(dev) -> str:
 
 
 def _bench_table(o: dict) -> str:
-    from .memory_plan import fmt_size
+    from ..memory_plan import fmt_size
     peak = o["peak_bandwidth_gbps"]
     lines = [f"{o['model']} on {o['device']} ({o['device_name']}): {o['dtype']} activations, KV {o['kv_cache_dtype']} "
              f"(window {o['swa_kv_cache_dtype']}), embed weights on {o['embed_weights']}, fast prefill "
@@ -346,9 +346,9 @@ def spec_bench(target_path: Path, draft_path: Path, n_prompt: int = 64, n_decode
     from models.gguf import GGUFFile
     from models.loader import load_model
 
-    from .api import load_draft
-    from .sampler import SamplingParams
-    from .scheduler import Engine, EngineConfig
+    from ..api import load_draft
+    from ..sampler import SamplingParams
+    from ..scheduler import Engine, EngineConfig
 
     exact = device != "cpu"
     lm = load_model(target_path, device=device, weight_dtype=None if exact else torch.float16,
