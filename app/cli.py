@@ -525,7 +525,7 @@ def cmd_bench(a) -> int:
         with synthetic_gguf(a.synthetic, Path(a.keep_gguf) if a.keep_gguf else None) as written:
             path = written or api.resolve_model(a.model)
             out = profile_decode(api.open_model(path, exact=False, device="cpu"), a.prompt_tokens, a.decode_tokens)
-    elif a.device == "cpu" and (a.synthetic or a.both or a.engine):  # each run in its own process
+    elif a.device == "cpu":  # beside llama.cpp, each run in its own process
         from engine import api
         from engine.bench import cpu_side_by_side
         kinds = ["loop", "engine", "engine-plain"] if a.both else ["engine" if a.engine else "loop"]
@@ -533,12 +533,6 @@ def cmd_bench(a) -> int:
                                n_prompt=a.prompt_tokens, n_decode=a.decode_tokens,
                                threads=a.threads, kinds=([] if a.no_llama_cpp else ["llama.cpp"]) + kinds,
                                keep=Path(a.keep_gguf) if a.keep_gguf else None)
-    elif a.device == "cpu" and not a.synthetic:  # the CPU bench beside llama.cpp, as before
-        from engine.bench import cpu_bench
-        from engine import api
-        path = api.resolve_model(a.model)
-        out = cpu_bench(path, a.prompt_tokens, a.decode_tokens, threads=a.threads,
-                        with_llama_cpp=not a.no_llama_cpp)
     else:
         import torch
         if a.device == "cuda" and not torch.cuda.is_available():

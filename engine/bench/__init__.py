@@ -2,9 +2,10 @@
 through the names below.
 
   throughput.py       prefill / decode tok/s through the engine, bytes a decode step reads, share
-                      of peak bandwidth (`bench --device cuda`); the in-process CPU bench beside
-                      llama.cpp; decode with and without the assistant draft (`--spec-draft-model`)
-  cpu.py              the CPU side by side: edgegem beside llama.cpp, each run in its own process
+                      of peak bandwidth (`bench --device cuda`); decode with and without the
+                      assistant draft (`--spec-draft-model`)
+  cpu.py              the CPU side by side (`bench --device cpu`): edgegem beside llama.cpp, each
+                      run in its own process, tok/s, peak RSS and how many greedy tokens agree
   cpu_profile.py      where one CPU decode step's time goes, per op (`bench --device cpu --profile`)
   static.py           what a GPU decode step costs, compiled not run (`bench --static`)
   dry_run.py          the CUDA path on the meta device: every launch of a step, recorded
@@ -26,8 +27,7 @@ _EXPORTS = {
     "gpu_bench": "throughput", "peak_bandwidth_gbps": "throughput", "device_weight_bytes": "throughput",
     "kv_bytes_read": "throughput",
     "spec_bench": "throughput",
-    "cpu_bench": "throughput",
-    "cpu_side_by_side": "cpu", "synthetic_gguf": "cpu",
+    "cpu_side_by_side": "cpu", "synthetic_gguf": "cpu", "bench_prompt": "cpu",
     "profile_decode": "cpu_profile",
     "static_report": "static", "compile_engine_kernels": "static", "compile_summary": "static",
     "decode_step": "dry_run", "dry_model": "dry_run", "prefill_chunk": "dry_run",
