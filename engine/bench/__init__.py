@@ -2,8 +2,8 @@
 through the names below.
 
   throughput.py       prefill / decode tok/s through the engine, bytes a decode step reads, share
-                      of peak bandwidth (`bench --device cuda`); decode with and without the
-                      assistant draft (`--spec-draft-model`)
+                      of peak bandwidth (`bench --device cuda`)
+  spec.py             decode with and without the assistant draft (`bench --spec-draft-model`)
   cpu.py              the CPU side by side (`bench --device cpu`): edgegem beside llama.cpp, each
                       run in its own process, tok/s, peak RSS and how many greedy tokens agree
   cpu_profile.py      where one CPU decode step's time goes, per op (`bench --device cpu --profile`)
@@ -26,7 +26,7 @@ from importlib import import_module
 _EXPORTS = {
     "gpu_bench": "throughput", "peak_bandwidth_gbps": "throughput", "device_weight_bytes": "throughput",
     "kv_bytes_read": "throughput",
-    "spec_bench": "throughput",
+    "spec_bench": "spec",
     "cpu_side_by_side": "cpu", "synthetic_gguf": "cpu", "bench_prompt": "cpu",
     "profile_decode": "cpu_profile",
     "static_report": "static", "compile_engine_kernels": "static", "compile_summary": "static",
