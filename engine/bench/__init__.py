@@ -14,6 +14,7 @@ through the names below.
   kv_quality.py       each KV format's next-token KL divergence on a model (`edgegem kv-check`)
   constraint_mask.py  the structured-output token mask's cost per token (`bench --constraints`)
   audio_encode.py     the audio tower's encode time per clip length (`bench --audio`)
+  table.py            the fixed-width columns the reports print
 
 The names are looked up lazily (PEP 562), so `import engine.bench` imports none of the modules
 and each caller pays only for the one it uses: static.py must see how this process imports the

@@ -28,6 +28,8 @@ import torch
 
 from models.kv_cache import DenseKVCache
 
+from .table import Column, header, row
+
 KINDS = ("llama.cpp", "loop", "engine", "engine-plain")
 LABELS = {"llama.cpp": "llama-cpp-python 0.3.36", "loop": "edgegem model loop",
           "engine": "edgegem engine (fast prefill)", "engine-plain": "edgegem engine (--fast-prefill off)"}
@@ -185,6 +187,10 @@ def synthetic_gguf(variant: Optional[str], keep: Optional[Path] = None) -> Itera
         yield write_synthetic_gguf(variant, Path(tmp) / f"synthetic-{variant}.gguf")
 
 
+CPU_COLUMNS = (Column("", 36, align="<"), Column("prefill tok/s", 13, ".1f"), Column("decode tok/s", 12, ".2f"),
+               Column("vs llama.cpp", 15), Column("peak RSS", 22), Column("greedy = llama.cpp's", 21))
+
+
 def _leading_equal(a: list[int], b: list[int]) -> int:
     """How many tokens two greedy runs agree on before they first differ."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -227,13 +233,13 @@ def cpu_side_by_side(path: Optional[Path] = None, synthetic: Optional[str] = Non
     lines = [f"{out['model']} ({file_bytes / 1e9:.2f} GB file): {n_prompt}-token prompt, {n_decode} decode steps, "
              f"{threads} threads, best of {repeat} alternating rounds",
              f"  {out['cpu']}", f"  edgegem's CPU kernels: {out['kernels']}",
-             f"{'':36s} {'prefill tok/s':>13s} {'decode tok/s':>12s} {'vs llama.cpp':>15s} {'peak RSS':>10s}"
-             + ("                  greedy tokens = llama.cpp's" if ref is not None else "")]
+             header(CPU_COLUMNS[:5 if ref is None else 6])]
     for k, r in rows.items():
         vs = "" if ref is None or k == "llama.cpp" else \
             f"{r['prefill_tok_s'] / ref['prefill_tok_s']:.2f}x / {r['decode_tok_s'] / ref['decode_tok_s']:.2f}x"
-        lines.append(f"{LABELS[k]:36s} {r['prefill_tok_s']:13.1f} {r['decode_tok_s']:12.2f} {vs:>15s} "
-                     f"{r['peak_rss'] / 1e9:6.2f} GB ({r['peak_rss'] / file_bytes:.2f}x file)"
-                     + (f" {r['greedy_tokens_equal']:10d} of {n_decode}" if "greedy_tokens_equal" in r else ""))
+        same = [f"{r['greedy_tokens_equal']} of {n_decode}"] if "greedy_tokens_equal" in r else []
+        lines.append(row(CPU_COLUMNS, [LABELS[k], r["prefill_tok_s"], r["decode_tok_s"], vs,
+                                       f"{r['peak_rss'] / 1e9:.2f} GB ({r['peak_rss'] / file_bytes:.2f}x file)",
+                                       *same]).rstrip())
     out["table"] = "\n".join(lines)
     return out

@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .table import Column, header, row
+
 # Peak memory bandwidth in GB/s (10^9 B/s) by device name, most specific first (vendor spec sheets).
 PEAK_BANDWIDTH_GBPS = (
     ("H200", 4800), ("H100 PCIe", 2000), ("H100", 3350), ("A100-SXM4-80GB", 2039), ("A100 80GB", 2039),
@@ -216,6 +218,11 @@ def _device_name(dev) -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
+PREFILL_COLUMNS = (Column("prefill", 10, "d"), Column("tok/s", 12, ".1f"))
+DECODE_COLUMNS = (Column("decode ctx", 10, "d"), Column("tok/s", 12, ".1f"), Column("MB read/tok", 12, ".1f"),
+                  Column("GB/s", 9, ".2f"), Column("of peak", 8))
+
+
 def _bench_table(o: dict) -> str:
     from ..memory_plan import fmt_size
     peak = o["peak_bandwidth_gbps"]
@@ -225,17 +232,18 @@ def _bench_table(o: dict) -> str:
              f"pools: full {o['full_pool_tokens']} tokens, window {o['window_pool_tokens']} tokens; "
              f"context limit {o['context_limit']}"
              + (f"; budget {fmt_size(o['budget'])}" if "budget" in o else ""),
-             f"{'prefill':>10s} {'tok/s':>12s}"]
+             header(PREFILL_COLUMNS)]
     for r in o["prefill"]:
-        lines.append(f"{r['prompt_tokens']:10d} " + (f"{r['tok_s']:12.1f}" if "tok_s" in r else f"  {r['skipped']}"))
-    lines.append(f"{'decode ctx':>10s} {'tok/s':>12s} {'MB read/tok':>12s} {'GB/s':>9s} {'of peak':>8s}")
+        lines.append(row(PREFILL_COLUMNS, (r["prompt_tokens"], r["tok_s"])) if "tok_s" in r else
+                     row(PREFILL_COLUMNS, (r["prompt_tokens"],)) + f"   {r['skipped']}")
+    lines.append(header(DECODE_COLUMNS))
     for r in o["decode"]:
         if "tok_s" not in r:
-            lines.append(f"{r['context']:10d}   {r['skipped']}")
+            lines.append(row(DECODE_COLUMNS, (r["context"],)) + f"   {r['skipped']}")
             continue
-        share = f"{100 * r['bandwidth_share']:7.1f}%" if r["bandwidth_share"] is not None else f"{'n/a':>8s}"
-        lines.append(f"{r['context']:10d} {r['tok_s']:12.1f} {r['bytes_per_token'] / 1e6:12.1f} "
-                     f"{r['achieved_gbps']:9.2f} {share}")
+        share = f"{100 * r['bandwidth_share']:.1f}%" if r["bandwidth_share"] is not None else "n/a"
+        lines.append(row(DECODE_COLUMNS, (r["context"], r["tok_s"], r["bytes_per_token"] / 1e6, r["achieved_gbps"],
+                                          share)))
     lines.append(f"bytes read per decode token = device weights {o['weight_bytes_per_token'] / 1e6:.1f} MB "
                  f"(lookup tables excluded) + KV of every attending layer at that context; peak bandwidth "
                  + (f"{peak:.0f} GB/s" if peak else "n/a (unknown device; --peak-bandwidth GBps)"))
