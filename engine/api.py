@@ -321,7 +321,7 @@ def run_prompt(client: LocalClient, lm: LoadedModel, prompt: str, gen: Generatio
 def open_layout(model: Optional[str] = None, synthetic: Optional[str] = None):
     """A GGUF file (metadata and tensor table, memory-mapped), or a synthetic E2B/E4B layout."""
     if synthetic:
-        from .synthetic import synthetic_layout
+        from models.synthetic import synthetic_layout
         return synthetic_layout(synthetic)
     if not model:
         raise ValueError("give a MODEL file or --synthetic e2b|e4b")

@@ -2,7 +2,7 @@
 each in a child process of its own so each peak RSS is its own.
 
 `edgegem bench --device cpu --synthetic e2b` writes the synthetic full-size model (the real tensor
-table and Q4_K_M type mix, random blocks: engine/synthetic.py) to a temporary GGUF first, so
+table and Q4_K_M type mix, random blocks: models/synthetic.py) to a temporary GGUF first, so
 llama.cpp runs the very file edgegem runs. Prefill is one prompt of `n_prompt` tokens (llama.cpp:
 one batch of the whole prompt; the model loop: one forward; the engine: its prefill chunks, with
 fast prefill as configured), decode `n_decode` greedy steps after it; the same thread count.
@@ -175,7 +175,7 @@ def synthetic_gguf(variant: Optional[str], keep: Optional[Path] = None) -> Itera
     if not variant:
         yield None
         return
-    from ..synthetic import write_synthetic_gguf
+    from models.synthetic import write_synthetic_gguf
 
     if keep is not None and Path(keep).exists():
         yield Path(keep)

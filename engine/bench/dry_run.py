@@ -1,7 +1,7 @@
 """Dry runs of the CUDA path on the meta device: every kernel a decode step (or a prefill chunk)
 launches, counted and recorded without a GPU.
 
-The model is the synthetic E2B/E4B layout (`engine/synthetic.py`) with uninitialised weights on the
+The model is the synthetic E2B/E4B layout (`models/synthetic.py`) with uninitialised weights on the
 meta device (host embedding tables on the CPU, as `--embed-weights host` keeps them), the KV pools
 on meta, and the Triton attention backend. Inside `kernels.launch.record_launches` the model takes
 exactly the branches it takes on CUDA (the kernel dispatch treats meta like CUDA while recording),
@@ -38,7 +38,7 @@ class DryRun:
 
 def dry_model(variant: str, dtype=torch.bfloat16):
     """The synthetic `variant` model on the meta device, quantized matrices, host embedding tables."""
-    from ..synthetic import synthetic_model
+    from models.synthetic import synthetic_model
 
     return synthetic_model(variant, META, dtype=dtype, host_embeddings=True, quantized=True, fill="empty")
 

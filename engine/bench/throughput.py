@@ -108,7 +108,7 @@ def gpu_bench(model=None, device="cuda", budget=None, kv_cache_dtype: str = "aut
         torch.cuda.reset_peak_memory_stats(dev)
     t0 = time.perf_counter()
     if synthetic:
-        from ..synthetic import synthetic_layout, synthetic_model
+        from models.synthetic import synthetic_layout, synthetic_model
         if quantized is None:
             quantized = dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
         layout = synthetic_layout(synthetic)
