@@ -214,7 +214,7 @@ def probe_memory(f: Facts) -> None:
 
 
 def probe_dirs(f: Facts, data: Optional[str], models: Optional[str]) -> None:
-    from engine.model_store import data_dir, local_models, models_dir
+    from engine.models_dir import data_dir, local_models, models_dir
     d = data_dir(data)
     f.data_dir = str(d)
     if d.is_dir():

@@ -48,8 +48,8 @@ _HEX = set("0123456789abcdef")
 
 def default_data_dir() -> Path:
     """$EDGEGEM_DATA_DIR, else the platform's user data dir (~/.local/share/edgegem on Linux): the
-    same folder `edgegem pull` and `doctor` use (engine/model_store.py decides it for all)."""
-    from engine.model_store import data_dir
+    same folder `edgegem pull` and `doctor` use (engine/models_dir decides it for all)."""
+    from engine.models_dir import data_dir
     return data_dir()
 
 

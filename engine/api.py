@@ -39,13 +39,13 @@ def demo_model_path() -> Optional[Path]:
 
 def resolve_model(model: Optional[str], models_dir: Optional[Path] = None) -> Path:
     """An existing path as is; else a model name in the models directory (a file name, stem,
-    pulled `owner/name:QUANT` or unique piece of it: engine/model_store.py); "demo" or nothing:
+    pulled `owner/name:QUANT` or unique piece of it: engine/models_dir/local.py); "demo" or nothing:
     the demo model. A missing or ambiguous name is a one-line ValueError listing candidates."""
     if model and model != "demo":
         path = Path(model).expanduser()
         if path.exists():
             return path
-        from .model_store import find_model
+        from .models_dir import find_model
         return find_model(model, models_dir)
     demo = demo_model_path()
     if demo is None:

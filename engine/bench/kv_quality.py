@@ -170,7 +170,7 @@ def _size(path: Path) -> Optional[int]:
 def cache_path(model_path: str | Path, device: str, data_dir: Optional[str | Path] = None) -> Path:
     """The key is the model file's resolved path, size and mtime: a file replaced in place (a new
     quant pulled under the same name) gets new figures, a renamed copy is measured again."""
-    from ..model_store import data_dir as default_data_dir
+    from ..models_dir import data_dir as default_data_dir
 
     p = Path(model_path).expanduser().resolve()
     st = p.stat()
