@@ -399,8 +399,7 @@ def cmd_info(a) -> int:
     if model and not a.synthetic:
         from dataclasses import replace
 
-        from models.gemma4_vision import find_mmproj
-        mmproj = a.mmproj or find_mmproj(model)
+        mmproj = a.mmproj or api.find_mmproj(model)
         opt = replace(opt, mmproj=Path(mmproj) if mmproj else None)
     d = api.describe(api.open_layout(model, a.synthetic), plan=opt)
     if a.json:
