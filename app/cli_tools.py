@@ -57,8 +57,8 @@ def cmd_import(a) -> int:
 
 
 def cmd_doctor(a) -> int:
-    from . import doctor
-    checks = doctor.evaluate(doctor.gather(a.data_dir, a.models_dir))
+    from . import doctor, doctor_probes
+    checks = doctor.evaluate(doctor_probes.gather(a.data_dir, a.models_dir))
     print(doctor.report(checks, a.json))
     return doctor.exit_code(checks)
 
