@@ -72,7 +72,7 @@ class EngineBackend:
         """What each KV format costs on the loaded model (engine/kv_check.py), cached for
         `kv_check_cached`. Runs in the caller's worker thread on the session's weights: the caller
         keeps the chat idle meanwhile (app/screens/kv_check.py is modal). `kw`: n_tokens, chunk."""
-        from engine.kv_check import kv_check, save_result
+        from engine.bench import kv_check, save_result
 
         result = kv_check(session.client.loaded, progress=progress, should_stop=should_stop, **kw)
         save_result(result, data_dir)
@@ -80,7 +80,7 @@ class EngineBackend:
 
     def kv_check_cached(self, session: Session, data_dir) -> Optional[dict]:
         """This model file's figures on this device if measured (by the app or `edgegem kv-check`)."""
-        from engine.kv_check import load_result
+        from engine.bench import load_result
 
         path = session.info.get("path")
         return load_result(path, session.info.get("device") or "cpu", data_dir) if path else None

@@ -399,8 +399,7 @@ def cmd_info(a) -> int:
     if model and not a.synthetic:
         from dataclasses import replace
 
-        from models.gemma4_vision import find_mmproj
-        mmproj = a.mmproj or find_mmproj(model)
+        mmproj = a.mmproj or api.find_mmproj(model)
         opt = replace(opt, mmproj=Path(mmproj) if mmproj else None)
     d = api.describe(api.open_layout(model, a.synthetic), plan=opt)
     if a.json:
@@ -474,7 +473,7 @@ def cmd_bench(a) -> int:
     _int_list(a.contexts, "--contexts")
     if a.constraints:  # the grammar mask per token on the model's vocabulary (no weights loaded)
         from engine import api
-        from engine.constraint_bench import constraint_bench
+        from engine.bench import constraint_bench
         out = constraint_bench(api.resolve_model(a.model), threads=a.threads)
     elif a.serve:  # the API server beside llama-cpp-python's, each in its own process
         from engine import api
@@ -486,10 +485,10 @@ def cmd_bench(a) -> int:
     elif a.static:  # compiled, not run: kernels per step, bytes per token, GEMV instructions per byte
         if not a.synthetic:
             raise ValueError("--static needs --synthetic e2b or e4b")
-        from engine.static_bench import static_report
+        from engine.bench import static_report
         out = static_report(a.synthetic, a.arch, kv=a.kv_cache_dtype)
     elif a.audio:  # the audio tower's encode time per clip length
-        from engine.audio_bench import audio_bench
+        from engine.bench import audio_bench
         if a.threads:
             import torch
             torch.set_num_threads(a.threads)
@@ -503,7 +502,7 @@ def cmd_bench(a) -> int:
                           progress=lambda s: print(s, file=sys.stderr))
     elif a.kv_resume:  # restore from a KV file vs cold prefill, through the engine
         from engine import api
-        from engine.kv_bench import kv_resume_bench
+        from engine.bench import kv_resume_bench
         from engine.cpu_runtime import set_threads
         set_threads(a.threads)
         dev = "cuda" if a.device == "cuda" else "cpu"
@@ -518,27 +517,21 @@ def cmd_bench(a) -> int:
         out.pop("ids", None)
     elif a.device == "cpu" and a.profile:  # one decode step, piece by piece
         from engine import api
-        from engine.cpu_bench import synthetic_gguf
-        from engine.cpu_profile import profile_decode
+        from engine.bench import synthetic_gguf
+        from engine.bench import profile_decode
         from engine.cpu_runtime import set_threads
         set_threads(a.threads)
         with synthetic_gguf(a.synthetic, Path(a.keep_gguf) if a.keep_gguf else None) as written:
             path = written or api.resolve_model(a.model)
             out = profile_decode(api.open_model(path, exact=False, device="cpu"), a.prompt_tokens, a.decode_tokens)
-    elif a.device == "cpu" and (a.synthetic or a.both or a.engine):  # each run in its own process
+    elif a.device == "cpu":  # beside llama.cpp, each run in its own process
         from engine import api
-        from engine.cpu_bench import cpu_side_by_side
+        from engine.bench import cpu_side_by_side
         kinds = ["loop", "engine", "engine-plain"] if a.both else ["engine" if a.engine else "loop"]
         out = cpu_side_by_side(path=None if a.synthetic else api.resolve_model(a.model), synthetic=a.synthetic,
                                n_prompt=a.prompt_tokens, n_decode=a.decode_tokens,
                                threads=a.threads, kinds=([] if a.no_llama_cpp else ["llama.cpp"]) + kinds,
                                keep=Path(a.keep_gguf) if a.keep_gguf else None)
-    elif a.device == "cpu" and not a.synthetic:  # the CPU bench beside llama.cpp, as before
-        from engine.bench import cpu_bench
-        from engine import api
-        path = api.resolve_model(a.model)
-        out = cpu_bench(path, a.prompt_tokens, a.decode_tokens, threads=a.threads,
-                        with_llama_cpp=not a.no_llama_cpp)
     else:
         import torch
         if a.device == "cuda" and not torch.cuda.is_available():

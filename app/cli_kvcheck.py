@@ -1,4 +1,4 @@
-"""`edgegem kv-check`: what each KV cache format costs on one model (engine/kv_check.py), as a
+"""`edgegem kv-check`: what each KV cache format costs on one model (engine/bench/kv_quality.py), as a
 table or JSON; the figures are cached for the app's settings screen. Registered by app/cli.py."""
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def add_command(sub) -> None:
 
 def cmd_kv_check(a) -> int:
     from engine import api
-    from engine.kv_check import kv_check, save_result
+    from engine.bench import kv_check, save_result
 
     text = name = None
     if a.text:  # read before the model loads: a bad path fails in a second, not after the load

@@ -57,15 +57,15 @@ def cmd_import(a) -> int:
 
 
 def cmd_doctor(a) -> int:
-    from . import doctor
-    checks = doctor.evaluate(doctor.gather(a.data_dir, a.models_dir))
+    from . import doctor, doctor_probes
+    checks = doctor.evaluate(doctor_probes.gather(a.data_dir, a.models_dir))
     print(doctor.report(checks, a.json))
     return doctor.exit_code(checks)
 
 
 def cmd_pull(a) -> int:
-    from engine.hub import pull
-    from engine.model_store import models_dir
+    from engine.models_dir import pull
+    from engine.models_dir import models_dir
     r = pull(a.spec, models_dir(a.models_dir, a.data_dir), draft=a.draft, no_draft=a.no_draft, revision=a.revision,
              no_mmproj=a.no_mmproj)
     print(r.model)
@@ -80,7 +80,7 @@ def cmd_pull(a) -> int:
 
 
 def cmd_models(a) -> int:
-    from engine.model_store import models_dir
+    from engine.models_dir import models_dir
 
     from .models_list import model_rows, print_models
     print_models(model_rows(models_dir(a.models_dir, a.data_dir), a.gpu_memory_budget, a.device), a.json)

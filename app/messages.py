@@ -44,7 +44,7 @@ class KVCheckProgress(Message):
 
 
 class KVCheckDone(Message):
-    """kv-check's worker ended: figures (engine/kv_check.py's dict), or an error, or cancelled."""
+    """kv-check's worker ended: figures (engine/bench/kv_quality.py's dict), or an error, or cancelled."""
 
     def __init__(self, result: Optional[dict], error: Optional[str] = None, cancelled: bool = False) -> None:
         super().__init__()

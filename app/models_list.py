@@ -13,7 +13,7 @@ RUNNABLE = ("gemma4", "gemma3")
 def model_rows(root: Path, budget: Optional[str] = None, device: str = "auto") -> dict:
     from engine import api
     from engine.memory_plan import default_budget, parse_size
-    from engine.model_store import gguf_summary, local_models
+    from engine.models_dir import gguf_summary, local_models
 
     device = api.default_device() if device == "auto" else device
     budget_bytes, source = (parse_size(budget), "--gpu-memory-budget") if budget else default_budget(device)

@@ -1,4 +1,5 @@
 """Conversation store: SQLite (WAL) under the user's data directory; no Textual, no engine.
+The queries live here, the tables and their migrations in app/store_schema.py.
 
 Durability: every call that changes something commits before it returns, so a crash or `kill -9`
 loses only the tokens still in flight. The database runs with `synchronous=NORMAL`: in WAL mode a
@@ -36,6 +37,7 @@ from typing import Callable, Optional
 
 from app.conversation_format import (DEFAULT_TITLE, MAX_IMPORT_BYTES, ROLES, STATUSES, clean_title, parse_import,
                                      render_json, render_markdown)
+from app.store_schema import migrate
 from engine import failpoints
 
 AUTO_TITLE_CHARS = 48
@@ -48,8 +50,8 @@ _HEX = set("0123456789abcdef")
 
 def default_data_dir() -> Path:
     """$EDGEGEM_DATA_DIR, else the platform's user data dir (~/.local/share/edgegem on Linux): the
-    same folder `edgegem pull` and `doctor` use (engine/model_store.py decides it for all)."""
-    from engine.model_store import data_dir
+    same folder `edgegem pull` and `doctor` use (engine/models_dir decides it for all)."""
+    from engine.models_dir import data_dir
     return data_dir()
 
 
@@ -74,44 +76,6 @@ class Conversation:
     created: float
     updated: float
     settings: dict
-
-
-def _schema_v1(db: sqlite3.Connection) -> None:
-    db.execute("""CREATE TABLE conversations (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        title TEXT NOT NULL,
-        created REAL NOT NULL,
-        updated REAL NOT NULL,
-        settings TEXT NOT NULL DEFAULT '{}')""")
-    # AUTOINCREMENT: ids are never reused, so an id the UI still holds after a delete cannot
-    # come to name another message.
-    db.execute(f"""CREATE TABLE messages (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
-        role TEXT NOT NULL CHECK (role IN {ROLES!r}),
-        content TEXT NOT NULL,
-        thinking TEXT NOT NULL DEFAULT '',
-        status TEXT NOT NULL DEFAULT 'done' CHECK (status IN {STATUSES!r}),
-        created REAL NOT NULL,
-        stats TEXT NOT NULL DEFAULT '{{}}')""")
-    db.execute("CREATE INDEX messages_by_conversation ON messages(conversation_id, id)")
-    db.execute("CREATE INDEX conversations_by_updated ON conversations(updated)")
-
-
-def _schema_v2(db: sqlite3.Connection) -> None:
-    """Images of a message (JSON list of the copies in <data-dir>/images/); '[]' for the old rows."""
-    db.execute("ALTER TABLE messages ADD COLUMN images TEXT NOT NULL DEFAULT '[]'")
-
-
-def _schema_v3(db: sqlite3.Connection) -> None:
-    """Audio clips of a message (JSON list of the copies in <data-dir>/audio/)."""
-    db.execute("ALTER TABLE messages ADD COLUMN audio TEXT NOT NULL DEFAULT '[]'")
-
-
-# _MIGRATIONS[i] takes the schema from version i to i + 1; the version lives in PRAGMA
-# user_version (in the database header, changed in the same transaction as the migration).
-_MIGRATIONS = [_schema_v1, _schema_v2, _schema_v3]
-SCHEMA_VERSION = len(_MIGRATIONS)
 
 
 def _like_pattern(text: str) -> str:
@@ -161,14 +125,7 @@ class Store:
 
     def _migrate(self) -> None:
         with self._tx() as db:
-            version = db.execute("PRAGMA user_version").fetchone()[0]
-            if version > SCHEMA_VERSION:
-                raise ValueError(f"{self.path}: schema version {version} is newer than this "
-                                 f"edgegem knows ({SCHEMA_VERSION}); upgrade edgegem")
-            for migrate in _MIGRATIONS[version:]:
-                migrate(db)
-            if version != SCHEMA_VERSION:
-                db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            migrate(db, self.path)
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:

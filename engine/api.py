@@ -39,13 +39,13 @@ def demo_model_path() -> Optional[Path]:
 
 def resolve_model(model: Optional[str], models_dir: Optional[Path] = None) -> Path:
     """An existing path as is; else a model name in the models directory (a file name, stem,
-    pulled `owner/name:QUANT` or unique piece of it: engine/model_store.py); "demo" or nothing:
+    pulled `owner/name:QUANT` or unique piece of it: engine/models_dir/local.py); "demo" or nothing:
     the demo model. A missing or ambiguous name is a one-line ValueError listing candidates."""
     if model and model != "demo":
         path = Path(model).expanduser()
         if path.exists():
             return path
-        from .model_store import find_model
+        from .models_dir import find_model
         return find_model(model, models_dir)
     demo = demo_model_path()
     if demo is None:
@@ -79,6 +79,13 @@ def gpu_support(capability: tuple[int, int], triton_installed: bool = True):
     """What runs on a GPU of this compute capability (kernels.arch.ArchSupport: Triton kernels or
     the torch path and why, fp8 KV, the attention dots' operand type), for `edgegem doctor`."""
     return support(tuple(capability), triton_installed)
+
+
+def find_mmproj(model) -> Optional[Path]:
+    """The mmproj GGUF beside a model file (its image/audio encoder, as `--mmproj` would name it), or None."""
+    from models.gemma4_vision import find_mmproj as beside
+
+    return beside(model)
 
 
 def _mmproj_has(path: Path, mmproj: Optional[str], kind: str) -> bool:
@@ -321,7 +328,7 @@ def run_prompt(client: LocalClient, lm: LoadedModel, prompt: str, gen: Generatio
 def open_layout(model: Optional[str] = None, synthetic: Optional[str] = None):
     """A GGUF file (metadata and tensor table, memory-mapped), or a synthetic E2B/E4B layout."""
     if synthetic:
-        from .synthetic import synthetic_layout
+        from models.synthetic import synthetic_layout
         return synthetic_layout(synthetic)
     if not model:
         raise ValueError("give a MODEL file or --synthetic e2b|e4b")

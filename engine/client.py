@@ -98,8 +98,8 @@ class EngineClient(abc.ABC):
     @abc.abstractmethod
     def last_prompt_ids(self, request_id: int) -> list[int]:
         """The token ids a request was submitted with (after chat rendering and truncation)."""
-        return list(self._prompts.get(request_id, []))
 
+    @abc.abstractmethod
     def stream(self, request_id: int, timeout: Optional[float] = None) -> Iterator[StreamEvent]: ...
 
     @abc.abstractmethod

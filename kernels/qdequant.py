@@ -17,6 +17,7 @@ import os
 import torch
 
 from .launch import check_device
+from .qformats import LAYOUT, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0
 
 try:  # CPU-only installs have no triton: the refs below still work.
     import triton
@@ -26,26 +27,15 @@ except ImportError:  # pragma: no cover - depends on the install
 
 __all__ = ["SUPPORTED_TYPES", "qdequantize", "qdequantize_ref"]
 
-# GGML type id -> (name, values per block, bytes per block); ids as in ggml.h / gguf-py.
-_Q4_0, _Q5_0, _Q8_0, _Q4_K, _Q5_K, _Q6_K = 2, 6, 8, 12, 13, 14
-_LAYOUT = {
-    _Q4_0: ("Q4_0", 32, 18),
-    _Q5_0: ("Q5_0", 32, 22),
-    _Q8_0: ("Q8_0", 32, 34),
-    _Q4_K: ("Q4_K", 256, 144),
-    _Q5_K: ("Q5_K", 256, 176),
-    _Q6_K: ("Q6_K", 256, 210),
-}
-SUPPORTED_TYPES = frozenset(_LAYOUT)
+SUPPORTED_TYPES = frozenset(LAYOUT)
 
 _BLOCK_N_DEQUANT = 16
 if os.environ.get("TRITON_INTERPRET") == "1":
     _BLOCK_N_DEQUANT = 64  # the interpreter pays per program: wide row blocks make the tests fast
-PREFILL_SCRATCH_VALUES = 1 << 24   # 32 MiB of fp16 scratch per chunk
 # Each K step covers 256 values as two parts of [G, L] = 128 values: one K-quant block, or 8
 # blocks of 32.  (G, L) per type: L is the run of bytes whose nibbles form one scale group.
 _VALUES_PER_STEP = 256
-_PARTS_SHAPE = {_Q4_K: (4, 32), _Q5_K: (4, 32), _Q6_K: (8, 16), _Q8_0: (8, 16), _Q5_0: (8, 16), _Q4_0: (8, 16)}
+_PARTS_SHAPE = {Q4_K: (4, 32), Q5_K: (4, 32), Q6_K: (8, 16), Q8_0: (8, 16), Q5_0: (8, 16), Q4_0: (8, 16)}
 _X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -195,10 +185,10 @@ def _fail(msg: str):
 def _check_weight(fn: str, w_raw: torch.Tensor, ggml_type, n_out: int, n_in: int) -> int:
     """Validate the quantized weight; returns the GGML type id."""
     t = int(ggml_type)
-    if t not in _LAYOUT:
+    if t not in LAYOUT:
         _fail(f"{fn}: unsupported GGML type {ggml_type!r}; supported: "
-              + ", ".join(name for name, _, _ in _LAYOUT.values()))
-    name, bv, bb = _LAYOUT[t]
+              + ", ".join(name for name, _, _ in LAYOUT.values()))
+    name, bv, bb = LAYOUT[t]
     if n_out <= 0 or n_in <= 0 or n_in % bv:
         _fail(f"{fn}: n_out={n_out}, n_in={n_in}: need n_out > 0 and n_in a positive multiple "
               f"of the {name} block ({bv})")
@@ -210,22 +200,6 @@ def _check_weight(fn: str, w_raw: torch.Tensor, ggml_type, n_out: int, n_in: int
     if not w_raw.is_contiguous():
         _fail(f"{fn}: w_raw must be contiguous (rows as in the GGUF file), got strides {w_raw.stride()}")
     return t
-
-
-def _check_x(fn: str, x: torch.Tensor, w_raw: torch.Tensor, n_in: int, out_dtype) -> torch.dtype:
-    """Validate the activations; returns the output dtype."""
-    if not isinstance(x, torch.Tensor) or x.dtype not in _X_DTYPES:
-        _fail(f"{fn}: x must be float16, bfloat16 or float32, got {getattr(x, 'dtype', type(x).__name__)}")
-    if x.dim() == 0 or x.shape[-1] != n_in:
-        _fail(f"{fn}: x must be [..., n_in={n_in}], got {tuple(x.shape)}")
-    if not x.is_contiguous():
-        _fail(f"{fn}: x must be contiguous, got strides {x.stride()}")
-    if x.device != w_raw.device:
-        _fail(f"{fn}: x on {x.device} but w_raw on {w_raw.device}")
-    out_dtype = x.dtype if out_dtype is None else out_dtype
-    if out_dtype not in (x.dtype, torch.float32):
-        _fail(f"{fn}: out_dtype must be x's dtype ({x.dtype}) or float32, got {out_dtype}")
-    return out_dtype
 
 
 def _check_triton(fn: str, device: torch.device) -> None:
@@ -274,27 +248,27 @@ def _scale_min_k4_ref(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _dequant_blocks_ref(b: torch.Tensor, t: int) -> torch.Tensor:
     """Blocks uint8 [n, bytes per block] -> float32 [n, values per block] (layouts as in the kernel)."""
     n = b.shape[0]
-    if t == _Q4_0:
+    if t == Q4_0:
         q = _nibbles_lo_hi(b[:, 2:18]).to(torch.int16) - 8
         return _f16_field(b, 0) * q.to(torch.float32)
-    if t == _Q5_0:
+    if t == Q5_0:
         bits = torch.arange(8, dtype=torch.uint8, device=b.device)
         hi = ((b[:, 2:6, None] >> bits) & 1).reshape(n, 32)
         q = (_nibbles_lo_hi(b[:, 6:22]) | (hi << 4)).to(torch.int16) - 16
         return _f16_field(b, 0) * q.to(torch.float32)
-    if t == _Q8_0:
+    if t == Q8_0:
         return b[:, 2:34].view(torch.int8).to(torch.float32) * _f16_field(b, 0)
-    if t in (_Q4_K, _Q5_K):
+    if t in (Q4_K, Q5_K):
         sc, mn = _scale_min_k4_ref(b[:, 4:16])
         dl = (_f16_field(b, 0) * sc)[:, :, None]
         ml = (_f16_field(b, 2) * mn)[:, :, None]
-        qs_off = 16 if t == _Q4_K else 48
+        qs_off = 16 if t == Q4_K else 48
         q = _nibbles_lo_hi(b[:, qs_off:qs_off + 128].reshape(n, 4, 32)).reshape(n, 8, 32)
-        if t == _Q5_K:
+        if t == Q5_K:
             planes = torch.arange(8, dtype=torch.uint8, device=b.device)[None, :, None]
             q = q | (((b[:, None, 16:48] >> planes) & 1) << 4)
         return (dl * q.to(torch.float32) - ml).reshape(n, 256)
-    if t == _Q6_K:
+    if t == Q6_K:
         ql = _nibbles_lo_hi(b[:, :128].reshape(n, 2, 64))                        # [n, 2, 128]
         pairs = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device)[None, None, :, None]
         qh = ((b[:, 128:192].reshape(n, 2, 1, 32) >> pairs) & 3).reshape(n, 2, 128)
@@ -308,6 +282,6 @@ def qdequantize_ref(w_raw: torch.Tensor, ggml_type, n_out: int, n_in: int,
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """W [n_out, n_in] in ``dtype``, plain torch (float32 math, then cast)."""
     t = _check_weight("qdequantize_ref", w_raw, ggml_type, n_out, n_in)
-    bb = _LAYOUT[t][2]
+    bb = LAYOUT[t][2]
     w = _dequant_blocks_ref(w_raw.reshape(-1, bb), t).reshape(n_out, n_in)
     return w if dtype == torch.float32 else w.to(dtype)

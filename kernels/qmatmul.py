@@ -33,7 +33,8 @@ import os
 import torch
 
 from .launch import check_device
-from .qpack import LAYOUT, PackedQuant, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, dequantize_packed_ref
+from .qformats import LAYOUT, Q4_K, Q5_K, Q6_K, Q8_0
+from .qpack import PackedQuant, dequantize_packed_ref
 from .qdequant import qdequantize, qdequantize_ref  # noqa: F401 - raw GGUF rows (embedding gathers)
 
 try:  # CPU-only installs have no triton: the refs below still work.

@@ -34,18 +34,10 @@ from typing import Optional
 
 import torch
 
-__all__ = ["HIGH_BIT", "HIGH_WORD", "LAYOUT", "PackedQuant", "dequantize_packed_ref", "pack"]
+from .qformats import LAYOUT, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0
 
-# GGML type id -> (name, values per block, bytes per block); ids as in ggml.h / gguf-py.
-Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K = 2, 6, 8, 12, 13, 14
-LAYOUT = {
-    Q4_0: ("Q4_0", 32, 18),
-    Q5_0: ("Q5_0", 32, 22),
-    Q8_0: ("Q8_0", 32, 34),
-    Q4_K: ("Q4_K", 256, 144),
-    Q5_K: ("Q5_K", 256, 176),
-    Q6_K: ("Q6_K", 256, 210),
-}
+__all__ = ["HIGH_BIT", "HIGH_WORD", "PackedQuant", "dequantize_packed_ref", "pack"]
+
 # Plane bytes per block: (q, h, s, d).
 PLANE_BYTES = {
     Q4_0: (16, 0, 0, 2), Q5_0: (16, 4, 0, 2), Q8_0: (32, 0, 0, 2),

@@ -183,7 +183,7 @@ class _Cursor:
 
 class TensorTable:
     """Metadata and tensor-table access shared by GGUF files and in-memory layouts that look like
-    one (engine/synthetic.py). Needs `path`, `metadata` (dict) and `tensors` (name -> info)."""
+    one (models/synthetic.py). Needs `path`, `metadata` (dict) and `tensors` (name -> info)."""
 
     path: Path
     metadata: dict

@@ -6,9 +6,9 @@ the others; the whole run stays inside --budget seconds):
                llama-cpp-python, which tests/test_cuda.py quantizes its tiny model with);
   2. pytest    `pytest -m cuda tests/test_cuda.py` with TRITON_INTERPRET=0;
   3. gemv      per-kernel bandwidth: each decode GEMV format at E2B and E4B shapes through
-               `QuantWeight.linear` (engine/kernel_bench.py), GB/s and share of the device's peak;
+               `QuantWeight.linear` (engine/bench/gemv.py), GB/s and share of the device's peak;
   4. bench     `edgegem bench --synthetic e2b|e4b --device cuda --gpu-memory-budget 8GiB`, KV bf16
-               and int8_per_token_head (engine.bench.gpu_bench through the CLI).
+               and int8_per_token_head (engine.bench.throughput.gpu_bench through the CLI).
 `--quick` (what `make gpu-check` runs; a GPU machine may be lent for a quarter of an hour, install
 included): the same parts with the GEMV table at E2B's shapes and one E2B bench (bf16 KV), inside
 440 s. `--dry-run`: every step but the GPU ones, on any machine: the install (and, with `.whl/`,
@@ -201,7 +201,7 @@ def microbench_main(out_path: str, iters: int, variants: str = "e2b,e4b") -> int
     """The gemv part, in its own process: the sweep as JSON to `out_path`."""
     import torch
 
-    from engine.kernel_bench import gemv_sweep
+    from engine.bench import gemv_sweep
 
     rows = gemv_sweep(variants.split(","), iters=iters)
     Path(out_path).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
@@ -298,7 +298,7 @@ _MACHINE: list[str] = []  # _machine() once a run (nvidia-smi takes a moment)
 def write_report(parts: list[Part], path: Path, machine: Optional[list[str]] = None, quick: bool = False,
                  dry_run: bool = False) -> Path:
     """One Markdown file: machine, a status line per part, then each part's figures and output."""
-    from engine.kernel_bench import sweep_table
+    from engine.bench import sweep_table
 
     if machine is None:
         _MACHINE[:] = _MACHINE or _machine()

@@ -20,7 +20,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 import models.cpu_quant as cq
-from engine.synthetic import _random_quant_bytes
+from models.synthetic import _random_quant_bytes
 from models.cpu_quant import Int4Weight
 from models.quant import dequantize
 

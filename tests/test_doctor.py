@@ -11,9 +11,10 @@ import sys
 
 import pytest
 
-from app import doctor
+from app import doctor, doctor_probes
 from app.cli import main
-from app.doctor import FAIL, OK, WARN, Facts, Gpu, evaluate, torch_index
+from app.doctor import FAIL, OK, WARN, evaluate, torch_index
+from app.doctor_probes import Facts, Gpu
 
 GiB = 2 ** 30
 LINE = re.compile(r"^(OK  |WARN|FAIL)  [a-z0-9 ]+: \S.*$")
@@ -187,18 +188,18 @@ def test_probe_nvidia_smi_parses_the_driver(tmp_path, monkeypatch):
     smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     f = Facts(python=(3, 11, 0), executable=EXE)
-    doctor.probe_nvidia_smi(f)
+    doctor_probes.probe_nvidia_smi(f)
     assert (f.driver_version, f.driver_cuda, f.smi_gpus) == ("570.86.10", "12.8", ["NVIDIA GeForce RTX 4060 Laptop GPU"])
 
 
 def test_probe_dirs(tmp_path):
     f = Facts(python=(3, 11, 0), executable=EXE)
-    doctor.probe_dirs(f, str(tmp_path / "data"), None)
+    doctor_probes.probe_dirs(f, str(tmp_path / "data"), None)
     assert f.data_dir == str(tmp_path / "data") and f.data_dir_missing and f.data_dir_error is None
     assert f.models_dir == str(tmp_path / "data" / "models") and not (tmp_path / "data").exists()  # changes nothing
     (tmp_path / "file").write_text("")
     f = Facts(python=(3, 11, 0), executable=EXE)
-    doctor.probe_dirs(f, str(tmp_path / "file" / "data"), None)
+    doctor_probes.probe_dirs(f, str(tmp_path / "file" / "data"), None)
     assert f.data_dir_error == f"cannot create it in {tmp_path / 'file'}"
 
 
@@ -206,15 +207,15 @@ def test_triton_probe_kernel_runs_in_the_interpreter():
     """The probe's kernel source is valid: Triton's CPU interpreter runs it (the GPU run is the same script)."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    assert doctor.run_triton_probe("cpu", env=env) == "ok"
+    assert doctor_probes.run_triton_probe("cpu", env=env) == "ok"
 
 
 def test_cli_exit_code_follows_fails(monkeypatch, tmp_path, capsys):
     def cpu_torch_with_driver(f):
         f.torch_version, f.torch_cuda, f.smi_gpus, f.driver_cuda = "2.9.0+cpu", None, ["RTX 3060"], "12.8"
-    monkeypatch.setattr(doctor, "probe_torch", cpu_torch_with_driver)
-    monkeypatch.setattr(doctor, "probe_nvidia_smi", lambda f: None)
-    monkeypatch.setattr(doctor, "probe_triton", lambda f: None)
+    monkeypatch.setattr(doctor_probes, "probe_torch", cpu_torch_with_driver)
+    monkeypatch.setattr(doctor_probes, "probe_nvidia_smi", lambda f: None)
+    monkeypatch.setattr(doctor_probes, "probe_triton", lambda f: None)
     assert main(["doctor", "--data-dir", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "FAIL  torch: 2.9.0+cpu is a CPU-only build, but nvidia-smi sees RTX 3060" in out

@@ -114,7 +114,7 @@ def _decode_launches(record):
 def test_dry_run_decode_grid_fixed_per_capacity_and_fills_the_gpu():
     """E2B B = 1 decode steps at 2100 and 4000 tokens (one full-table capacity, 4096) launch the
     same decode-attention grids; the full layers get >= 2 programs per SM of the reference GPU."""
-    from engine.dry_run import decode_step, dry_model
+    from engine.bench.dry_run import decode_step, dry_model
 
     model = dry_model("e2b")
     a = _decode_launches(decode_step(model, 1, 1, 2100, torch_ops=False).record)

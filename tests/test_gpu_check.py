@@ -1,5 +1,5 @@
 """`make gpu-check` (packaging/gpu_check.py) and the GEMV bandwidth microbenchmark
-(engine/kernel_bench.py), as far as they run without a GPU: argument handling, the install
+(engine/bench/gemv.py), as far as they run without a GPU: argument handling, the install
 command, parts that fail or run over their time without stopping the rest, the Markdown report,
 and the microbenchmark's arithmetic on the interpreted kernel (its speed here means nothing)."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.kernel_bench import gemv_bandwidth, gemv_sweep, sweep_table
+from engine.bench.gemv import gemv_bandwidth, gemv_sweep, sweep_table
 
 _path = Path(__file__).resolve().parents[1] / "packaging" / "gpu_check.py"
 _spec = importlib.util.spec_from_file_location("gpu_check", _path)

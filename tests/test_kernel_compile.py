@@ -2,7 +2,7 @@
 and sm_120 (RTX 50) with the wheel's ptxas, at the launch parameters the engine really uses (no GPU
 needed).
 
-The launches are recorded from meta-device dry runs of synthetic E2B and E4B (`engine/static_bench.py`
+The launches are recorded from meta-device dry runs of synthetic E2B and E4B (`engine/bench/static.py`
 `engine_specs`): decode steps at B = 1, 2, 4, a verify step (B = 1, T = 3) and a 2048-token prefill
 chunk, for every KV format, and the float32 (`--exact`) model's B = 1 decode, verify and prefill
 with bf16, fp32 and int8 KV (its attention runs FMA dots over the 8 / 4 query heads of a KV head on
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import pytest
 
 from conftest import CACHE
-from engine.static_bench import compile_engine_kernels, compile_summary, decode_path
+from engine.bench.static import compile_engine_kernels, compile_summary, decode_path
 
 pytestmark = pytest.mark.slow
 ARCHS = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_120")

@@ -1,4 +1,4 @@
-"""Kernels launched by one B = 1 decode step of the batched decoder (engine/dry_run.py: the CUDA
+"""Kernels launched by one B = 1 decode step of the batched decoder (engine/bench/dry_run.py: the CUDA
 path run on the meta device, Triton launches recorded, device-side torch ops counted).
 
 The count is deterministic, so it is pinned: a change that adds launches to the decode step shows
@@ -22,7 +22,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton", reason="the launch recorder intercepts Triton launches")
 
-from engine.dry_run import decode_step, dry_model, prefill_chunk  # noqa: E402
+from engine.bench.dry_run import decode_step, dry_model, prefill_chunk  # noqa: E402
 
 PINNED = {"e2b": 404, "e4b": 486}
 TARGET = {"e2b": 450, "e4b": 520}  # issue 11

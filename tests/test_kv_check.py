@@ -1,4 +1,4 @@
-"""`edgegem kv-check` (engine/kv_check.py, app/cli_kvcheck.py): every KV format but the reference is
+"""`edgegem kv-check` (engine/bench/kv_quality.py, app/cli_kvcheck.py): every KV format but the reference is
 measured, in chunks that read stored KV; figures are KL divergences and agreement rates; the CLI
 prints them as JSON or a table and caches them per model file."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from app.cli import main
-from engine import kv_check as kvc
+from engine.bench import kv_quality as kvc
 from engine.kv_format import FormatUnsupported, resolve_format
 from models.loader import load_model
 from tiny_models import TinySpec, write_tiny_gemma4

@@ -283,7 +283,7 @@ def test_gemma3_270m_round_trip(gemma3_270m_path, tmp_path):
 
 
 def test_kv_resume_bench_reports_every_length_and_format(tiny):
-    from engine.kv_bench import kv_resume_bench
+    from engine.bench.kv_resume import kv_resume_bench
 
     out = kv_resume_bench(tiny, lengths=(24, 40))
     assert [r["tokens"] for r in out["rows"]] == [24, 40]

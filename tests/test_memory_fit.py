@@ -14,7 +14,7 @@ from tiny_models import TinySpec, write_tiny_gemma4
 from app.backend import plan_lines
 from engine import api
 from engine.memory_plan import BudgetTooSmall, PlanOptions, fit_steps, parse_size, plan_memory
-from engine.synthetic import synthetic_layout
+from models.synthetic import synthetic_layout
 from models.gemma4 import Gemma4Config
 
 

@@ -11,7 +11,7 @@ from gguf import GGUFWriter
 from engine.kv_format import owning_layers, pool_unit_bytes, resolve_format
 from engine.memory_plan import (GiB, MiB, BudgetTooSmall, PlanOptions, fmt_size, max_context_by_format,
                                 parse_size, plan_memory)
-from engine.synthetic import synthetic_layout
+from models.synthetic import synthetic_layout
 from models.gemma4 import Gemma4Config
 
 FORMATS = ("bf16", "fp16", "fp32", "int8_per_token_head", "fp8_per_token_head")

@@ -11,7 +11,7 @@ from tiny_models import TinySpec, write_tiny_assistant, write_tiny_gemma4
 
 from app.cli import main
 from engine import api
-from engine.model_store import find_model, local_models, quant_label, quant_matches
+from engine.models_dir import find_model, local_models, quant_label, quant_matches
 from models.gguf import GGUFError
 
 SPEC = TinySpec(d_model=64, hd_sliding=32, hd_full=64, ffn=128, ple_width=8)

@@ -21,9 +21,9 @@ from huggingface_hub.utils import _http as hf_http
 from tiny_models import TinySpec, write_tiny_assistant, write_tiny_gemma4
 
 from app.cli import main
-from engine import hub
-from engine.hub import RemoteFile, RepoSpec, choose_draft, choose_mmproj, choose_model
-from engine.model_store import find_model
+from engine.models_dir import hub
+from engine.models_dir.hub import RemoteFile, RepoSpec, choose_draft, choose_mmproj, choose_model
+from engine.models_dir import find_model
 
 # huggingface_hub 2.x ships its HTTP client as httpx2, 1.x used httpx
 httpx = importlib.import_module("httpx2" if importlib.util.find_spec("httpx2") else "httpx")

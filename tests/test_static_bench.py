@@ -40,7 +40,7 @@ def e2b_report():
 
 
 def test_kernels_per_step_is_the_dry_runs_count(e2b_report):
-    from engine.dry_run import decode_step, dry_model
+    from engine.bench.dry_run import decode_step, dry_model
 
     r = e2b_report
     step = decode_step(dry_model("e2b"), batch=1, rows=1, kv="bf16")
@@ -52,7 +52,7 @@ def test_kernels_per_step_is_the_dry_runs_count(e2b_report):
 
 
 def test_weight_bytes_per_token_is_the_layouts_device_tensors(e2b_report):
-    from engine.synthetic import synthetic_specs
+    from models.synthetic import synthetic_specs
 
     # every tensor the model reads, the per-layer embedding table (host lookups) excepted; the
     # token table counts once, as the tied LM head every step reads whole

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from app.store import SCHEMA_VERSION, Store, _schema_v1
+from app.store import Store
+from app.store_schema import SCHEMA_VERSION, _schema_v1
 
 PICTURE = b"\x89PNG\r\n\x1a\n not really decoded by the store"
 

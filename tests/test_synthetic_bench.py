@@ -1,4 +1,4 @@
-"""Synthetic random-weight Gemma-4 models (engine/synthetic.py) and the engine bench (engine/bench.py
+"""Synthetic random-weight Gemma-4 models (models/synthetic.py) and the engine bench (engine/bench/throughput.py
 `gpu_bench`), on the CPU: the tiny variant runs through the kernels under Triton's interpreter and
 through the bench on the plain torch path; E2B's byte accounting is checked from the plan alone."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
-from engine.synthetic import (VARIANTS, synthetic_layout, synthetic_specs, synthetic_weights,  # noqa: E402
+from models.synthetic import (VARIANTS, synthetic_layout, synthetic_specs, synthetic_weights,  # noqa: E402
                               weight_bytes)
 from models.quant import row_bytes  # noqa: E402
 from models.weights import QuantWeight  # noqa: E402
@@ -63,7 +63,7 @@ def test_tiny_model_runs_on_kernels():
     pytest.importorskip("triton", reason="the kernel path needs triton")
     from engine.sampler import SamplingParams
     from engine.scheduler import Engine, EngineConfig
-    from engine.synthetic import synthetic_model
+    from models.synthetic import synthetic_model
 
     model = synthetic_model("tiny", "cpu")
     assert isinstance(model.head_w, QuantWeight)

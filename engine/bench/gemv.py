@@ -2,7 +2,7 @@
 matrix shapes of E2B and E4B, in GB/s and as a share of the device's peak memory bandwidth.
 
 A GEMV for one token reads every weight byte once, so its speed is weight bytes / time. The
-weights are random blocks of the format (`engine.synthetic._random_quant_bytes`: real scales,
+weights are random blocks of the format (`models.synthetic._random_quant_bytes`: real scales,
 numerically tame values). A matrix that fits in L2 (an H200 has 60 MB) would be served from the
 cache after the first call, so each measurement cycles through enough copies of the matrix to
 exceed `ROTATE_BYTES`: every timed call reads its weights from DRAM, as a decode step does (it
@@ -53,7 +53,7 @@ def gemv_bandwidth(fmt: str, n_out: int, n_in: int, device="cuda", iters: int = 
 
     from models.weights import QuantWeight
 
-    from .synthetic import _random_quant_bytes
+    from models.synthetic import _random_quant_bytes
 
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -81,7 +81,7 @@ def gemv_sweep(variants=("e2b", "e4b"), formats=None, device="cuda", iters: int 
     shapes; a format or shape that fails gives a row with "error" instead of stopping the sweep."""
     from models.weights import QuantWeight
 
-    from .bench import peak_bandwidth_gbps
+    from .throughput import peak_bandwidth_gbps
 
     device = torch.device(device)
     if peak_gbps is None and device.type == "cuda":

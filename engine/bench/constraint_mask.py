@@ -18,8 +18,8 @@ from typing import Optional
 
 import torch
 
-from .constraints import GrammarState, json_object_constraint, json_schema_constraint, ll_tokenizer
-from .tool_grammar import tool_call_constraint
+from ..constraints import GrammarState, json_object_constraint, json_schema_constraint, ll_tokenizer
+from ..tool_grammar import tool_call_constraint
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "email", "tags"],
           "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "email": {"type": "string"},

@@ -1,9 +1,9 @@
 """`edgegem bench --static`: what a decode step costs on a GPU, read without one.
 
-From a dry run of the synthetic E2B/E4B model on the meta device (`engine/dry_run.py`):
+From a dry run of the synthetic E2B/E4B model on the meta device (`engine/bench/dry_run.py`):
   * kernels_per_step: every launch of one B = 1 decode step of the batched decoder, Triton and
     device-side torch ops, counted by intercepting them (`kernels.launch.record_launches`);
-  * weight_bytes_per_token: the device weights a decode step reads (`engine.bench.device_weight_bytes`:
+  * weight_bytes_per_token: the device weights a decode step reads (`engine.bench.throughput.device_weight_bytes`:
     every quantized/dense/vector tensor on the device, the tied LM head included, the host lookup
     tables not);
   * per decode-GEMV format (those the model uses and every other one `QuantWeight` reads): the
@@ -29,6 +29,8 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
+
+from .table import Column, header, row
 
 KV_FORMATS = ("bf16", "fp16", "int8_per_token_head", "fp8_per_token_head", "fp32")
 # The float32 (--exact) model's KV: bf16 is what "auto" gives it on CUDA, fp32 the exact choice,
@@ -218,7 +220,7 @@ def _static_report(variant: str, arch: str, kv: str, cache_dir) -> dict:
     from kernels.compile_check import ARCHS
     from kernels.qmatmul import gemv_launch_info
 
-    from .bench import device_weight_bytes
+    from .throughput import device_weight_bytes
     from .dry_run import decode_step, dry_model
 
     model = dry_model(variant)
@@ -247,7 +249,7 @@ def static_report(variant: str, arch: str = "sm_86", kv: str = "bf16", cache_dir
     "table" holds the human-readable form."""
     from kernels.compile_check import ARCHS
 
-    from .kv_format import resolve_format
+    from ..kv_format import resolve_format
 
     kv = resolve_format(kv, "cuda").name
     if arch not in ARCHS:
@@ -257,6 +259,11 @@ def static_report(variant: str, arch: str = "sm_86", kv: str = "bf16", cache_dir
     out = _run_as_on_gpu(_static_report, variant.lower(), arch, kv, cache_dir)
     out["table"] = static_table(out)
     return out
+
+
+GEMV_COLUMNS = (Column("format", 6, align="<"), Column("used", 4), Column("shape", 13), Column("warps", 5, "d"),
+                Column("loop instr", 10, "d"), Column("B/iter", 7, "d"), Column("LDG", 4, "d"), Column("regs", 4, "d"),
+                Column("instr/B", 8, ".3f"), Column("target", 6, ".2f"), Column("bw cap", 7))
 
 
 def static_table(o: dict) -> str:
@@ -271,17 +278,15 @@ def static_table(o: dict) -> str:
              f"weight bytes per token: {o['weight_bytes_per_token'] / 1e6:.1f} MB (device weights, tied head "
              "included, host lookup tables excluded)",
              f"decode GEMV per format, the worst of the model's {len(o['gemv_shapes'])} matrix shapes:",
-             f"{'format':6s} {'used':>4s} {'shape':>13s} {'warps':>5s} {'loop instr':>10s} {'B/iter':>7s} "
-             f"{'LDG':>4s} {'regs':>4s} {'instr/B':>8s} {'target':>6s} {'bw cap':>7s}"]
+             header(GEMV_COLUMNS)]
     for r in o["gemv"]:
         used = "yes" if r["used_by_model"] else ""
         if r["error"]:
-            lines.append(f"{r['format']:6s} {used:>4s}  error: {r['error'].splitlines()[0]}")
+            lines.append(row(GEMV_COLUMNS, (r["format"], used)) + f"  error: {r['error'].splitlines()[0]}")
             continue
-        shape = "x".join(map(str, r["shape"]))
-        lines.append(f"{r['format']:6s} {used:>4s} {shape:>13s} {r['num_warps']:5d} {r['loop_instructions']:10d} "
-                     f"{r['loop_bytes']:7d} {r['ldg']:4d} {r['registers']:4d} {r['instructions_per_byte']:8.3f} "
-                     f"{r['target']:6.2f} {100 * r['bandwidth_cap']:6.1f}%")
+        lines.append(row(GEMV_COLUMNS, (r["format"], used, "x".join(map(str, r["shape"])), r["num_warps"],
+                                        r["loop_instructions"], r["loop_bytes"], r["ldg"], r["registers"],
+                                        r["instructions_per_byte"], r["target"], f"{100 * r['bandwidth_cap']:.1f}%")))
     lines.append("instr/B = SASS instructions of one K-loop iteration x warps per program / weight bytes the "
                  "program reads in it; bw cap = min(1, 4 warp-instr/clock/SM x SMs x clock / (instr/B x bandwidth)); "
                  "targets: issue 11 (sm_86)")

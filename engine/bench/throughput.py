@@ -1,7 +1,6 @@
-"""CPU benchmark: our prefill and decode tokens/s beside llama-cpp-python's on the same prompt.
-
-Both run greedy decoding from the same token ids with the same thread count; the figures are
-wall-clock over the whole prefill pass and over `n_decode` single-token steps.
+"""The engine bench: prefill tokens/s per prompt length and decode tokens/s per context through the
+Engine, the bytes a decode step reads, their share of the device's peak bandwidth and the peak memory
+(`edgegem bench --device cuda`, or `--synthetic e2b|e4b` on any device).
 """
 from __future__ import annotations
 
@@ -11,99 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from models.kv_cache import DenseKVCache
-from models.loader import load_model
-
-
-def _prompt(vocab: int, n: int) -> list[int]:
-    rng = np.random.default_rng(0)
-    # ordinary tokens: past the specials at the start of the vocabulary (1000 on real vocabularies)
-    return [2] + rng.integers(min(1000, vocab // 4), min(vocab, 200_000), size=n - 1).tolist()
-
-
-@torch.inference_mode()
-def _ours(path: Path, prompt: list[int], n_decode: int, weight_dtype=torch.float16) -> dict:
-    t0 = time.perf_counter()
-    lm = load_model(path, with_tokenizer=False, weight_dtype=weight_dtype, cpu_quant=weight_dtype is not None)
-    load_s = time.perf_counter() - t0
-    return {"load_s": load_s, **_greedy_loop(lm.model, prompt, n_decode)}
-
-
-@torch.inference_mode()
-def _greedy_loop(model, prompt: list[int], n_decode: int) -> dict:
-    """The model's own loop: one forward over the prompt, then one per greedy token (DenseKVCache)."""
-    cache = DenseKVCache()
-    t0 = time.perf_counter()
-    logits = model.forward(torch.tensor(prompt), cache=cache, logits_rows=torch.tensor([len(prompt) - 1]))[0]
-    prefill_s = time.perf_counter() - t0
-    pos, ids = len(prompt), []
-    t0 = time.perf_counter()
-    for _ in range(n_decode):
-        tok = int(logits.argmax())
-        ids.append(tok)
-        logits = model.forward(torch.tensor([tok]), torch.tensor([pos]), cache)[0]
-        pos += 1
-    decode_s = time.perf_counter() - t0
-    return {"prefill_tok_s": len(prompt) / prefill_s, "decode_tok_s": n_decode / decode_s, "ids": ids}
-
-
-def _llama_cpp(path: Path, prompt: list[int], n_decode: int, threads: int) -> dict:
-    import llama_cpp
-
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(prompt) + n_decode + 8, n_batch=len(prompt),
-                          n_ubatch=len(prompt), n_threads=threads, n_threads_batch=threads, verbose=False)
-    try:
-        t0 = time.perf_counter()
-        llm.eval(prompt)
-        prefill_s = time.perf_counter() - t0
-        ids = []
-        n_vocab = llm.n_vocab()
-        t0 = time.perf_counter()
-        for _ in range(n_decode):
-            # logits of the last evaluated row straight from the context (no copy of all rows)
-            last = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(n_vocab,))
-            tok = int(np.argmax(last))
-            ids.append(tok)
-            llm.eval([tok])
-        decode_s = time.perf_counter() - t0
-    finally:
-        llm.close()
-    return {"prefill_tok_s": len(prompt) / prefill_s, "decode_tok_s": n_decode / decode_s, "ids": ids}
-
-
-def cpu_bench(path: Path, n_prompt: int = 128, n_decode: int = 64, threads: int = 0,
-              with_llama_cpp: bool = True) -> dict:
-    from .cpu_runtime import set_threads
-
-    threads = set_threads(threads)
-    from models.gguf import GGUFFile
-    vocab = len(GGUFFile(path).metadata.get("tokenizer.ggml.tokens", ())) or 32000
-    prompt = _prompt(vocab, n_prompt)
-    out = {"model": str(path), "threads": threads, "prompt_tokens": n_prompt, "decode_tokens": n_decode,
-           "edgegem": _ours(path, prompt, n_decode)}
-    rows = [("edgegem (torch, CPU)", out["edgegem"])]
-    if with_llama_cpp:
-        out["llama_cpp"] = _llama_cpp(path, prompt, n_decode, threads)
-        rows.append(("llama-cpp-python 0.3.36", out["llama_cpp"]))
-        out["decode_ratio"] = out["edgegem"]["decode_tok_s"] / out["llama_cpp"]["decode_tok_s"]
-        out["prefill_ratio"] = out["edgegem"]["prefill_tok_s"] / out["llama_cpp"]["prefill_tok_s"]
-        n_same = next((i for i, (a, b) in enumerate(zip(out["edgegem"]["ids"], out["llama_cpp"]["ids"]))
-                       if a != b), n_decode)
-        out["greedy_tokens_equal"] = n_same
-    lines = [f"{Path(path).name}: {n_prompt}-token prompt, {n_decode} decode steps, {threads} threads",
-             f"{'engine':28s} {'prefill tok/s':>14s} {'decode tok/s':>13s}"]
-    lines += [f"{name:28s} {r['prefill_tok_s']:14.1f} {r['decode_tok_s']:13.1f}" for name, r in rows]
-    if with_llama_cpp:
-        lines.append(f"ratio (edgegem / llama.cpp): prefill {out['prefill_ratio']:.2f}x, "
-                     f"decode {out['decode_ratio']:.2f}x; greedy tokens equal for the first "
-                     f"{out['greedy_tokens_equal']} of {n_decode}")
-    out["table"] = "\n".join(lines)
-    for r in (out["edgegem"], out.get("llama_cpp", {})):
-        r.pop("ids", None)
-    return out
-
-
-# --- device bench: prefill and decode tokens/s, bytes read per decode token, bandwidth share ---------
+from .table import Column, header, row
 
 # Peak memory bandwidth in GB/s (10^9 B/s) by device name, most specific first (vendor spec sheets).
 PEAK_BANDWIDTH_GBPS = (
@@ -191,17 +98,17 @@ def gpu_bench(model=None, device="cuda", budget=None, kv_cache_dtype: str = "aut
     TRITON_INTERPRET=1), else dense weights on the plain torch path."""
     import os
 
-    from .kv_format import resolve_format
-    from .memory_plan import PlanOptions, parse_size, plan_memory
-    from .sampler import SamplingParams
-    from .scheduler import Engine, EngineConfig
+    from ..kv_format import resolve_format
+    from ..memory_plan import PlanOptions, parse_size, plan_memory
+    from ..sampler import SamplingParams
+    from ..scheduler import Engine, EngineConfig
 
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     t0 = time.perf_counter()
     if synthetic:
-        from .synthetic import synthetic_layout, synthetic_model
+        from models.synthetic import synthetic_layout, synthetic_model
         if quantized is None:
             quantized = dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
         layout = synthetic_layout(synthetic)
@@ -209,7 +116,7 @@ def gpu_bench(model=None, device="cuda", budget=None, kv_cache_dtype: str = "aut
                                    quantized=quantized)
         label = f"synthetic {synthetic.upper()} (random weights, Q4_K_M mix)"
     elif isinstance(model, (str, Path)):
-        from .api import open_model
+        from ..api import open_model
         lm = open_model(Path(model), exact=False, device=dev.type, embed_weights=embed_weights)
         layout, lm_model, label = lm.source, lm.model, Path(model).name
     else:
@@ -311,8 +218,13 @@ def _device_name(dev) -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
+PREFILL_COLUMNS = (Column("prefill", 10, "d"), Column("tok/s", 12, ".1f"))
+DECODE_COLUMNS = (Column("decode ctx", 10, "d"), Column("tok/s", 12, ".1f"), Column("MB read/tok", 12, ".1f"),
+                  Column("GB/s", 9, ".2f"), Column("of peak", 8))
+
+
 def _bench_table(o: dict) -> str:
-    from .memory_plan import fmt_size
+    from ..memory_plan import fmt_size
     peak = o["peak_bandwidth_gbps"]
     lines = [f"{o['model']} on {o['device']} ({o['device_name']}): {o['dtype']} activations, KV {o['kv_cache_dtype']} "
              f"(window {o['swa_kv_cache_dtype']}), embed weights on {o['embed_weights']}, fast prefill "
@@ -320,71 +232,20 @@ def _bench_table(o: dict) -> str:
              f"pools: full {o['full_pool_tokens']} tokens, window {o['window_pool_tokens']} tokens; "
              f"context limit {o['context_limit']}"
              + (f"; budget {fmt_size(o['budget'])}" if "budget" in o else ""),
-             f"{'prefill':>10s} {'tok/s':>12s}"]
+             header(PREFILL_COLUMNS)]
     for r in o["prefill"]:
-        lines.append(f"{r['prompt_tokens']:10d} " + (f"{r['tok_s']:12.1f}" if "tok_s" in r else f"  {r['skipped']}"))
-    lines.append(f"{'decode ctx':>10s} {'tok/s':>12s} {'MB read/tok':>12s} {'GB/s':>9s} {'of peak':>8s}")
+        lines.append(row(PREFILL_COLUMNS, (r["prompt_tokens"], r["tok_s"])) if "tok_s" in r else
+                     row(PREFILL_COLUMNS, (r["prompt_tokens"],)) + f"   {r['skipped']}")
+    lines.append(header(DECODE_COLUMNS))
     for r in o["decode"]:
         if "tok_s" not in r:
-            lines.append(f"{r['context']:10d}   {r['skipped']}")
+            lines.append(row(DECODE_COLUMNS, (r["context"],)) + f"   {r['skipped']}")
             continue
-        share = f"{100 * r['bandwidth_share']:7.1f}%" if r["bandwidth_share"] is not None else f"{'n/a':>8s}"
-        lines.append(f"{r['context']:10d} {r['tok_s']:12.1f} {r['bytes_per_token'] / 1e6:12.1f} "
-                     f"{r['achieved_gbps']:9.2f} {share}")
+        share = f"{100 * r['bandwidth_share']:.1f}%" if r["bandwidth_share"] is not None else "n/a"
+        lines.append(row(DECODE_COLUMNS, (r["context"], r["tok_s"], r["bytes_per_token"] / 1e6, r["achieved_gbps"],
+                                          share)))
     lines.append(f"bytes read per decode token = device weights {o['weight_bytes_per_token'] / 1e6:.1f} MB "
                  f"(lookup tables excluded) + KV of every attending layer at that context; peak bandwidth "
                  + (f"{peak:.0f} GB/s" if peak else "n/a (unknown device; --peak-bandwidth GBps)"))
     lines.append(f"peak memory {fmt_size(o['peak_memory_bytes'])} ({o['peak_memory_source']})")
     return "\n".join(lines)
-
-
-def spec_bench(target_path: Path, draft_path: Path, n_prompt: int = 64, n_decode: int = 64,
-               spec_tokens: int = 2, device: str = "cpu") -> dict:
-    """Decode tokens/s through the engine with and without the assistant draft on the same greedy
-    prompt, the draft's acceptance, and the cost of a verify step against a plain decode step.
-    Greedy outputs must be equal (the draft only changes speed); the table says whether they were."""
-    from models.gguf import GGUFFile
-    from models.loader import load_model
-
-    from .api import load_draft
-    from .sampler import SamplingParams
-    from .scheduler import Engine, EngineConfig
-
-    exact = device != "cpu"
-    lm = load_model(target_path, device=device, weight_dtype=None if exact else torch.float16,
-                    quantized=device == "cuda")
-    spec = load_draft(str(draft_path), lm, spec_tokens)
-    vocab = len(GGUFFile(target_path).metadata.get("tokenizer.ggml.tokens", ())) or lm.config.vocab_size
-    prompt = _prompt(vocab, n_prompt)
-    params = SamplingParams(temperature=0.0, max_tokens=n_decode)
-    runs = {}
-    for name, s in (("plain", None), ("draft", spec)):
-        eng = Engine(lm.model, lm.tokenizer, EngineConfig(full_tokens=n_prompt + n_decode + 64, cache_type="naive"),
-                     spec=s)
-        req = eng.add(prompt, params)
-        eng.step()  # the prompt
-        _sync(device)
-        t0 = time.perf_counter()
-        eng.run_to_completion()
-        _sync(device)
-        dt = time.perf_counter() - t0
-        n = max(len(req.output_ids) - 1, 1)
-        stats = eng.spec_stats.as_dict() if s is not None else None
-        steps = stats["rounds"] if stats else n
-        runs[name] = {"decode_tok_s": n / dt, "ids": req.output_ids, "ms_per_target_step": 1000 * dt / max(steps, 1),
-                      "speculative": stats}
-    out = {"target": str(target_path), "draft": str(draft_path), "device": device, "spec_tokens": spec_tokens,
-           "plain_decode_tok_s": runs["plain"]["decode_tok_s"], "draft_decode_tok_s": runs["draft"]["decode_tok_s"],
-           "speedup": runs["draft"]["decode_tok_s"] / runs["plain"]["decode_tok_s"],
-           "verify_step_cost": runs["draft"]["ms_per_target_step"] / runs["plain"]["ms_per_target_step"],
-           "greedy_equal": runs["plain"]["ids"] == runs["draft"]["ids"], **runs["draft"]["speculative"]}
-    out["table"] = "\n".join([
-        f"{Path(target_path).name} + draft {Path(draft_path).name} on {device}: {n_prompt}-token prompt, "
-        f"{n_decode} greedy tokens, K = {spec_tokens}",
-        f"decode tok/s without draft {out['plain_decode_tok_s']:.1f}, with draft {out['draft_decode_tok_s']:.1f} "
-        f"({out['speedup']:.2f}x)",
-        f"acceptance {out['acceptance_rate']:.1%} ({out['accepted']} of {out['drafted']} drafted), "
-        f"{out['tokens_per_target_forward']:.2f} tokens per target forward; a draft+verify round costs "
-        f"{out['verify_step_cost']:.2f}x a plain decode step",
-        f"greedy outputs equal: {out['greedy_equal']}"])
-    return out

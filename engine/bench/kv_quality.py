@@ -21,15 +21,15 @@ from typing import Callable, Optional
 
 import torch
 
-from .kv_format import FormatUnsupported, pool_unit_bytes, resolve_format
-from .kv_pool import HybridKVPool
-from .runner import ModelRunner
-from .sequence_kv import SequenceKV
+from ..kv_format import FormatUnsupported, pool_unit_bytes, resolve_format
+from ..kv_pool import HybridKVPool
+from ..runner import ModelRunner
+from ..sequence_kv import SequenceKV
 
 CANDIDATES = ("bf16", "fp16", "fp32", "int8_per_token_head", "fp8_per_token_head")
 DEFAULT_TOKENS = 1024  # twice Gemma's 512-token sliding window: half the positions read evicted-window KV
 DEFAULT_CHUNK = 64
-DEFAULT_TEXT = Path(__file__).with_name("data") / "kv_check.txt"  # Pride and Prejudice ch. I-III, ~4260 tokens
+DEFAULT_TEXT = Path(__file__).parents[1] / "data" / "kv_check.txt"  # Pride and Prejudice ch. I-III, ~4260 tokens
 DEFAULT_TEXT_NAME = "Pride and Prejudice, ch. I-III (built in)"
 
 # progress(fraction 0..1, one-line description); should_stop() -> True cancels between chunks
@@ -94,7 +94,7 @@ def measure(model, tokens: list[int], chunk: int = DEFAULT_CHUNK, formats: Optio
     """Figures of each format against the reference on `tokens` (the core of `kv_check`).
     Every chunk runs the reference first, then each format; only per-position KL values are kept
     (a chunk's [64, 262144] float64 logits are 128 MiB, the whole text's would be GiBs)."""
-    from .attention_backend import get_attention_backend
+    from ..attention_backend import get_attention_backend
 
     if chunk < 1 or len(tokens) < 2:
         raise ValueError(f"kv-check needs at least 2 tokens and a chunk of at least 1, got {len(tokens)} and {chunk}")
@@ -170,7 +170,7 @@ def _size(path: Path) -> Optional[int]:
 def cache_path(model_path: str | Path, device: str, data_dir: Optional[str | Path] = None) -> Path:
     """The key is the model file's resolved path, size and mtime: a file replaced in place (a new
     quant pulled under the same name) gets new figures, a renamed copy is measured again."""
-    from .model_store import data_dir as default_data_dir
+    from ..models_dir import data_dir as default_data_dir
 
     p = Path(model_path).expanduser().resolve()
     st = p.stat()

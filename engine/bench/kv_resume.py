@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from .kv_check import DEFAULT_TEXT
-from .kv_file import model_identity
-from .sampler import SamplingParams
-from .scheduler import Engine, EngineConfig
+from ..kv_file import model_identity
+from ..sampler import SamplingParams
+from ..scheduler import Engine, EngineConfig
+from .kv_quality import DEFAULT_TEXT
 
 NEW_MESSAGE = 16
 FORMATS = ("fp32", "bf16", "fp16", "int8_per_token_head", "fp8_per_token_head")
@@ -47,7 +47,7 @@ def _ttft(eng: Engine, prompt: list[int], kv: Optional[Path]):
 def kv_resume_bench(lm, lengths=(2048, 8192, 32000), fmt: str = "auto", formats=FORMATS,
                     progress: Callable[[str], None] = lambda s: None) -> dict:
     """Cold prefill vs resume from a KV file for each length, and file bytes per token per format."""
-    from .kv_format import resolve_format
+    from ..kv_format import resolve_format
 
     device = lm.model.device
     fmt = resolve_format(fmt, device).name

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-from .model_store import (DEFAULT_QUANT, SPLIT_SUFFIX, best_quant_matches, is_draft_name, is_mmproj_name,
+from .local import (DEFAULT_QUANT, SPLIT_SUFFIX, best_quant_matches, is_draft_name, is_mmproj_name,
                           local_models, quant_label)
 
 DRAFT_QUANTS = ("Q8_0", "BF16", "F16", DEFAULT_QUANT)  # a draft is small: prefer its precise forms

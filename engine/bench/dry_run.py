@@ -1,7 +1,7 @@
 """Dry runs of the CUDA path on the meta device: every kernel a decode step (or a prefill chunk)
 launches, counted and recorded without a GPU.
 
-The model is the synthetic E2B/E4B layout (`engine/synthetic.py`) with uninitialised weights on the
+The model is the synthetic E2B/E4B layout (`models/synthetic.py`) with uninitialised weights on the
 meta device (host embedding tables on the CPU, as `--embed-weights host` keeps them), the KV pools
 on meta, and the Triton attention backend. Inside `kernels.launch.record_launches` the model takes
 exactly the branches it takes on CUDA (the kernel dispatch treats meta like CUDA while recording),
@@ -38,14 +38,14 @@ class DryRun:
 
 def dry_model(variant: str, dtype=torch.bfloat16):
     """The synthetic `variant` model on the meta device, quantized matrices, host embedding tables."""
-    from .synthetic import synthetic_model
+    from models.synthetic import synthetic_model
 
     return synthetic_model(variant, META, dtype=dtype, host_embeddings=True, quantized=True, fill="empty")
 
 
 def _pools(model, context: int, rows: int, batch: int, kv: str, swa_kv: Optional[str]):
-    from .kv_format import resolve_format
-    from .kv_pool import HybridKVPool
+    from ..kv_format import resolve_format
+    from ..kv_pool import HybridKVPool
 
     cfg = model.cfg
     fmt = resolve_format(kv, "cuda")
@@ -57,7 +57,7 @@ def _pools(model, context: int, rows: int, batch: int, kv: str, swa_kv: Optional
 
 
 def _sequences(model, pools, backend, batch: int, context: int):
-    from .sequence_kv import SequenceKV
+    from ..sequence_kv import SequenceKV
 
     kvs = []
     for _ in range(batch):
@@ -74,8 +74,8 @@ def decode_step(model, batch: int = 1, rows: int = 1, context: int = 4096, kv: s
     """One step of the batched decoder (`engine/batch_decode.py`, what a CUDA graph captures plus
     the host-side fill around it) for `batch` sequences of `context` tokens, `rows` new tokens each
     (1: decode; 1 + K: a speculative verify). A first step, not recorded, builds the static buffers."""
-    from .attention_backend import TritonAttention
-    from .batch_decode import BatchDecoder
+    from ..attention_backend import TritonAttention
+    from ..batch_decode import BatchDecoder
 
     backend = TritonAttention()
     pools = _pools(model, context, 2 * rows, batch, kv, swa_kv)
@@ -97,8 +97,8 @@ def prefill_chunk(model, chunk: int = 2048, context: int = 0, kv: str = "bf16", 
                   want_logits: bool = True, torch_ops: bool = True) -> DryRun:
     """One prefill chunk of `chunk` tokens after `context` cached ones through the engine's runner
     (fast prefill: the KV-shared layers run for the last row only)."""
-    from .attention_backend import TritonAttention
-    from .runner import ModelRunner
+    from ..attention_backend import TritonAttention
+    from ..runner import ModelRunner
 
     backend = TritonAttention()
     pools = _pools(model, context, chunk, 1, kv, swa_kv)

@@ -262,7 +262,7 @@ def synthetic_weights(variant: str, device="cpu", seed: int = 0, dtype=None,
     CPU (the tied head's copy stays on the device; "token_embd.host" is the lookup copy).
     `quantized=False`: the same random matrices dequantized to dense `dtype` tensors (the plain
     torch path, e.g. a CPU without the Triton interpreter). `fill="empty"`: uninitialised tensors
-    of the same shapes and types (dry runs on the meta device, `engine/dry_run.py`: nothing is
+    of the same shapes and types (dry runs on the meta device, `engine/bench/dry_run.py`: nothing is
     computed, and the multi-gigabyte host tables cost no RAM until read)."""
     import torch
 
