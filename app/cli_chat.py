@@ -39,7 +39,7 @@ def cmd_chat(a) -> int:
     """Plain line chat (no full-screen UI, no saved history); the history stays in the prefix cache."""
     from engine import api
 
-    from .cli import _device, _emit, _engine_options, _kv_note, _kv_path, _params, _start_client
+    from .cli_options import _device, _emit, _engine_options, _kv_note, _kv_path, _params, _start_client
     path = api.resolve_model(a.model)
     print(f"edgegem: plain terminal chat on {path.name} (run `edgegem` for the full-screen app).")
     if a.model is None:

@@ -76,7 +76,7 @@ def cmd_serve(a) -> int:
     from engine import api
     from engine.memory_plan import parse_size
 
-    from .cli import _device, _engine_options, _start_client
+    from .cli_options import _device, _engine_options, _start_client
     from .server.run import bind, serve, url_of
     from .server.state import ServerState
 

@@ -136,7 +136,7 @@ def test_run_takes_a_model_name(models_dir):
 
 
 def test_info_and_draft_take_model_names(models_dir, capsys):
-    from app.cli import _draft_path
+    from app.cli_options import _draft_path
     assert main(["info", "finetune", "--device", "cpu", "--gpu-memory-budget", "1GiB", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["file"] == str(models_dir / "my-finetune.gguf")
     assert _draft_path("assistant") == str(models_dir / REPO / "gemma-4-E2B-it-assistant-Q4_K_M.gguf")
