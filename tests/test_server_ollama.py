@@ -85,9 +85,10 @@ def test_unknown_model_and_bad_requests_are_errors_in_ollamas_shape(ol, server):
         ol.chat(model="llama3:8b", messages=ASK)
     assert e.value.status_code == 404 and "not found" in e.value.error
     h = server.http()
-    for body, path, words in (({"model": MODEL, "messages": ASK, "format": "json"}, "/api/chat", "format is not"),
+    for body, path, words in (({"model": MODEL, "messages": ASK, "format": {"type": "nope"}}, "/api/chat",
+                               "format: invalid json schema"),
                               ({"model": MODEL, "messages": ASK, "tools": [{"type": "function"}]}, "/api/chat",
-                               "tools are not supported yet"),
+                               "no tool-call syntax"),
                               ({"model": MODEL, "messages": [{"role": "user", "content": "x", "images": ["%%"]}]},
                                "/api/chat", "base64"),
                               ({"model": MODEL, "messages": ASK, "options": {"temperature": "hot"}}, "/api/chat",

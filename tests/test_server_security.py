@@ -1,10 +1,13 @@
 """A local server is reachable by every web page the user opens: remote binds need a key, keys are
 checked, foreign Host headers (DNS rebinding) and foreign origins are refused, a cross-site
 `text/plain` POST never generates, bodies are capped, nothing names a file; and a hypothesis fuzz
-of the JSON handlers (>= 2,000 cases) gets only 4xx error objects, never a 5xx, and the server
-keeps answering. Tiny Gemma-4 on the CPU; only 127.0.0.1 is contacted."""
+of the JSON handlers (>= 2,000 cases, tools / tool_choice / tool messages / response_format /
+format / input_audio shapes among them) gets only 4xx error objects, never a 5xx, and the server
+keeps answering. Tiny Gemma-4 on the CPU (no audio tower: hostile clip bytes are fuzzed on the
+audio model in tests/test_server_audio.py); only 127.0.0.1 is contacted."""
 from __future__ import annotations
 
+import base64
 import json
 
 import pytest
@@ -187,6 +190,55 @@ bodies = (values
           | st.dictionaries(st.sampled_from(FIELDS), values, max_size=8)
           | st.builds(lambda extra, msgs: {"model": MODEL, "messages": msgs, "max_tokens": 2, **extra},
                       st.dictionaries(st.sampled_from(FIELDS), values, max_size=3), st.lists(message, max_size=3)))
+# tools, tool_choice, tool messages, response_format / format and input_audio in their API shapes,
+# well-formed and not (the engine's checks must turn every bad one into a 400, never a 500)
+schemas = st.recursive(
+    st.sampled_from([{"type": "string", "maxLength": 3}, {"type": "integer", "minimum": 0, "maximum": 3},
+                     {"type": "boolean"}, {"enum": ["a", 1, None]}, {"type": "nope"}, {}, {"type": "null"},
+                     {"$ref": "#/$defs/missing"}, {"type": "string", "format": "uuidx"}, {"type": ["string", "null"]}])
+    | values,
+    lambda inner: st.builds(lambda props, req, extra: {"type": "object", "properties": props, "required": req, **extra},
+                            st.dictionaries(st.sampled_from(["a", "b", "c d", ""]), inner, max_size=3),
+                            st.lists(st.sampled_from(["a", "b", "z"]), max_size=2),
+                            st.dictionaries(st.sampled_from(["additionalProperties", "description"]), inner,
+                                            max_size=1))
+    | st.builds(lambda it, n: {"type": "array", "items": it, "maxItems": n}, inner, st.integers(-1, 3)),
+    max_leaves=6)
+tool = st.builds(lambda kind, name, params, desc: {"type": kind, "function": {"name": name, "parameters": params,
+                                                                              "description": desc}},
+                 st.sampled_from(["function", "function", "retrieval"]), st.sampled_from(["f", "g", "", "a b"]) | values,
+                 schemas, st.text(max_size=8))
+tools = st.lists(tool, max_size=3) | values
+tool_choice = (st.sampled_from(["auto", "none", "required", "sometimes"])
+               | st.builds(lambda n: {"type": "function", "function": {"name": n}}, st.sampled_from(["f", "g", "h"]))
+               | values)
+response_format = (st.sampled_from([{"type": "json_object"}, {"type": "text"}, {"type": "json_schema"}, {"type": "xml"}])
+                   | st.builds(lambda sc, strict: {"type": "json_schema", "json_schema": {"name": "x", "schema": sc,
+                                                                                          "strict": strict}},
+                               schemas, st.booleans() | values)
+                   | values)
+WAV = base64.b64encode(b"RIFF\x24\x00\x00\x00WAVEfmt ").decode()  # a header and nothing after
+audio_part = st.builds(lambda d, f: {"type": "input_audio", "input_audio": {"data": d, "format": f}},
+                       st.sampled_from([WAV, "!!!", "", "AAAA", "data:audio/wav;base64,AAAA"]) | values,
+                       st.sampled_from(["wav", "mp3", "aac", None]) | values)
+call = st.builds(lambda i, n, a: {"id": i, "type": "function", "function": {"name": n, "arguments": a}},
+                 st.sampled_from(["c1", "c2"]), st.sampled_from(["f", "g", ""]),
+                 st.sampled_from(['{"x": 1}', "{oops", "", "[]"]) | values)
+tool_messages = st.lists(
+    st.sampled_from([{"role": "user", "content": "hi"}]) | st.builds(
+        lambda c, calls: {"role": "assistant", "content": c, "tool_calls": calls}, st.none() | st.text(max_size=5),
+        st.lists(call, max_size=2) | values)
+    | st.builds(lambda i, c: {"role": "tool", "tool_call_id": i, "content": c}, st.sampled_from(["c1", "c3"]) | values,
+                st.sampled_from(['{"temp": 21}', "12:00", ""]) | values)
+    | st.builds(lambda parts: {"role": "user", "content": parts},
+                st.lists(audio_part | st.just({"type": "text", "text": "x"}), min_size=1, max_size=2)),
+    min_size=1, max_size=4)
+structured = (
+    st.builds(lambda m, t, c, rf: {"model": MODEL, "messages": m, "max_tokens": 2, "tools": t, "tool_choice": c,
+                                   "response_format": rf}, tool_messages, tools, tool_choice, response_format)
+    | st.builds(lambda m, t, f: {"model": MODEL, "messages": m, "tools": t, "format": f, "stream": False,
+                                 "options": {"num_predict": 2}}, tool_messages, tools, schemas | st.just("json")))
+bodies = bodies | structured
 raw_bodies = st.binary(max_size=64) | st.sampled_from([b"{", b"[]", b"null", b'{"messages": [}', b"\xff\xfe"])
 FUZZ_CASES = 2000
 
