@@ -111,7 +111,7 @@ def tiny_server(tmp_path_factory):
 
 def test_a_gemma4_model_shows_thinking_and_think_reaches_the_template(tiny_server):
     ol = tiny_server.ollama()
-    assert ol.show("tiny-gemma4").capabilities == ["completion", "thinking"]
+    assert ol.show("tiny-gemma4").capabilities == ["completion", "tools", "thinking"]
     seen = []
     real = tiny_server.client.submit
 
