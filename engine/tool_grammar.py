@@ -231,7 +231,7 @@ def tool_call_constraint(tools: Optional[Sequence[Mapping]], tool_choice: Any, t
                 args = rules.value({**params, "type": "object"} if "type" not in params else params)
         except ConstraintError:
             raise
-        except (TypeError, ValueError, AttributeError, KeyError) as e:
+        except (TypeError, ValueError, AttributeError, KeyError, OverflowError, RecursionError) as e:
             # a keyword of the wrong type (`"maxLength": "x"`, `"required": 5`): the request's fault
             raise ConstraintError(f"tools: {fn['name']}'s parameters: a schema keyword has the wrong "
                                   f"type ({type(e).__name__}: {str(e)[:120]})") from None

@@ -167,7 +167,7 @@ class ChatFormat:
                 try:
                     return render_gemma4_tools(msgs, bool(add_generation_prompt), bool(thinking), self.bos_token,
                                                tools)
-                except (TypeError, AttributeError, KeyError) as e:
+                except (TypeError, AttributeError, KeyError, RecursionError) as e:
                     # a request's malformed tool (`"properties": [1]`), refused as a template refuses it
                     raise ChatTemplateError(f"tools or tool messages cannot be rendered: "
                                             f"{type(e).__name__}: {str(e)[:120]}") from None

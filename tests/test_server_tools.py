@@ -154,9 +154,11 @@ def test_assistant_tool_calls_and_tool_messages_are_rendered_in_the_prompt(serve
     assert '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:2}<tool_call|>' in text
     assert '<|tool_response>response:get_weather{sky:<|"|>clear<|"|>,temp:21}<tool_response|>' in text
     assert '<|tool_response>response:now{value:<|"|>12:00<|"|>}<tool_response|>' in text
-    # the same prompt as the engine renders for the conversation written in its own terms
+    # the same prompt as the engine renders for the conversation written in its own terms (text
+    # content, the calls' arguments still JSON strings: models/chat.py parses them)
     lm = server.client.loaded
-    want = lm.tokenizer.encode(lm.chat.render(convo, tools=TOOLS), add_bos=not lm.chat.bos_in_template)
+    engine_convo = [{**m, "content": m["content"] or ""} for m in convo]
+    want = lm.tokenizer.encode(lm.chat.render(engine_convo, tools=TOOLS), add_bos=not lm.chat.bos_in_template)
     assert server.client.last_prompt_ids(rid) == want
 
 
