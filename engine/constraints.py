@@ -205,7 +205,7 @@ def warm_up(tok) -> threading.Thread:
         except Exception as e:  # noqa: BLE001 - no traceback from a background thread: the first
             # constrained request builds it again and gets the error as its own one-line refusal
             logging.getLogger("edgegem.constraints").warning("structured output: tokenizer not built: %s: %s",
-                                                             type(e).__name__, str(e).splitlines()[0][:200])
+                                                             type(e).__name__, (str(e).splitlines() or [""])[0][:200])
     t = threading.Thread(target=build, name="edgegem-llguidance-tokenizer", daemon=True)
     t.start()
     return t
