@@ -25,9 +25,10 @@ from gguf import GGUFValueType  # noqa: E402
 
 from app.server import params as P  # noqa: E402
 from engine import api  # noqa: E402
-from engine.client import GenerationParams  # noqa: E402
+from engine.client import GenerationParams, LocalClient  # noqa: E402
 from engine.constraints import from_response_format  # noqa: E402
 from engine.sampler import SamplingParams  # noqa: E402
+from engine.scheduler import EngineConfig  # noqa: E402
 from server_helpers import LiveServer  # noqa: E402
 from tiny_models import TinySpec, write_tiny_gemma4  # noqa: E402
 
@@ -35,14 +36,15 @@ TEMPLATE = (Path(__file__).parent / "data" / "google-gemma-4-31B-it.jinja").read
 SPEC = TinySpec(tool_tokens=True, extra={"tokenizer.chat_template": (TEMPLATE, GGUFValueType.STRING)})
 MODEL = "tiny-tools"
 
-PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "ok", "tags"],
-          "properties": {"name": {"type": "string", "maxLength": 6},
+# small bounded schemas: a random model's reply is as long as they allow (a 4-byte character of
+# the tiny vocabulary is 4 byte tokens), and 40 replies are decoded here
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "ok"],
+          "properties": {"name": {"type": "string", "maxLength": 3},
                          "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                         "ok": {"type": "boolean"},
-                         "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 2}}}
+                         "ok": {"type": "boolean"}}}   # at most 51 tokens: {"name": "..."} byte by byte
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
            "parameters": {"type": "object", "required": ["city", "days"], "properties": {
-               "city": {"type": "string", "maxLength": 6},
+               "city": {"type": "string", "maxLength": 3},
                "days": {"type": "integer", "minimum": 1, "maximum": 7},
                "unit": {"type": "string", "enum": ["c", "f"]}}}}}
 NOW = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
@@ -54,10 +56,14 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     path = write_tiny_gemma4(tmp_path_factory.mktemp("srv-tools") / f"{MODEL}.gguf", SPEC, seed=41)
-    # the exact model (float32, torch): two runs of one request agree whatever the cache served
-    s = LiveServer(api.open_model(path, exact=True), api.EngineOptions(max_running_requests=4))
+    # the exact model (float32, torch): two runs of one request agree whatever the cache served;
+    # batched decode (one forward for the running requests) as tests/test_constraints.py runs it
+    client = LocalClient(api.open_model(path, exact=True),
+                         EngineConfig(full_tokens=4096, max_running_requests=4, batched_decode=True))
+    s = LiveServer(None, client=client)
     yield s
     s.close()
+    client.close()
 
 
 @pytest.fixture
@@ -171,7 +177,9 @@ def test_ollama_tool_messages_render_and_calls_come_back_as_objects(server, subm
     ol = server.ollama()
     ol.chat(model=MODEL, messages=convo, tools=TOOLS, options={"num_predict": 2})
     _, params, rid = submitted[-1]
-    assert params.tools == TOOLS and params.tool_choice is None  # Ollama: the model decides
+    # (the ollama client's Tool model keeps only type/description/enum of each property)
+    assert [t["function"]["name"] for t in params.tools] == ["get_weather", "now"]
+    assert params.tool_choice is None  # Ollama: the model decides
     text = server.client.detokenize(server.client.last_prompt_ids(rid))
     assert '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:2}<tool_call|>' in text
     assert '<|tool_response>response:get_weather{value:<|"|>sunny<|"|>}<tool_response|>' in text
@@ -184,28 +192,30 @@ def test_ollama_tool_messages_render_and_calls_come_back_as_objects(server, subm
         msgs, gp = real(*a, **kw)
         return msgs, dataclasses.replace(gp, tool_choice=NAMED)
     monkeypatch.setattr(P, "ollama_chat", forced)
-    opts = {"seed": 3, "num_predict": 96, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
-    r = ol.chat(model=MODEL, messages=ASK, tools=TOOLS, options=opts)
-    (call,) = r.message.tool_calls
-    assert call.function.name == "get_weather" and r.done_reason == "stop"
-    jsonschema.validate(dict(call.function.arguments), WEATHER["function"]["parameters"])
-    streamed = [c for part in ol.chat(model=MODEL, messages=ASK, tools=TOOLS, options=opts, stream=True)
-                for c in (part.message.tool_calls or ())]
-    assert [(c.function.name, dict(c.function.arguments)) for c in streamed] == \
-        [("get_weather", dict(call.function.arguments))]
+    # (raw HTTP: the schema's bounds must reach the server, see above)
+    body = {"model": MODEL, "messages": ASK, "tools": TOOLS, "stream": False,
+            "options": {"seed": 3, "num_predict": 96, "temperature": 1.0, "top_k": 0, "top_p": 1.0}}
+    r = server.http().post("/api/chat", json=body).json()
+    (call,) = r["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and r["done_reason"] == "stop" and r["message"]["content"] == ""
+    jsonschema.validate(call["function"]["arguments"], WEATHER["function"]["parameters"])  # an object, not a string
+    with server.http().stream("POST", "/api/chat", json={**body, "stream": True}) as s:
+        lines = [json.loads(line) for line in s.iter_lines() if line]
+    streamed = [c for x in lines for c in x.get("message", {}).get("tool_calls", ())]
+    assert streamed == [call] and lines[-1]["done"]
 
 
 # --- structured output ----------------------------------------------------------------------------------
 
 def test_json_schema_response_format_validates_on_20_seeds(server):
     """Sampled at temperature 1 from a random model: only the mask makes this JSON. The schema bounds
-    every part, so 128 tokens always finish (tests/test_constraints.py)."""
+    every part, so 64 tokens always finish."""
     oa = server.openai()
     rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
 
     def one(seed):
         return oa.chat.completions.create(model=MODEL, messages=ASK, response_format=rf, temperature=1.0, seed=seed,
-                                          max_tokens=128).choices[0]
+                                          max_tokens=64).choices[0]
     with ThreadPoolExecutor(4) as pool:
         for seed, ch in enumerate(pool.map(one, range(20))):
             assert ch.finish_reason == "stop", (seed, ch.message.content)
@@ -217,23 +227,23 @@ def test_ollama_format_schema_validates_on_20_seeds_and_json_gives_an_object(ser
 
     def one(seed):
         return ol.chat(model=MODEL, messages=ASK, format=PERSON,
-                       options={"seed": seed, "num_predict": 128, "temperature": 1.0})
+                       options={"seed": seed, "num_predict": 64, "temperature": 1.0})
     with ThreadPoolExecutor(4) as pool:
         for seed, r in enumerate(pool.map(one, range(20))):
             assert r.done_reason == "stop", (seed, r.message.content)
             jsonschema.validate(json.loads(r.message.content), PERSON)
-    g = ol.generate(model=MODEL, prompt="a person", format=PERSON, options={"seed": 1, "num_predict": 128})
+    g = ol.generate(model=MODEL, prompt="a person", format=PERSON, options={"seed": 1, "num_predict": 64})
     jsonschema.validate(json.loads(g.response), PERSON)
     streamed = "".join(p.message.content for p in ol.chat(model=MODEL, messages=ASK, format=PERSON, stream=True,
-                                                        options={"seed": 2, "num_predict": 128}))
+                                                        options={"seed": 2, "num_predict": 64}))
     jsonschema.validate(json.loads(streamed), PERSON)
 
 
 def test_the_served_json_equals_the_engines_for_the_same_request(server):
     rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
     served = server.openai().chat.completions.create(model=MODEL, messages=ASK, response_format=rf, temperature=1.0,
-                                                     seed=11, max_tokens=128).choices[0].message.content
-    rid = server.client.submit(ASK, GenerationParams(SamplingParams(temperature=1.0, seed=11, max_tokens=128),
+                                                     seed=11, max_tokens=64).choices[0].message.content
+    rid = server.client.submit(ASK, GenerationParams(SamplingParams(temperature=1.0, seed=11, max_tokens=64),
                                                      constraint=from_response_format(rf)))
     assert "".join(e.text for e in server.client.stream(rid)) == served
 
