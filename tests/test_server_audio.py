@@ -51,7 +51,8 @@ def test_an_input_audio_part_gives_the_engines_answer_for_the_same_clip(tiny):
     server, lm = tiny["server"], tiny["lm"]
     wav = _encoded(make_clip(1.0, 0))  # 25 audio tokens
     r = server.openai().chat.completions.create(model=MODEL, max_tokens=4, temperature=0, messages=[
-        {"role": "user", "content": [{"type": "text", "text": "what is"}, _part(wav), {"type": "text", "text": " this?"}]}])
+        {"role": "user", "content": [{"type": "text", "text": "what is"}, _part(wav),
+                                     {"type": "text", "text": " this?"}]}])
     gen = api.GenerationParams(api.SamplingParams(max_tokens=4))
     ran = api.run_prompt(server.client, lm, f"what is{api.audio_marker()} this?", gen, audio=[wav])
     assert r.choices[0].message.content == ran["text"]

@@ -206,13 +206,15 @@ schemas = st.recursive(
     max_leaves=6)
 tool = st.builds(lambda kind, name, params, desc: {"type": kind, "function": {"name": name, "parameters": params,
                                                                               "description": desc}},
-                 st.sampled_from(["function", "function", "retrieval"]), st.sampled_from(["f", "g", "", "a b"]) | values,
+                 st.sampled_from(["function", "function", "retrieval"]),
+                 st.sampled_from(["f", "g", "", "a b"]) | values,
                  schemas, st.text(max_size=8))
 tools = st.lists(tool, max_size=3) | values
 tool_choice = (st.sampled_from(["auto", "none", "required", "sometimes"])
                | st.builds(lambda n: {"type": "function", "function": {"name": n}}, st.sampled_from(["f", "g", "h"]))
                | values)
-response_format = (st.sampled_from([{"type": "json_object"}, {"type": "text"}, {"type": "json_schema"}, {"type": "xml"}])
+response_format = (st.sampled_from([{"type": "json_object"}, {"type": "text"}, {"type": "json_schema"},
+                                    {"type": "xml"}])
                    | st.builds(lambda sc, strict: {"type": "json_schema", "json_schema": {"name": "x", "schema": sc,
                                                                                           "strict": strict}},
                                schemas, st.booleans() | values)
@@ -238,22 +240,51 @@ structured = (
                                    "response_format": rf}, tool_messages, tools, tool_choice, response_format)
     | st.builds(lambda m, t, f: {"model": MODEL, "messages": m, "tools": t, "format": f, "stream": False,
                                  "options": {"num_predict": 2}}, tool_messages, tools, schemas | st.just("json")))
-bodies = bodies | structured
+# and well-formed ones, so that many reach the engine (constrained decoding, tool rendering, calls)
+leaf = st.sampled_from([{"type": "string", "maxLength": 2}, {"type": "integer", "minimum": 0, "maximum": 9},
+                        {"type": "boolean"}, {"enum": ["a", "b"]}, {"type": "number"}, {"type": ["string", "null"]}])
+good_schema = st.builds(lambda props, req: {"type": "object", "properties": props, "required": req},
+                        st.dictionaries(st.sampled_from(["a", "b"]), leaf, max_size=2),
+                        st.lists(st.sampled_from(["a", "b"]), max_size=2, unique=True))
+good_tool = st.builds(lambda n, p: {"type": "function", "function": {"name": n, "parameters": p}},
+                      st.sampled_from(["f", "g"]), good_schema)
+good_format = st.none() | st.just("json") | good_schema  # Ollama's `format`; OpenAI ignores the key
+well_formed = st.builds(
+    lambda m, t, c, rf, fmt: {"model": MODEL, "messages": m, "max_tokens": 2, "tools": t, "tool_choice": c,
+                              "response_format": rf, "format": fmt, "options": {"num_predict": 2}, "stream": False},
+    st.just([{"role": "user", "content": "hi"}]) | tool_messages,
+    st.lists(good_tool, min_size=1, max_size=2, unique_by=lambda t: t["function"]["name"]),
+    st.sampled_from(["auto", "none", "required", {"type": "function", "function": {"name": "f"}}]),
+    st.none() | st.builds(lambda sc: {"type": "json_schema", "json_schema": {"name": "x", "schema": sc}}, good_schema),
+    good_format)
+bodies = bodies | structured | well_formed
 raw_bodies = st.binary(max_size=64) | st.sampled_from([b"{", b"[]", b"null", b'{"messages": [}', b"\xff\xfe"])
 FUZZ_CASES = 2000
+TOOL_FUZZ_CASES = 400
 
 
-def test_fuzzed_requests_get_4xx_error_objects_never_a_5xx_and_the_server_keeps_answering(server):
+def _fuzz(server, monkeypatch, endpoints, strategy, n) -> tuple[dict, dict]:
+    """Post n drawn bodies to the endpoints: each a 4xx error object or a success, never a 5xx; then
+    a plain request works and no KV slot leaked. Returns (statuses, how many requests reached the
+    engine with tools / with a schema)."""
     from fastapi.testclient import TestClient
 
     from app.server import create_app
 
     statuses: dict[int, int] = {}
+    reached = {"tools": 0, "constraint": 0}
+    real = type(server.client).submit
+
+    def spy(self, messages, params, **kw):
+        rid = real(self, messages, params, **kw)
+        reached["tools"] += bool(params.tools)
+        reached["constraint"] += params.constraint is not None
+        return rid
+    monkeypatch.setattr(type(server.client), "submit", spy)
     client = TestClient(create_app(server.state), base_url="http://127.0.0.1:8080", raise_server_exceptions=False)
 
-    @settings(max_examples=FUZZ_CASES, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
-    @given(path=st.sampled_from(ENDPOINTS), body=bodies | raw_bodies)
+    @settings(max_examples=n, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+    @given(path=st.sampled_from(endpoints), body=strategy)
     def one(path, body):
         if isinstance(body, bytes):
             r = client.post(path, content=body, headers={"content-type": "application/json"})
@@ -266,8 +297,24 @@ def test_fuzzed_requests_get_4xx_error_objects_never_a_5xx_and_the_server_keeps_
             msg = err if path.startswith("/api/") else err["message"]
             assert isinstance(msg, str) and msg and "Traceback" not in msg and "\n" not in msg
     one()
-    assert sum(statuses.values()) >= FUZZ_CASES
+    assert sum(statuses.values()) >= n
     ok = client.post("/v1/chat/completions", json=CHAT)
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
     server.engine(lambda e: e.check())  # no slot leaked by thousands of refused and finished requests
-    print(f"\nfuzz: {sum(statuses.values())} requests, statuses {dict(sorted(statuses.items()))}")
+    return statuses, reached
+
+
+def test_fuzzed_requests_get_4xx_error_objects_never_a_5xx_and_the_server_keeps_answering(server, monkeypatch):
+    statuses, reached = _fuzz(server, monkeypatch, ENDPOINTS, bodies | raw_bodies, FUZZ_CASES)
+    print(f"\nfuzz: {sum(statuses.values())} requests, statuses {dict(sorted(statuses.items()))}, served with "
+          f"tools {reached['tools']}, with a schema {reached['constraint']}")
+
+
+def test_fuzzed_tool_and_schema_requests_on_the_chat_endpoints_never_get_a_5xx(server, monkeypatch):
+    """Tools, tool choices, tool messages, schemas and audio parts, hostile and well-formed, on the two
+    chat endpoints only, so that many get past validation into rendering and constrained decoding."""
+    statuses, reached = _fuzz(server, monkeypatch, ["/v1/chat/completions", "/api/chat"],
+                              structured | well_formed, TOOL_FUZZ_CASES)
+    assert reached["tools"] >= 30 and reached["constraint"] >= 30, reached  # (derandomized: the same draws each run)
+    print(f"\ntool fuzz: {sum(statuses.values())} requests, statuses {dict(sorted(statuses.items()))}, served "
+          f"with tools {reached['tools']}, with a schema {reached['constraint']}")
