@@ -17,7 +17,7 @@ from models.chat import split_thinking
 from models.gguf import GGUFError, GGUFFile
 from models.loader import LoadedModel, load_model, open_gguf
 
-from .client import GenerationParams, LocalClient, QueueFullError, image_marker
+from .client import GenerationParams, LocalClient, QueueFullError, audio_marker, image_marker
 from .sampler import SamplingParams
 from .scheduler import EngineConfig
 
@@ -25,7 +25,7 @@ __all__ = ["GGUFError", "LoadedModel", "SamplingParams", "GenerationParams", "En
            "demo_model_path", "resolve_model", "open_model", "tokenize", "score", "prompt_ids", "load_images",
            "load_audio", "audio_from_base64",
            "engine_config", "engine_plan", "split_thinking", "start_client", "run_prompt", "describe",
-           "open_layout", "memory_plan", "gpu_support", "QueueFullError", "image_marker"]
+           "open_layout", "memory_plan", "gpu_support", "QueueFullError", "image_marker", "audio_marker"]
 
 
 def demo_model_path() -> Optional[Path]:

@@ -91,6 +91,12 @@ def image_marker() -> str:
     return IMAGE
 
 
+def audio_marker() -> str:
+    """The text that stands for one audio clip in a message (Gemma-4's `<|audio|>`), as image_marker."""
+    from models.gemma4_audio import AUDIO
+    return AUDIO
+
+
 class EngineClient(abc.ABC):
     @abc.abstractmethod
     def submit(self, messages: Sequence[dict], params: GenerationParams) -> int: ...
@@ -248,7 +254,14 @@ class LocalClient(EngineClient):
                 "chat_template": getattr(lm.chat, "template", None),
                 "size_bytes": path.stat().st_size if path.is_file() else None, "parameters": params,
                 "quantization": quant, "context_length": self.engine.context_limit,
-                "vocab_size": lm.config.vocab_size, "vision": self.engine.vision is not None}
+                "vocab_size": lm.config.vocab_size, "vision": self.engine.vision is not None,
+                "audio": self.engine.audio is not None}
+
+    def warm_up_constraints(self):
+        """Build the tokenizer the constrained decoder needs in a background thread (seconds for the
+        262,144-token Gemma-4 vocabulary), so the first structured request does not wait for it."""
+        from .constraints import warm_up
+        return warm_up(self.loaded.tokenizer) if self.loaded.tokenizer is not None else None
 
     def last_prompt_ids(self, request_id: int) -> list[int]:
         """The token ids a request was submitted with (after chat rendering and truncation)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import re
 import threading
 import weakref
@@ -198,7 +199,14 @@ def ll_tokenizer(tok):
 def warm_up(tok) -> threading.Thread:
     """Build `tok`'s llguidance tokenizer in a background thread (a server calls this at start, so
     the first constrained request does not wait the seconds it takes); returns the thread."""
-    t = threading.Thread(target=ll_tokenizer, args=(tok,), name="edgegem-llguidance-tokenizer", daemon=True)
+    def build():
+        try:
+            ll_tokenizer(tok)
+        except Exception as e:  # noqa: BLE001 - no traceback from a background thread: the first
+            # constrained request builds it again and gets the error as its own one-line refusal
+            logging.getLogger("edgegem.constraints").warning("structured output: tokenizer not built: %s: %s",
+                                                             type(e).__name__, (str(e).splitlines() or [""])[0][:200])
+    t = threading.Thread(target=build, name="edgegem-llguidance-tokenizer", daemon=True)
     t.start()
     return t
 

@@ -23,7 +23,8 @@ from .constraints import Constraint, ConstraintError, GrammarState, checked
 from .request import StreamEvent
 from .tool_grammar import check_tools, tool_call_constraint, tool_choice_mode, tool_names
 
-__all__ = ["request_grammar", "ToolEvents", "tool_events_for", "ollama_tool_calls", "ConstraintError"]
+__all__ = ["request_grammar", "check_tool_request", "ToolEvents", "tool_events_for", "ollama_tool_calls",
+           "ConstraintError"]
 
 
 def _union(a: Constraint, b: Constraint) -> Constraint:
@@ -58,6 +59,14 @@ def request_grammar(params, tokenizer) -> Optional[GrammarState]:
     elif not tools:
         tool_call_constraint(None, choice)   # a forced tool_choice without tools: refused
     return GrammarState(constraint, tokenizer) if constraint is not None else None
+
+
+def check_tool_request(tools, tool_choice) -> None:
+    """What `request_grammar` refuses about `tools` / `tool_choice`, checked without the tokenizer
+    (an API server names the field before it renders anything): ConstraintError, one line."""
+    if tools is not None and not isinstance(tools, (list, tuple)):
+        raise ConstraintError("tools must be a list")
+    tool_call_constraint(list(tools) if tools else None, tool_choice)   # the tools, the choice, the schemas
 
 
 class ToolEvents:

@@ -223,11 +223,18 @@ def tool_call_constraint(tools: Optional[Sequence[Mapping]], tool_choice: Any, t
         fn = t["function"]
         params = fn.get("parameters") or {"type": "object", "properties": {}}
         rules.root = params
-        if isinstance(params, Mapping) and params.get("type", "object") == "object" and \
-                not params.get("properties") and "properties" in params:
-            args = rules.new('"{" "}"')   # declared with no parameters: `call:f{}`
-        else:
-            args = rules.value({**params, "type": "object"} if "type" not in params else params)
+        try:
+            if isinstance(params, Mapping) and params.get("type", "object") == "object" and \
+                    not params.get("properties") and "properties" in params:
+                args = rules.new('"{" "}"')   # declared with no parameters: `call:f{}`
+            else:
+                args = rules.value({**params, "type": "object"} if "type" not in params else params)
+        except ConstraintError:
+            raise
+        except (TypeError, ValueError, AttributeError, KeyError, OverflowError, RecursionError) as e:
+            # a keyword of the wrong type (`"maxLength": "x"`, `"required": 5`): the request's fault
+            raise ConstraintError(f"tools: {fn['name']}'s parameters: a schema keyword has the wrong "
+                                  f"type ({type(e).__name__}: {str(e)[:120]})") from None
         rules.lines.append(f"call{k}: {marker('open')} \"call:{fn['name']}\" {args} {marker('close')}")
         calls.append(f"call{k}")
     start = "start: " + ("(" + " | ".join(calls) + ")+" if mode == "required" else calls[0])

@@ -158,12 +158,19 @@ class ChatFormat:
                 msgs = prepare_tool_messages(msgs)
             except ToolFormatError as e:
                 raise ChatTemplateError(str(e)) from None
+            except (TypeError, AttributeError) as e:   # a call's id or name of the wrong type (a list, a number)
+                raise ChatTemplateError(f"tool calls cannot be read: {type(e).__name__}: {str(e)[:120]}") from None
         if self._tmpl is None:
             if with_tools:
                 if self.family != "gemma4":
                     raise ChatTemplateError(f"the built-in {self.family} chat format has no tool syntax")
-                return render_gemma4_tools(msgs, bool(add_generation_prompt), bool(thinking), self.bos_token,
-                                           tools)
+                try:
+                    return render_gemma4_tools(msgs, bool(add_generation_prompt), bool(thinking), self.bos_token,
+                                               tools)
+                except (TypeError, AttributeError, KeyError, RecursionError) as e:
+                    # a request's malformed tool (`"properties": [1]`), refused as a template refuses it
+                    raise ChatTemplateError(f"tools or tool messages cannot be rendered: "
+                                            f"{type(e).__name__}: {str(e)[:120]}") from None
             return _BUILTINS[self.family](msgs, bool(add_generation_prompt), bool(thinking), self.bos_token)
         ctx = {"messages": msgs, "add_generation_prompt": bool(add_generation_prompt),
                "enable_thinking": bool(thinking),   # always an explicit bool (undefined may read as true)

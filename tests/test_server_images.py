@@ -53,7 +53,7 @@ def test_a_data_url_image_gives_the_engines_answer_for_the_same_image(tiny):
     before = api.run_prompt(server.client, lm, "what is this?", api.GenerationParams(
         api.SamplingParams(max_tokens=4), image_tokens=BUDGET), images=[png])  # images first, as Ollama places them
     assert ol.message.content == before["text"]
-    assert server.ollama().show("tiny-mm").capabilities == ["completion", "vision", "thinking"]
+    assert server.ollama().show("tiny-mm").capabilities == ["completion", "tools", "vision", "thinking"]
 
 
 def test_hostile_or_oversize_images_are_400s_naming_the_part(tiny):

@@ -85,9 +85,10 @@ def test_unknown_model_and_bad_requests_are_errors_in_ollamas_shape(ol, server):
         ol.chat(model="llama3:8b", messages=ASK)
     assert e.value.status_code == 404 and "not found" in e.value.error
     h = server.http()
-    for body, path, words in (({"model": MODEL, "messages": ASK, "format": "json"}, "/api/chat", "format is not"),
+    for body, path, words in (({"model": MODEL, "messages": ASK, "format": {"type": "nope"}}, "/api/chat",
+                               "format: invalid json schema"),
                               ({"model": MODEL, "messages": ASK, "tools": [{"type": "function"}]}, "/api/chat",
-                               "tools are not supported yet"),
+                               "no tool-call syntax"),
                               ({"model": MODEL, "messages": [{"role": "user", "content": "x", "images": ["%%"]}]},
                                "/api/chat", "base64"),
                               ({"model": MODEL, "messages": ASK, "options": {"temperature": "hot"}}, "/api/chat",
@@ -110,7 +111,7 @@ def tiny_server(tmp_path_factory):
 
 def test_a_gemma4_model_shows_thinking_and_think_reaches_the_template(tiny_server):
     ol = tiny_server.ollama()
-    assert ol.show("tiny-gemma4").capabilities == ["completion", "thinking"]
+    assert ol.show("tiny-gemma4").capabilities == ["completion", "tools", "thinking"]
     seen = []
     real = tiny_server.client.submit
 

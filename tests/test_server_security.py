@@ -1,10 +1,13 @@
 """A local server is reachable by every web page the user opens: remote binds need a key, keys are
 checked, foreign Host headers (DNS rebinding) and foreign origins are refused, a cross-site
 `text/plain` POST never generates, bodies are capped, nothing names a file; and a hypothesis fuzz
-of the JSON handlers (>= 2,000 cases) gets only 4xx error objects, never a 5xx, and the server
-keeps answering. Tiny Gemma-4 on the CPU; only 127.0.0.1 is contacted."""
+of the JSON handlers (>= 2,000 cases, tools / tool_choice / tool messages / response_format /
+format / input_audio shapes among them) gets only 4xx error objects, never a 5xx, and the server
+keeps answering. Tiny Gemma-4 on the CPU (no audio tower: hostile clip bytes are fuzzed on the
+audio model in tests/test_server_audio.py); only 127.0.0.1 is contacted."""
 from __future__ import annotations
 
+import base64
 import json
 
 import pytest
@@ -187,21 +190,101 @@ bodies = (values
           | st.dictionaries(st.sampled_from(FIELDS), values, max_size=8)
           | st.builds(lambda extra, msgs: {"model": MODEL, "messages": msgs, "max_tokens": 2, **extra},
                       st.dictionaries(st.sampled_from(FIELDS), values, max_size=3), st.lists(message, max_size=3)))
+# tools, tool_choice, tool messages, response_format / format and input_audio in their API shapes,
+# well-formed and not (the engine's checks must turn every bad one into a 400, never a 500)
+schemas = st.recursive(
+    st.sampled_from([{"type": "string", "maxLength": 3}, {"type": "integer", "minimum": 0, "maximum": 3},
+                     {"type": "boolean"}, {"enum": ["a", 1, None]}, {"type": "nope"}, {}, {"type": "null"},
+                     {"$ref": "#/$defs/missing"}, {"type": "string", "format": "uuidx"}, {"type": ["string", "null"]}])
+    | values,
+    lambda inner: st.builds(lambda props, req, extra: {"type": "object", "properties": props, "required": req, **extra},
+                            st.dictionaries(st.sampled_from(["a", "b", "c d", ""]), inner, max_size=3),
+                            st.lists(st.sampled_from(["a", "b", "z"]), max_size=2),
+                            st.dictionaries(st.sampled_from(["additionalProperties", "description"]), inner,
+                                            max_size=1))
+    | st.builds(lambda it, n: {"type": "array", "items": it, "maxItems": n}, inner, st.integers(-1, 3)),
+    max_leaves=6)
+tool = st.builds(lambda kind, name, params, desc: {"type": kind, "function": {"name": name, "parameters": params,
+                                                                              "description": desc}},
+                 st.sampled_from(["function", "function", "retrieval"]),
+                 st.sampled_from(["f", "g", "", "a b"]) | values,
+                 schemas, st.text(max_size=8))
+tools = st.lists(tool, max_size=3) | values
+tool_choice = (st.sampled_from(["auto", "none", "required", "sometimes"])
+               | st.builds(lambda n: {"type": "function", "function": {"name": n}}, st.sampled_from(["f", "g", "h"]))
+               | values)
+response_format = (st.sampled_from([{"type": "json_object"}, {"type": "text"}, {"type": "json_schema"},
+                                    {"type": "xml"}])
+                   | st.builds(lambda sc, strict: {"type": "json_schema", "json_schema": {"name": "x", "schema": sc,
+                                                                                          "strict": strict}},
+                               schemas, st.booleans() | values)
+                   | values)
+WAV = base64.b64encode(b"RIFF\x24\x00\x00\x00WAVEfmt ").decode()  # a header and nothing after
+audio_part = st.builds(lambda d, f: {"type": "input_audio", "input_audio": {"data": d, "format": f}},
+                       st.sampled_from([WAV, "!!!", "", "AAAA", "data:audio/wav;base64,AAAA"]) | values,
+                       st.sampled_from(["wav", "mp3", "aac", None]) | values)
+call = st.builds(lambda i, n, a: {"id": i, "type": "function", "function": {"name": n, "arguments": a}},
+                 st.sampled_from(["c1", "c2"]), st.sampled_from(["f", "g", ""]),
+                 st.sampled_from(['{"x": 1}', "{oops", "", "[]"]) | values)
+tool_messages = st.lists(
+    st.sampled_from([{"role": "user", "content": "hi"}]) | st.builds(
+        lambda c, calls: {"role": "assistant", "content": c, "tool_calls": calls}, st.none() | st.text(max_size=5),
+        st.lists(call, max_size=2) | values)
+    | st.builds(lambda i, c: {"role": "tool", "tool_call_id": i, "content": c}, st.sampled_from(["c1", "c3"]) | values,
+                st.sampled_from(['{"temp": 21}', "12:00", ""]) | values)
+    | st.builds(lambda parts: {"role": "user", "content": parts},
+                st.lists(audio_part | st.just({"type": "text", "text": "x"}), min_size=1, max_size=2)),
+    min_size=1, max_size=4)
+structured = (
+    st.builds(lambda m, t, c, rf: {"model": MODEL, "messages": m, "max_tokens": 2, "tools": t, "tool_choice": c,
+                                   "response_format": rf}, tool_messages, tools, tool_choice, response_format)
+    | st.builds(lambda m, t, f: {"model": MODEL, "messages": m, "tools": t, "format": f, "stream": False,
+                                 "options": {"num_predict": 2}}, tool_messages, tools, schemas | st.just("json")))
+# and well-formed ones, so that many reach the engine (constrained decoding, tool rendering, calls)
+leaf = st.sampled_from([{"type": "string", "maxLength": 2}, {"type": "integer", "minimum": 0, "maximum": 9},
+                        {"type": "boolean"}, {"enum": ["a", "b"]}, {"type": "number"}, {"type": ["string", "null"]}])
+good_schema = st.builds(lambda props, req: {"type": "object", "properties": props, "required": req},
+                        st.dictionaries(st.sampled_from(["a", "b"]), leaf, max_size=2),
+                        st.lists(st.sampled_from(["a", "b"]), max_size=2, unique=True))
+good_tool = st.builds(lambda n, p: {"type": "function", "function": {"name": n, "parameters": p}},
+                      st.sampled_from(["f", "g"]), good_schema)
+good_format = st.none() | st.just("json") | good_schema  # Ollama's `format`; OpenAI ignores the key
+well_formed = st.builds(
+    lambda m, t, c, rf, fmt: {"model": MODEL, "messages": m, "max_tokens": 2, "tools": t, "tool_choice": c,
+                              "response_format": rf, "format": fmt, "options": {"num_predict": 2}, "stream": False},
+    st.just([{"role": "user", "content": "hi"}]) | tool_messages,
+    st.lists(good_tool, min_size=1, max_size=2, unique_by=lambda t: t["function"]["name"]),
+    st.sampled_from(["auto", "none", "required", {"type": "function", "function": {"name": "f"}}]),
+    st.none() | st.builds(lambda sc: {"type": "json_schema", "json_schema": {"name": "x", "schema": sc}}, good_schema),
+    good_format)
+bodies = bodies | structured | well_formed
 raw_bodies = st.binary(max_size=64) | st.sampled_from([b"{", b"[]", b"null", b'{"messages": [}', b"\xff\xfe"])
 FUZZ_CASES = 2000
+TOOL_FUZZ_CASES = 400
 
 
-def test_fuzzed_requests_get_4xx_error_objects_never_a_5xx_and_the_server_keeps_answering(server):
+def _fuzz(server, monkeypatch, endpoints, strategy, n) -> tuple[dict, dict]:
+    """Post n drawn bodies to the endpoints: each a 4xx error object or a success, never a 5xx; then
+    a plain request works and no KV slot leaked. Returns (statuses, how many requests reached the
+    engine with tools / with a schema)."""
     from fastapi.testclient import TestClient
 
     from app.server import create_app
 
     statuses: dict[int, int] = {}
+    reached = {"tools": 0, "constraint": 0}
+    real = type(server.client).submit
+
+    def spy(self, messages, params, **kw):
+        rid = real(self, messages, params, **kw)
+        reached["tools"] += bool(params.tools)
+        reached["constraint"] += params.constraint is not None
+        return rid
+    monkeypatch.setattr(type(server.client), "submit", spy)
     client = TestClient(create_app(server.state), base_url="http://127.0.0.1:8080", raise_server_exceptions=False)
 
-    @settings(max_examples=FUZZ_CASES, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
-    @given(path=st.sampled_from(ENDPOINTS), body=bodies | raw_bodies)
+    @settings(max_examples=n, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+    @given(path=st.sampled_from(endpoints), body=strategy)
     def one(path, body):
         if isinstance(body, bytes):
             r = client.post(path, content=body, headers={"content-type": "application/json"})
@@ -214,8 +297,24 @@ def test_fuzzed_requests_get_4xx_error_objects_never_a_5xx_and_the_server_keeps_
             msg = err if path.startswith("/api/") else err["message"]
             assert isinstance(msg, str) and msg and "Traceback" not in msg and "\n" not in msg
     one()
-    assert sum(statuses.values()) >= FUZZ_CASES
+    assert sum(statuses.values()) >= n
     ok = client.post("/v1/chat/completions", json=CHAT)
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
     server.engine(lambda e: e.check())  # no slot leaked by thousands of refused and finished requests
-    print(f"\nfuzz: {sum(statuses.values())} requests, statuses {dict(sorted(statuses.items()))}")
+    return statuses, reached
+
+
+def test_fuzzed_requests_get_4xx_error_objects_never_a_5xx_and_the_server_keeps_answering(server, monkeypatch):
+    statuses, reached = _fuzz(server, monkeypatch, ENDPOINTS, bodies | raw_bodies, FUZZ_CASES)
+    print(f"\nfuzz: {sum(statuses.values())} requests, statuses {dict(sorted(statuses.items()))}, served with "
+          f"tools {reached['tools']}, with a schema {reached['constraint']}")
+
+
+def test_fuzzed_tool_and_schema_requests_on_the_chat_endpoints_never_get_a_5xx(server, monkeypatch):
+    """Tools, tool choices, tool messages, schemas and audio parts, hostile and well-formed, on the two
+    chat endpoints only, so that many get past validation into rendering and constrained decoding."""
+    statuses, reached = _fuzz(server, monkeypatch, ["/v1/chat/completions", "/api/chat"],
+                              structured | well_formed, TOOL_FUZZ_CASES)
+    assert reached["tools"] >= 30 and reached["constraint"] >= 30, reached  # (derandomized: the same draws each run)
+    print(f"\ntool fuzz: {sum(statuses.values())} requests, statuses {dict(sorted(statuses.items()))}, served "
+          f"with tools {reached['tools']}, with a schema {reached['constraint']}")

@@ -16,6 +16,8 @@ from .config import OLLAMA_VERSION
 from .errors import APIError
 from .ollama_schemas import ChatRequest, GenerateRequest, ShowRequest
 from .openai_routes import engine_error
+from app.backend import ollama_tool_calls
+
 from .output import ReasoningSplitter, TokenText, ollama_logprobs, split_all
 from .state import EngineStream, ServerState
 
@@ -42,8 +44,12 @@ def _done(model: str, ev, t0: float, extra: dict) -> dict:
 def capabilities(info: dict) -> list[str]:
     """What oterm and Open WebUI switch features on by (Ollama's /api/show `capabilities`)."""
     caps = ["completion"]
+    if info.get("chat_family") == "gemma4":  # its chat format renders tools (models/tool_format.py)
+        caps.append("tools")
     if info.get("vision"):
         caps.append("vision")
+    if info.get("audio"):  # through the OpenAI API's input_audio parts (Ollama's API has no audio field)
+        caps.append("audio")
     if info.get("chat_family") == "gemma4":
         caps.append("thinking")
     return caps
@@ -91,8 +97,8 @@ def router(state: ServerState) -> APIRouter:
     @r.post("/api/chat")
     async def chat(req: ChatRequest, request: Request):
         model = state.check_model(req.model)
-        limit = state.info()["context_length"]
-        msgs, gen_params = P.ollama_chat(req, limit, cfg)
+        info = state.info()
+        msgs, gen_params = await run_in_threadpool(P.ollama_chat, req, info["context_length"], cfg, info)
         t0 = time.perf_counter()
         gen = await state.start(lambda c, on, ql: c.submit(msgs, gen_params, on_event=on, queue_limit=ql))
         text = TokenText(gen.client)
@@ -102,7 +108,8 @@ def router(state: ServerState) -> APIRouter:
         if last is None:
             return JSONResponse({}, status_code=499)
         thinking, content = split_all(raw)
-        message = {"role": "assistant", "content": content, **({"thinking": thinking} if thinking else {})}
+        message = {"role": "assistant", "content": content, **({"thinking": thinking} if thinking else {}),
+                   **({"tool_calls": ollama_tool_calls(last.tool_calls)} if last.tool_calls else {})}
         extra = {"message": message, **({"logprobs": ollama_logprobs(picked, text)} if req.logprobs else {})}
         return _done(model, last, t0, extra)
 
@@ -113,7 +120,7 @@ def router(state: ServerState) -> APIRouter:
         if not req.prompt and not req.images and not req.context:  # Ollama: load the model, answer done
             return {"model": model, "created_at": _now(), "response": "", "done": True, "done_reason": "load"}
         limit = state.info()["context_length"]
-        msgs, images, gen_params = P.ollama_generate(req, limit, cfg)
+        msgs, images, gen_params = await run_in_threadpool(P.ollama_generate, req, limit, cfg)
         ids = await run_in_threadpool(_generate_ids, client, state, req, msgs, gen_params)
         t0 = time.perf_counter()
         if ids is None:
@@ -175,9 +182,10 @@ async def _collect(gen, request):
 async def _stream(gen, model: str, t0: float, text: TokenText, chat: bool, split: bool = True):
     sp, ids = ReasoningSplitter(), []
 
-    def part(thinking: str, content: str) -> dict:
+    def part(thinking: str, content: str, calls=None) -> dict:
         if chat:
-            return {"message": {"role": "assistant", "content": content, **({"thinking": thinking} if thinking else {})}}
+            return {"message": {"role": "assistant", "content": content, **({"thinking": thinking} if thinking else {}),
+                                **({"tool_calls": ollama_tool_calls(calls)} if calls else {})}}
         return {"response": content, **({"thinking": thinking} if thinking else {})}
 
     try:
@@ -188,8 +196,10 @@ async def _stream(gen, model: str, t0: float, text: TokenText, chat: bool, split
                 t2, c2 = sp.finish()
                 thinking, content = thinking + t2, content + c2
             lp = {"logprobs": ollama_logprobs(ev.logprobs, text)} if ev.logprobs else {}
-            if thinking or content or lp:
-                yield _ndjson({"model": model, "created_at": _now(), **part(thinking, content), **lp, "done": False})
+            calls = ev.tool_call_deltas  # each call whole, in the chunk where it completed (as Ollama streams them)
+            if thinking or content or lp or calls:
+                yield _ndjson({"model": model, "created_at": _now(), **part(thinking, content, calls), **lp,
+                               "done": False})
             if ev.finished:
                 if ev.error or ev.finish_reason == "abort":
                     yield _ndjson({"error": engine_error(ev).message})

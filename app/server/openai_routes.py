@@ -17,7 +17,7 @@ from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
 from .state import EngineStream, ServerState
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-FINISH = {"stop": "stop", "length": "length"}
+FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls"}
 
 
 def engine_error(ev) -> APIError:
@@ -83,8 +83,10 @@ def router(state: ServerState) -> APIRouter:
     @r.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request):
         model_id = state.check_model(req.model)
-        limit = state.info()["context_length"]
-        msgs, gen_params = P.openai_chat(req, limit, cfg)
+        info = state.info()
+        # off the event loop: audio clips are decoded and schemas checked here, and a constrained
+        # submit compiles its grammar (state.start runs submit in a worker thread too)
+        msgs, gen_params = await run_in_threadpool(P.openai_chat, req, info["context_length"], cfg, info)
         gen = await state.start(lambda c, on, ql: c.submit(msgs, gen_params, on_event=on, queue_limit=ql))
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": model_id}
         text = TokenText(gen.client)
@@ -105,6 +107,9 @@ def router(state: ServerState) -> APIRouter:
         message = {"role": "assistant", "content": content}
         if reasoning:
             message["reasoning_content"] = reasoning
+        if last.tool_calls:  # parsed by the engine (engine/structured.py); content is what is left
+            message["tool_calls"] = last.tool_calls
+            message["content"] = content or None
         n_out = (last.stats or {}).get("output_tokens", 0)
         return {**meta, "object": "chat.completion",
                 "choices": [{"index": 0, "message": message,
@@ -158,7 +163,7 @@ def _card(state: ServerState) -> dict:
     return {"id": state.model_id, "object": "model", "created": int(state.started), "owned_by": "edgegem",
             "meta": {"file": info["file"], "arch": info["arch"], "context_length": info["context_length"],
                      "vocab_size": info["vocab_size"], "parameters": info["parameters"],
-                     "size": info["size_bytes"], "vision": info["vision"]}}
+                     "size": info["size_bytes"], "vision": info["vision"], "audio": info.get("audio", False)}}
 
 
 async def _chat_stream(gen, meta: dict, text: TokenText, include_usage: bool):
@@ -182,6 +187,8 @@ async def _chat_stream(gen, meta: dict, text: TokenText, include_usage: bool):
                 delta["reasoning_content"] = reasoning
             if content:
                 delta["content"] = content
+            if ev.tool_call_deltas:  # each call whole when its <tool_call|> arrived (OpenAI's delta shape)
+                delta["tool_calls"] = ev.tool_call_deltas
             lp = {"content": chat_logprobs(ev.logprobs, text)} if ev.logprobs else None
             if delta or lp:
                 yield choice(delta, logprobs=lp)

@@ -1,5 +1,6 @@
-"""Requests of both APIs -> the engine's messages and GenerationParams, in one place (the tool-call
-and structured-output wiring extends only this module).
+"""Requests of both APIs -> the engine's messages and GenerationParams, in one place: sampling,
+images and audio clips, tools / tool_choice / tool messages, and structured output
+(`response_format`, Ollama `format`) as the engine's Constraint.
 
 Defaults follow each API: OpenAI's temperature 1 and top_p 1; Ollama's temperature 0.8, top_k 40,
 top_p 0.9, repeat_penalty 1.1 over 64 tokens. A request without a token limit may write up to the
@@ -8,7 +9,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from app.backend import GenerationParams, SamplingParams, image_marker
+from app.backend import (ConstraintError, GenerationParams, SamplingParams, audio_from_base64, audio_marker,
+                         check_tool_request, from_ollama_format, from_response_format, image_marker)
 
 from . import media
 from .errors import APIError
@@ -16,15 +18,26 @@ from .ollama_schemas import ChatRequest as OllamaChat, GenerateRequest, Options
 from .schemas import ChatCompletionRequest, CompletionRequest
 
 
-def refuse_unwired(*, tools=None, tool_choice=None, response_format=None, fmt=None, tool_messages=False) -> None:
-    """Tool calls and structured output are not wired into the server yet: a request that uses them
-    is a 400 naming what (the later wiring replaces this one function)."""
-    if tools or tool_messages or (tool_choice not in (None, "none", "auto")):
-        raise APIError(400, "tools are not supported yet", "tools")
-    if response_format and response_format.get("type") not in (None, "text"):
-        raise APIError(400, "response_format is not supported yet", "response_format")
-    if fmt:
-        raise APIError(400, "format is not supported yet", "format")
+def _constraint(make, value, param: str):
+    """response_format / format -> a Constraint (None: free text); a schema the library refuses is a
+    400 naming the field."""
+    try:
+        return make(value)
+    except ConstraintError as e:
+        raise APIError(400, f"{param}: {e}", param) from None
+
+
+def _check_tools(tools, tool_choice, info: Optional[dict], has_tool_messages: bool) -> None:
+    """A model whose chat format has no tool syntax (Gemma 3) gets no tools, as Ollama refuses them;
+    the tools and tool_choice themselves are checked by the engine's rules, naming the field."""
+    if (tools or has_tool_messages) and info is not None and info.get("chat_family") != "gemma4":
+        raise APIError(400, f"tools: this model ({info.get('arch')}) has no tool-call syntax in its chat format",
+                       "tools")
+    try:
+        check_tool_request(tools, tool_choice)
+    except ConstraintError as e:
+        msg = str(e)
+        raise APIError(400, msg, "tool_choice" if msg.startswith("tool_choice") else "tools") from None
 
 
 def _stops(stop) -> tuple[str, ...]:
@@ -77,41 +90,68 @@ def openai_thinking(req: ChatCompletionRequest) -> bool:
     return value
 
 
-def openai_messages(req: ChatCompletionRequest, max_pixels: int) -> list[dict]:
-    """OpenAI messages -> the engine's: text, image parts as bytes with a marker where each stood."""
+def _input_audio(part, where: str, info: Optional[dict]):
+    """An `input_audio` part -> the engine's AudioInput (decoded to 16 kHz mono here, in the handler's
+    worker thread); any refusal is a one-line 400 naming the part."""
+    if info is not None and not info.get("audio"):
+        raise APIError(400, f"{where}: this model has no audio encoder (Gemma 4 E2B/E4B hear; for a GGUF model: "
+                            "an mmproj with the audio tower)", where)
+    try:
+        return audio_from_base64(part.input_audio.data, part.input_audio.format, where)
+    except ValueError as e:
+        raise APIError(400, str(e), where) from None
+
+
+def openai_messages(req: ChatCompletionRequest, max_pixels: int, info: Optional[dict] = None) -> list[dict]:
+    """OpenAI messages -> the engine's: text, image and audio parts (bytes, AudioInput) with a
+    marker where each stood; an assistant's `tool_calls` and a tool message's `tool_call_id` /
+    `name` as models/chat.py renders them (JSON-string arguments are parsed there)."""
     out = []
     for i, m in enumerate(req.messages):
-        images, text = [], ""
+        images, audio, text = [], [], ""
         if isinstance(m.content, list):
             for j, part in enumerate(m.content):
+                where = f"messages.{i}.content.{j}"
                 if part.type == "text":
                     text += part.text
-                else:
-                    images.append(media.from_data_url(part.image_url.url, max_pixels,
-                                                      f"messages.{i}.content.{j}.image_url"))
+                elif part.type == "image_url":
+                    images.append(media.from_data_url(part.image_url.url, max_pixels, f"{where}.image_url"))
                     text += image_marker()
+                else:
+                    audio.append(_input_audio(part, f"{where}.input_audio", info))
+                    text += audio_marker()
         else:
             text = m.content or ""
         msg = {"role": "system" if m.role == "developer" else m.role, "content": text}
         if images:
             msg["images"] = images
+        if audio:
+            msg["audio"] = audio
+        if m.tool_calls:
+            msg["tool_calls"] = m.tool_calls
+        if m.role == "tool":
+            msg.update({k: v for k, v in (("tool_call_id", m.tool_call_id), ("name", m.name)) if v})
         out.append(msg)
     return out
 
 
-def openai_chat(req: ChatCompletionRequest, limit: int, cfg) -> tuple[list[dict], GenerationParams]:
-    """`cfg`: the ServerConfig (token default, image caps and budget, KV files)."""
-    refuse_unwired(tools=req.tools, tool_choice=req.tool_choice, response_format=req.response_format,
-                   tool_messages=any(m.role == "tool" or m.tool_calls for m in req.messages))
+def openai_chat(req: ChatCompletionRequest, limit: int, cfg, info: Optional[dict] = None
+                ) -> tuple[list[dict], GenerationParams]:
+    """`cfg`: the ServerConfig (token default, image caps and budget, KV files); `info`: the model's
+    (client.model_info: its chat family and encoders). Decodes audio and checks schemas: call it
+    off the event loop."""
+    _check_tools(req.tools, req.tool_choice, info, any(m.role == "tool" or m.tool_calls for m in req.messages))
+    constraint = _constraint(from_response_format, req.response_format, "response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     sampling = _openai_common(req, limit, cfg.default_max_tokens, max_tokens,
                               (req.top_logprobs or 0) if req.logprobs else None)
-    msgs = openai_messages(req, cfg.max_image_pixels)
+    msgs = openai_messages(req, cfg.max_image_pixels, info)
     return msgs, GenerationParams(sampling, thinking=openai_thinking(req), stop_strings=_stops(req.stop),
                                   kv_auto=cfg.kv_auto and req.cache_prompt, image_tokens=cfg.image_tokens,
-                                  cache_prompt=req.cache_prompt)
+                                  cache_prompt=req.cache_prompt, constraint=constraint,
+                                  tools=req.tools or None, tool_choice=req.tool_choice)
 
 
 def openai_completion(req: CompletionRequest, limit: int, cfg) -> GenerationParams:
@@ -161,26 +201,32 @@ def ollama_images(images: Optional[list[str]], max_pixels: int, where: str) -> l
     return [media.from_base64(im, max_pixels, f"{where}.{k}") for k, im in enumerate(images or ())]
 
 
-def ollama_chat(req: OllamaChat, limit: int, cfg) -> tuple[list[dict], GenerationParams]:
-    refuse_unwired(tools=req.tools, fmt=req.format,
-                   tool_messages=any(m.role == "tool" or m.tool_calls for m in req.messages))
+def ollama_chat(req: OllamaChat, limit: int, cfg, info: Optional[dict] = None) -> tuple[list[dict], GenerationParams]:
+    """As openai_chat. Ollama has no tool_choice (the model decides: auto), its calls' arguments
+    are objects and a tool message names its function in `tool_name`; it has no audio field."""
     if not req.messages:
         raise APIError(400, "messages: empty", "messages")
+    _check_tools(req.tools, None, info, any(m.role == "tool" or m.tool_calls for m in req.messages))
+    constraint = _constraint(from_ollama_format, req.format, "format")
     msgs = []
     for i, m in enumerate(req.messages):
         msg = {"role": m.role, "content": m.content}
         images = ollama_images(m.images, cfg.max_image_pixels, f"messages.{i}.images")
         if images:
             msg["images"] = images
+        if m.tool_calls:
+            msg["tool_calls"] = m.tool_calls
+        if m.role == "tool" and m.tool_name:
+            msg["name"] = m.tool_name
         msgs.append(msg)
     sampling, stops = ollama_sampling(req.options, limit, cfg.default_max_tokens, _ollama_logprobs(req))
     return msgs, GenerationParams(sampling, thinking=bool(req.think), stop_strings=stops, kv_auto=cfg.kv_auto,
-                                  image_tokens=cfg.image_tokens)
+                                  image_tokens=cfg.image_tokens, constraint=constraint, tools=req.tools or None)
 
 
 def ollama_generate(req: GenerateRequest, limit: int, cfg) -> tuple[list[dict], list[bytes], GenerationParams]:
     """(messages for a templated prompt, or [] for raw, images, params)."""
-    refuse_unwired(fmt=req.format)
+    constraint = _constraint(from_ollama_format, req.format, "format")
     if req.suffix:
         raise APIError(400, "suffix (fill-in-the-middle) is not supported", "suffix")
     if req.template:
@@ -188,7 +234,8 @@ def ollama_generate(req: GenerateRequest, limit: int, cfg) -> tuple[list[dict], 
                        "template")
     images = ollama_images(req.images, cfg.max_image_pixels, "images")
     sampling, stops = ollama_sampling(req.options, limit, cfg.default_max_tokens, _ollama_logprobs(req))
-    params = GenerationParams(sampling, thinking=bool(req.think), stop_strings=stops, image_tokens=cfg.image_tokens)
+    params = GenerationParams(sampling, thinking=bool(req.think), stop_strings=stops, image_tokens=cfg.image_tokens,
+                              constraint=constraint)
     if req.raw:
         return [], images, params
     msgs = ([{"role": "system", "content": req.system}] if req.system else [])

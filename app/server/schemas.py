@@ -35,7 +35,17 @@ class ImagePart(_Part):
     image_url: ImageURL
 
 
-ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
+class InputAudio(_Part):
+    data: StrictStr  # base64 of the file's bytes
+    format: Optional[StrictStr] = None  # "wav" | "mp3" (OpenAI's two; flac and ogg decode too)
+
+
+class AudioPart(_Part):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+ContentPart = Annotated[Union[TextPart, ImagePart, AudioPart], Field(discriminator="type")]
 
 
 class ChatMessage(BaseModel):
@@ -85,10 +95,11 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
-    # accepted in their API shapes; served once tool calls and constrained decoding are wired in
+    # tool calls and structured output: checked and mapped in app/server/params.py (the engine's
+    # checks give the one-line 400s: a tool that is not a function, a schema llguidance refuses)
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
-    parallel_tool_calls: Optional[StrictBool] = None
+    parallel_tool_calls: Optional[StrictBool] = None  # accepted, not enforced (README)
     response_format: Optional[dict[str, Any]] = None
 
 

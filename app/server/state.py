@@ -52,11 +52,21 @@ class ServerState:
         self.aborted = 0  # requests whose client went away before the end
         self.live: set = set()  # Generations not finished yet
         self.started = time.time()
+        self._warm_up(client)
 
     # --- the engine -------------------------------------------------------------------------
     def set_client(self, client) -> None:
         """A new model (the app reloaded), or None while one loads."""
         self._client, self._info = client, None
+        self._warm_up(client)
+
+    @staticmethod
+    def _warm_up(client) -> None:
+        """The constrained decoder's tokenizer is built in the background now (seconds for Gemma-4's
+        262,144 tokens), not by the first request with a schema or tool_choice."""
+        warm = getattr(client, "warm_up_constraints", None)  # test fakes have none
+        if warm is not None:
+            warm()
 
     def client(self):
         if self._client is None:
