@@ -74,7 +74,7 @@ class EngineBackend:
 
     def kv_check(self, session: Session, data_dir, progress: Progress, should_stop: Callable[[], bool],
                  **kw) -> dict:
-        """What each KV format costs on the loaded model (engine/kv_check.py), cached for
+        """What each KV format costs on the loaded model (engine/bench/kv_quality.py), cached for
         `kv_check_cached`. Runs in the caller's worker thread on the session's weights: the caller
         keeps the chat idle meanwhile (app/screens/kv_check.py is modal). `kw`: n_tokens, chunk."""
         from engine.bench import kv_check, save_result

@@ -1,4 +1,4 @@
-"""Measure KV formats (kv-check, engine/kv_check.py) from the command palette: a modal with a
+"""Measure KV formats (kv-check, engine/bench/kv_quality.py) from the command palette: a modal with a
 progress bar while a worker thread measures; the figures are cached and the settings screen shows
 them next to the KV format choice.
 

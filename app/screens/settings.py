@@ -64,7 +64,7 @@ class SettingsScreen(ModalScreen["SettingsResult | None"]):
         self.clear_kv_disk = clear_kv_disk
         self.settings = {**DEFAULT_SETTINGS, **settings}
         self.engine = engine  # kv_cache_dtype, gpu_memory_budget, spec_draft_model
-        self.kv_check = kv_check  # this model's kv-check figures (engine/kv_check.py), once measured
+        self.kv_check = kv_check  # this model's kv-check figures (engine/bench/kv_quality.py), once measured
 
     def compose(self) -> ComposeResult:
         s = self.settings
