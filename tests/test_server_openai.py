@@ -108,18 +108,18 @@ def test_logprobs_are_the_models_log_softmax_and_top_ones_rank(gemma3_270m_path)
     """On the float32 model, so runs differ by float32 rounding only (where KV sits in the pool
     changes how the attention rounds; llama.cpp's Q8 activations turn that into up to 0.04 nats
     on this prompt, which would hide a wrong normalizer)."""
-    import torch
-    from models.kv_cache import DenseKVCache
-
     lm = api.open_model(gemma3_270m_path, exact=True)
     server = LiveServer(lm, api.EngineOptions(max_running_requests=4))
     try:
-        _logprobs_checks(server.openai(), server, lm, torch, DenseKVCache)
+        _logprobs_checks(server.openai(), server, lm)
     finally:
         server.close()
 
 
-def _logprobs_checks(oa, server, lm, torch, DenseKVCache):
+def _logprobs_checks(oa, server, lm):
+    import torch
+    from models.kv_cache import DenseKVCache
+
     r = _chat(oa, max_tokens=6, logprobs=True, top_logprobs=3)
     content = r.choices[0].logprobs.content
     assert len(content) == 6
