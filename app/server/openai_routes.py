@@ -94,15 +94,9 @@ def router(state: ServerState) -> APIRouter:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return EngineStream(_chat_stream(gen, meta, text, include_usage), gen, media_type="text/event-stream",
                                 headers=SSE_HEADERS)
-        raw, picked, last = "", [], None
-        async for ev in gen.events(request.is_disconnected):
-            raw += ev.text
-            picked += ev.logprobs or []
-            last = ev
-        if last is None or not last.finished:
+        raw, picked, last = await _collect(gen, request)
+        if last is None:
             return JSONResponse({}, status_code=499)  # the client is gone; nobody reads this
-        if last.error or last.finish_reason == "abort":
-            raise engine_error(last)
         reasoning, content = split_all(raw)
         message = {"role": "assistant", "content": content}
         if reasoning:
@@ -140,15 +134,9 @@ def router(state: ServerState) -> APIRouter:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return EngineStream(_completion_stream(gen, meta, text, echo, req.logprobs is not None, include_usage),
                                 gen, media_type="text/event-stream", headers=SSE_HEADERS)
-        out, picked, last = "", [], None
-        async for ev in gen.events(request.is_disconnected):
-            out += ev.text
-            picked += ev.logprobs or []
-            last = ev
-        if last is None or not last.finished:
+        out, picked, last = await _collect(gen, request)
+        if last is None:
             return JSONResponse({}, status_code=499)
-        if last.error or last.finish_reason == "abort":
-            raise engine_error(last)
         lp = completion_logprobs(picked, text, len(echo)) if req.logprobs is not None else None
         return {**meta, "object": "text_completion",
                 "choices": [{"index": 0, "text": echo + out, "logprobs": lp,
@@ -156,6 +144,21 @@ def router(state: ServerState) -> APIRouter:
                 "usage": usage(last.stats, (last.stats or {}).get("output_tokens", 0))}
 
     return r
+
+
+async def _collect(gen, request: Request):
+    """A non-streamed answer: (text, picked logprobs, final event), the final event None when the
+    client left before the end; an engine error or abort raises its APIError."""
+    text, picked, last = "", [], None
+    async for ev in gen.events(request.is_disconnected):
+        text += ev.text
+        picked += ev.logprobs or []
+        last = ev
+    if last is None or not last.finished:
+        return text, picked, None
+    if last.error or last.finish_reason == "abort":
+        raise engine_error(last)
+    return text, picked, last
 
 
 def _card(state: ServerState) -> dict:
