@@ -20,6 +20,11 @@ async def test_base_model_opens_in_continuation_mode_with_its_defaults(tmp_path)
         notes = [str(n.render()) for n in chat.query(".notice")]
         assert notes == [BASE_NOTE.format(why="no chat template in the file")]
         await say(pilot, "The lighthouse stood on the cliff")
+        assert chat.messages[-1].content == " and the sea was calm."  # kept as written, space and all
+        await say(pilot, "At night")
+        msgs, _ = app.backend.client.submitted[1]
+        assert [m["content"] for m in msgs] == ["The lighthouse stood on the cliff", " and the sea was calm.",
+                                                "At night"]
         _, params = app.backend.client.submitted[0]
         s = params.sampling
         assert params.continue_text and params.stop_at_blank_line and not params.thinking

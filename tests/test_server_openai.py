@@ -153,10 +153,11 @@ def test_dry_and_xtc_by_llama_servers_names_reach_the_sampler(oa, server, lm):
     the run without it (the demo loops greedily: DRY breaks the loop)."""
     dry = {"dry_multiplier": 1.5, "dry_base": 2.0, "dry_allowed_length": 1, "dry_penalty_last_n": -1,
            "dry_sequence_breakers": ["\n"]}
-    with_dry = _chat(oa, max_tokens=40, extra_body=dry).choices[0].message.content
-    without = _chat(oa, max_tokens=40).choices[0].message.content
+    # cache_prompt false: both prefill afresh, so the two runs round alike (engine/client.py)
+    with_dry = _chat(oa, max_tokens=40, extra_body={**dry, "cache_prompt": False}).choices[0].message.content
+    without = _chat(oa, max_tokens=40, extra_body={"cache_prompt": False}).choices[0].message.content
     params = api.SamplingParams(max_tokens=40, **{**dry, "dry_sequence_breakers": ("\n",)})
-    ran = api.run_prompt(server.client, lm, HELLO[0]["content"], api.GenerationParams(params))
+    ran = api.run_prompt(server.client, lm, HELLO[0]["content"], api.GenerationParams(params, cache_prompt=False))
     assert with_dry == ran["text"] and with_dry != without
     # XTC at probability 1, seeded: repeatable (cache_prompt false: both runs prefill the same way)
     body = {"xtc_probability": 1.0, "xtc_threshold": 0.05, "cache_prompt": False}

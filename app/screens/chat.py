@@ -311,7 +311,8 @@ class ChatScreen(MediaInputMixin, RecordMixin, ChatCommandsMixin, Screen[None]):
         g = self.gen
         if g is None or msg.gen_id != g.id:
             return
-        thought, answer = split_thinking(msg.text)
+        # a continuation is kept as written (its leading space joins it to the text it continues)
+        thought, answer = (None, msg.text) if self.continuation else split_thinking(msg.text)
         status = "error" if msg.error else "stopped" if msg.reason == "abort" else "done"
         stats = {**msg.stats, "finish_reason": msg.reason, **({"error": msg.error} if msg.error else {})}
         m = self._saved(lambda: self.store.add_message(g.conversation_id, "assistant", answer,
