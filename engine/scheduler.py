@@ -24,6 +24,7 @@ import torch
 from . import failpoints
 from .attention_backend import get_attention_backend
 from .batch_decode import BUCKETS, BatchDecoder
+from .dry import breaker_table
 from .kv_format import resolve_format
 from .kv_pool import HybridKVPool, KVPoolFull
 from .media import describe_counts, media_kinds, prompt_media
@@ -32,7 +33,6 @@ from .paragraph_stop import blank_line_hold, blank_line_stop
 from .prefix_cache import make_prefix_cache
 from .request import Request, RequestState, StreamEvent
 from .runner import ModelRunner
-from .dry import breaker_table
 from .sampler import SamplingParams
 from .sequence_kv import SequenceKV
 from .speculative import SpecConfig, SpecStats, accept, check_draft, draft_tokens, max_draft
