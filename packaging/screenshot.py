@@ -45,7 +45,8 @@ async def first_answer(pilot, blank_speeds: bool = False, timeout: float = 300.0
     chat = app.screen
     chat.query_one("#input").text = PROMPT
     await pilot.press("enter")
-    while chat.gen is not None or len(chat.messages) < 2:
+    # the screen sets last_stats after the answer's view is finished: wait for that too
+    while chat.gen is not None or len(chat.messages) < 2 or chat.last_stats is None:
         if asyncio.get_running_loop().time() > end:
             raise TimeoutError("no answer in time")
         await pilot.pause(0.1)
