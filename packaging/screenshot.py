@@ -22,6 +22,10 @@ from app.widgets.chat_input import ChatInput
 
 PROMPT = "Write one sentence about lighthouses."  # issue 24's first message
 SEED = 3  # the only setting away from the defaults: the answer is the same on every run
+# Taken before the base-model defaults dropped the newline breaker (app/screens/settings.py
+# BASE_SETTINGS); until it is retaken at the new defaults (a quiet machine: the answer is longer)
+# the scenario keeps llama.cpp's four breakers, so the picture and the snapshot stay what they show.
+SETTINGS = {"seed": SEED, "dry_sequence_breakers": ["\n", ":", "\"", "*"]}
 SIZE = (130, 36)
 # a fixed budget: without one the CPU plan reads the host's free memory, so the status panel's
 # budget line would differ from machine to machine
@@ -31,7 +35,7 @@ BUDGET = "2GiB"
 def demo_app(data_dir: Path) -> EdgegemApp:
     ChatInput.cursor_blink = False  # a blinking cursor would make the pictures flaky
     return EdgegemApp(EngineBackend(options=EngineOptions(gpu_memory_budget=BUDGET)), Store(data_dir),
-                      plan_seconds=0.0, default_settings={"seed": SEED})
+                      plan_seconds=0.0, default_settings=SETTINGS)
 
 
 async def first_answer(pilot, blank_speeds: bool = False, timeout: float = 300.0) -> None:
