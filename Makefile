@@ -45,7 +45,7 @@ test-triton36: $(T36PY)
 	PYTHONPATH=$(CURDIR) $(T36PY) -m pytest -q -p no:cacheprovider $(KERNEL_TESTS)
 
 chat: torch
-	$(VPY) -m pip install --quiet -e ".[demo]"
+	$(VPY) -m pip install --quiet -e ".[demo,preview]"
 	$(VENV)/bin/edgegem
 
 # On a machine with an NVIDIA GPU: the CUDA tests, the decode GEMV bandwidth microbenchmark and an

@@ -30,7 +30,8 @@ class Session:
     """A loaded model: its client (engine.client.EngineClient) and what the status panel shows."""
 
     client: Any
-    info: dict = field(default_factory=dict)  # model, path, arch, device, demo, plan (bytes), context_limit
+    # model, path, arch, device, demo, plan (bytes), context_limit, kind ("base" | "chat"), kind_reason
+    info: dict = field(default_factory=dict)
 
 
 class EngineBackend:
@@ -70,6 +71,8 @@ class EngineBackend:
                 "budget_bytes": plan.budget if plan is not None else None,
                 "plan": plan_lines(plan, status)}
         info["model"] = info["model"] or path.stem
+        # base models open in the text-continuation mode (models/model_kind.py: the rule)
+        info["kind"], info["kind_reason"] = api.model_kind(lm)
         return Session(client, info)
 
     def kv_check(self, session: Session, data_dir, progress: Progress, should_stop: Callable[[], bool],

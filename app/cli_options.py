@@ -67,6 +67,19 @@ def _sampling_args(p: argparse.ArgumentParser, temperature: float = 0.0) -> None
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--seed", type=int)
+    g = p.add_argument_group("DRY and XTC (llama.cpp's flags and defaults; both off unless set)")
+    g.add_argument("--dry-multiplier", type=float, default=0.0, metavar="X",
+                   help="DRY: a token extending a repeat loses X * base^(length - allowed) (0: off; 0.8 is usual)")
+    g.add_argument("--dry-base", type=float, default=1.75, metavar="X", help="DRY base (>= 1)")
+    g.add_argument("--dry-allowed-length", type=int, default=2, metavar="N", help="DRY: repeats up to N are free")
+    g.add_argument("--dry-penalty-last-n", type=int, default=64, metavar="N",
+                   help="DRY: tokens scanned for repeats (-1: all, 0: off)")
+    g.add_argument("--dry-sequence-breaker", action="append", metavar="S",
+                   help="a string that cuts repeats (repeatable; replaces the defaults \\n : \" *; `none`: no breakers)")
+    g.add_argument("--xtc-probability", type=float, default=0.0, metavar="P",
+                   help="XTC: chance per token of removing the top choices (0: off)")
+    g.add_argument("--xtc-threshold", type=float, default=0.1, metavar="P",
+                   help="XTC: tokens at least this likely are the top choices (all but the least likely go)")
 
 def _image_args(p, what: str = "an image for the prompt (repeatable; placed before the text unless it has "
                                   "<|image|> markers)") -> None:
@@ -131,9 +144,14 @@ def _device(a) -> str:
 
 def _params(a):
     from engine.api import SamplingParams
+    breakers = a.dry_sequence_breaker
+    dry = {} if breakers is None else {"dry_sequence_breakers": () if breakers == ["none"] else tuple(breakers)}
     return SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
                           seed=a.seed, max_tokens=a.max_tokens, repetition_penalty=a.repetition_penalty,
-                          presence_penalty=a.presence_penalty)
+                          presence_penalty=a.presence_penalty, dry_multiplier=a.dry_multiplier,
+                          dry_base=a.dry_base, dry_allowed_length=a.dry_allowed_length,
+                          dry_penalty_last_n=a.dry_penalty_last_n, xtc_probability=a.xtc_probability,
+                          xtc_threshold=a.xtc_threshold, **dry)
 
 def _constraint(a):
     """--json-schema / --grammar FILE as an engine constraint (a bad file: one-line ValueError)."""

@@ -25,7 +25,8 @@ __all__ = ["GGUFError", "LoadedModel", "SamplingParams", "GenerationParams", "En
            "demo_model_path", "resolve_model", "open_model", "tokenize", "score", "prompt_ids", "load_images",
            "load_audio", "audio_from_base64",
            "engine_config", "engine_plan", "split_thinking", "start_client", "run_prompt", "describe",
-           "open_layout", "memory_plan", "gpu_support", "QueueFullError", "image_marker", "audio_marker"]
+           "open_layout", "memory_plan", "gpu_support", "QueueFullError", "image_marker", "audio_marker",
+           "model_kind"]
 
 
 def demo_model_path() -> Optional[Path]:
@@ -73,6 +74,15 @@ def open_model(path: Path, exact: bool = True, device: str = "cpu", embed_weight
     return load_model(path, device=device, weight_dtype=None if exact else torch.float16,
                       host_embeddings=device != "cpu" and embed_weights == "host", progress=progress,
                       cpu_quant=not exact and device == "cpu", mmproj=mmproj)
+
+
+def model_kind(lm: LoadedModel) -> tuple[str, str]:
+    """("base" | "chat", why): a base model continues text (the app's continuation mode), a chat
+    model answers turns (models/model_kind.py has the rule and its reasons)."""
+    from models.model_kind import model_kind as kind
+
+    meta = getattr(lm.source, "metadata", None)
+    return kind(meta if isinstance(meta, dict) else {}, getattr(lm.chat, "template", None))
 
 
 def gpu_support(capability: tuple[int, int], triton_installed: bool = True):

@@ -44,6 +44,11 @@ class GenerationParams:
     # repeats exactly: reused KV sits in other slot runs, and attention summed over two runs
     # rounds differently from one, which llama.cpp's Q8 activations can turn into another token)
     cache_prompt: bool = True
+    # A base model (engine.api.model_kind): the messages are one text to continue, their contents
+    # joined (engine.client.continuation_text), no chat template; and, usually with it, the
+    # answer ends at the first blank line after a paragraph (engine/paragraph_stop.py).
+    continue_text: bool = False
+    stop_at_blank_line: bool = False
 
 
 KEEP_PROMPTS = 1024  # last_prompt_ids answers for this many recent requests (a server makes many)
@@ -97,6 +102,21 @@ def audio_marker() -> str:
     return AUDIO
 
 
+def continuation_text(messages: Sequence[dict]) -> str:
+    """A conversation as one text to continue (a base model): each answer continues the text
+    before it as written; a user message after others starts a new paragraph (unless the text
+    already ends with a newline). System messages are text like the rest."""
+    from models.chat import _text
+
+    out = ""
+    for m in messages:
+        text = _text(m)
+        if out and m.get("role") != "assistant" and not out.endswith("\n"):
+            out += "\n\n"
+        out += text
+    return out
+
+
 class EngineClient(abc.ABC):
     @abc.abstractmethod
     def submit(self, messages: Sequence[dict], params: GenerationParams) -> int: ...
@@ -144,19 +164,22 @@ class LocalClient(EngineClient):
         _open_clients.add(self)
 
     # --- prompt building ---------------------------------------------------------------------
-    def _prompt_ids(self, messages: Sequence[dict], thinking: bool, image_tokens: int = 280, tools=None
-                    ) -> tuple[list[int], dict]:
+    def _prompt_ids(self, messages: Sequence[dict], thinking: bool, image_tokens: int = 280, tools=None,
+                    continue_text: bool = False) -> tuple[list[int], dict]:
         """(ids, media): the rendered conversation, each message's `images` and `audio`
         (ImageInput / AudioInput, paths or bytes) placed as markers (before its text unless the
         text has them) and expanded to their blocks; media of turns dropped by truncation go
         with them. `media`: {"image": [...], "audio": [...]} in prompt order. `tools`: rendered
-        by the chat template."""
+        by the chat template. `continue_text`: no template, the contents joined (a base model)."""
         lm, msgs = self.loaded, [_with_media_markers(m, image_tokens) for m in messages]
         limit = self.engine.context_limit
         while True:
             extra = {"tools": tools} if tools else {}   # chat formats without tool support never see the key
-            text = lm.chat.render(msgs, add_generation_prompt=True, thinking=thinking, **extra)
-            ids = lm.tokenizer.encode(text, add_bos=not lm.chat.bos_in_template)
+            if continue_text:
+                ids = lm.tokenizer.encode(continuation_text(msgs))  # BOS as the tokenizer adds it
+            else:
+                text = lm.chat.render(msgs, add_generation_prompt=True, thinking=thinking, **extra)
+                ids = lm.tokenizer.encode(text, add_bos=not lm.chat.bos_in_template)
             media = {k: [x for m in msgs for x in m.get(key, ())] for k, key in (("image", "images"), ("audio", "audio"))}
             if any(media.values()) or self.engine.media_kinds:
                 ids = expand_markers(ids, media, self.engine.media_kinds)
@@ -178,7 +201,8 @@ class LocalClient(EngineClient):
         thread after each event of this request is queued; `queue_limit`: QueueFullError when that
         many requests already wait."""
         grammar = request_grammar(params, self.loaded.tokenizer)   # ConstraintError: bad schema/tools
-        ids, media = self._prompt_ids(messages, params.thinking, params.image_tokens, params.tools)
+        ids, media = self._prompt_ids(messages, params.thinking, params.image_tokens, params.tools,
+                                      params.continue_text)
         return self._add(ids, params, media, grammar, on_event, queue_limit)
 
     def submit_ids(self, prompt_ids: list[int], params: GenerationParams = GenerationParams(),
@@ -347,7 +371,8 @@ class LocalClient(EngineClient):
                                          f"(--max-queued-requests {queue_limit}); try again later")
                 req = self.engine.add(ids, params.sampling, params.stop_strings, kv_session=params.kv_session,
                                       images=media["image"], audio=media["audio"], grammar=grammar,
-                                      kv_auto=params.kv_auto, cache_prompt=params.cache_prompt)
+                                      kv_auto=params.kv_auto, cache_prompt=params.cache_prompt,
+                                      stop_at_blank_line=params.stop_at_blank_line)
                 if on_event is not None:  # before any event: the engine only queues it so far
                     req.events = _NotifyingQueue(on_event)
                 self._events[req.id] = req.events

@@ -81,11 +81,13 @@ class Request:
     first_cached: Optional[int] = None  # prompt tokens the cache served at the first admission
     preemptions: int = 0  # times its KV was given up for older requests (recomputed after)
     resume_after: int = 0  # preempted: re-admitted once the engine has finished more requests than this
+    dry_breakers: Optional[dict] = None  # DRY's sequence breakers as tokens (engine.dry.breaker_table)
+    stop_at_blank_line: bool = False  # finish at the first blank line after some text (paragraph_stop.py)
 
     def __post_init__(self):
         if not self.prompt_ids:
             raise ValueError("empty prompt")
-        self.sampler = Sampler(self.params)
+        self.sampler = Sampler(self.params, self.dry_breakers)
         if self.grammar is not None:
             from .constraints import ConstrainedSampler
             self.sampler = ConstrainedSampler(self.sampler, self.grammar)

@@ -1,5 +1,14 @@
 """Token sampling on the logits of the sampled rows only: greedy, temperature, top-k, top-p, min-p,
-repetition, presence and frequency penalties; optionally the log-probabilities of each pick.
+repetition, presence and frequency penalties, DRY (engine/dry.py) and XTC; optionally the
+log-probabilities of each pick.
+
+Order, as llama.cpp's default chain: penalties, DRY, then (sampled requests only) temperature,
+top-k, top-p, min-p, XTC. XTC ("exclude top choices", p-e-w's sampler in text-generation-webui and
+llama.cpp): with probability `xtc_probability`, every token whose probability reaches
+`xtc_threshold` is removed except the least likely of them, so the answer leaves its most
+predictable path while staying among tokens the model finds plausible. Greedy requests skip it
+(it is a sampling filter). Its threshold is tested on the distribution the filters left, after
+temperature (llama.cpp tests it before temperature; at temperature 1 the two agree).
 
 `SamplingParams.temperature == 0` is greedy (argmax, ties to the lowest id like llama.cpp).
 A seeded `torch.Generator` per request makes sampled runs repeatable.
@@ -11,6 +20,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from .dry import DEFAULT_BREAKERS, BreakerTable, apply_dry, dry_penalties
 
 
 @dataclass(frozen=True)
@@ -26,12 +37,32 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted once per occurrence there (llama.cpp's penalty_freq)
     penalty_last_n: int = 64  # llama.cpp's default window (prompt and output tokens)
     logprobs: Optional[int] = None  # None: off; k >= 0: each pick's log-probability and the k best
+    # DRY (engine/dry.py; llama.cpp's names and defaults): off at multiplier 0
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75  # >= 1
+    dry_allowed_length: int = 2  # repeats longer than this are penalized
+    dry_penalty_last_n: int = 64  # window scanned for repeats; -1 = the whole history, 0 = off
+    dry_sequence_breakers: tuple[str, ...] = DEFAULT_BREAKERS
+    # XTC: off at probability 0; a threshold above 0.5 can never find two tokens, so it is off too
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
 
     def __post_init__(self):
         if (self.temperature < 0 or not 0 < self.top_p <= 1 or not 0 <= self.min_p < 1 or self.top_k < 0
                 or self.repetition_penalty <= 0 or self.max_tokens < 0 or self.penalty_last_n < 0
-                or (self.logprobs is not None and self.logprobs < 0)):
+                or (self.logprobs is not None and self.logprobs < 0)
+                or self.dry_multiplier < 0 or self.dry_base < 1 or self.dry_allowed_length < 0
+                or self.dry_penalty_last_n < -1 or not 0 <= self.xtc_probability <= 1
+                or not 0 <= self.xtc_threshold <= 1):
             raise ValueError(f"invalid sampling parameters: {self}")
+        if isinstance(self.dry_sequence_breakers, str) or not all(
+                isinstance(b, str) for b in self.dry_sequence_breakers):
+            raise ValueError("dry_sequence_breakers must be a list of strings")
+        object.__setattr__(self, "dry_sequence_breakers", tuple(self.dry_sequence_breakers))
+
+    @property
+    def dry_on(self) -> bool:
+        return self.dry_multiplier > 0 and self.dry_penalty_last_n != 0
 
 
 def apply_penalties(logits: torch.Tensor, history: list[int], p: SamplingParams) -> torch.Tensor:
@@ -104,9 +135,28 @@ def logits_to_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs / probs.sum()
 
 
+def exclude_top_choices(probs: torch.Tensor, threshold: float) -> torch.Tensor:
+    """XTC on [V] probabilities: when two or more tokens reach `threshold`, all of them but the
+    least likely are set to 0 (renormalized). Among equally likely ones the highest id is kept
+    (llama.cpp's sort leaves that order unspecified). Tokens the filters removed never count."""
+    above = ((probs >= threshold) & (probs > 0)).nonzero().flatten()
+    if above.numel() < 2:
+        return probs
+    vals = probs[above]
+    # the kept one: the smallest probability among them; among equal ones the last in id order
+    keep = above[(vals == vals.min()).nonzero().flatten()[-1]]
+    out = probs.clone()
+    out[above] = 0.0
+    out[keep] = probs[keep]
+    return out / out.sum()
+
+
 class Sampler:
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, breakers: Optional[BreakerTable] = None):
+        """`breakers`: DRY's sequence breakers as tokens (engine.dry.breaker_table of the model's
+        tokenizer and params.dry_sequence_breakers); None: no breakers."""
         self.params = params
+        self.breakers = breakers or {}
         self.gen = torch.Generator()
         if params.seed is not None:
             self.gen.manual_seed(params.seed)
@@ -118,13 +168,20 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, history: Optional[list[int]] = None) -> int:
         """One token id from a [V] logits row; `history`: tokens so far, for the penalties."""
-        raw = logits
-        logits = apply_penalties(logits, history or [], self.params)
-        if self.params.temperature == 0:
+        raw, p = logits, self.params
+        logits = apply_penalties(logits, history or [], p)
+        if p.dry_on and history:
+            logits = apply_dry(logits, dry_penalties(history, p.dry_multiplier, p.dry_base, p.dry_allowed_length,
+                                                     p.dry_penalty_last_n, self.breakers))
+        if p.temperature == 0:
             tok = int(torch.argmax(logits))
         else:
-            probs = logits_to_probs(logits, self.params).cpu()
-            tok = int(torch.multinomial(probs, 1, generator=self.gen))
+            probs = logits_to_probs(logits, p)
+            # one uniform draw per token while XTC is on (off, the generator's stream is unchanged)
+            if p.xtc_probability > 0 and p.xtc_threshold <= 0.5 and \
+                    float(torch.rand((), generator=self.gen)) < p.xtc_probability:
+                probs = exclude_top_choices(probs, p.xtc_threshold)
+            tok = int(torch.multinomial(probs.cpu(), 1, generator=self.gen))
         if self.params.logprobs is not None:
             self.picked.append(token_logprobs(raw, tok, self.params.logprobs))
         return tok

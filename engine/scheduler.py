@@ -24,10 +24,12 @@ import torch
 from . import failpoints
 from .attention_backend import get_attention_backend
 from .batch_decode import BUCKETS, BatchDecoder
+from .dry import breaker_table
 from .kv_format import resolve_format
 from .kv_pool import HybridKVPool, KVPoolFull
 from .media import describe_counts, media_kinds, prompt_media
 from .kv_sessions import KVDisk, KVSessions
+from .paragraph_stop import blank_line_hold, blank_line_stop
 from .prefix_cache import make_prefix_cache
 from .request import Request, RequestState, StreamEvent
 from .runner import ModelRunner
@@ -126,14 +128,15 @@ class Engine:
     # --- requests ----------------------------------------------------------------------------
     def add(self, prompt_ids: list[int], params: SamplingParams, stop_strings=(),
             kv_session: Optional[str] = None, images=(), audio=(), grammar=None, kv_auto: bool = False,
-            cache_prompt: bool = True) -> Request:
+            cache_prompt: bool = True, stop_at_blank_line: bool = False) -> Request:
         """`images` (models.gemma4_vision.ImageInput) and `audio` (models.audio.AudioInput), one per
         `<|image|>` / `<|audio|>` run of `prompt_ids` (each item's N placeholders, in order);
         encoded at admission unless the cache covers them. `grammar`: an
         engine.constraints.GrammarState that masks every token sampled for it. `kv_auto`: the KV
         file of the prompt's longest saved prefix in `kv_dir` serves it, and the KV of prompt +
         answer is saved there after (engine/kv_sessions.py). `cache_prompt` False: the prefix cache
-        serves none of it."""
+        serves none of it. `stop_at_blank_line`: finish at the first blank line after some text
+        (engine/paragraph_stop.py: the base-model continuation mode)."""
         limit = self.context_limit
         media = {"image": list(images), "audio": list(audio)}
         pmedia = prompt_media(prompt_ids, media, self.media_kinds)
@@ -141,8 +144,12 @@ class Engine:
             what = f" ({describe_counts(media)})" if images or audio else ""
             raise ContextOverflowError(
                 f"prompt of {len(prompt_ids)} tokens{what} does not fit the {limit}-token context")
+        breakers = None
+        if params.dry_on and self.tokenizer is not None:  # the table is built once per breaker list
+            breakers = breaker_table(self.tokenizer, params.dry_sequence_breakers)
         req = Request(list(prompt_ids), params, tuple(stop_strings), kv_session=kv_session, grammar=grammar,
-                      kv_auto=kv_auto and self.sessions.disk is not None, cache_prompt=cache_prompt)
+                      kv_auto=kv_auto and self.sessions.disk is not None, cache_prompt=cache_prompt,
+                      dry_breakers=breakers, stop_at_blank_line=stop_at_blank_line)
         req.media = pmedia
         if self.tokenizer is not None:
             req.detok = self.tokenizer.stream_decoder()
@@ -472,6 +479,8 @@ class Engine:
             at = req.text.find(stop)
             if at >= 0:
                 req.text, reason = req.text[:at], "stop"
+        if reason is None and req.stop_at_blank_line and (at := blank_line_stop(req.text)) >= 0:
+            req.text, reason = req.text[:at], "stop"
         if reason is None and req.grammar is not None and req.grammar.complete_after(len(req.output_ids)):
             reason = "stop"  # the grammar is complete and allows only the end: no step spent sampling it
         if reason is None and (len(req.output_ids) >= req.params.max_tokens
@@ -479,6 +488,8 @@ class Engine:
             reason = "length"
         # Hold back text that could still become a stop string, so none is ever streamed.
         hold = 0 if reason else max((len(s) - 1 for s in req.stop_strings), default=0)
+        if not reason and req.stop_at_blank_line:
+            hold = max(hold, blank_line_hold(req.text))
         upto = max(req.emitted, len(req.text) - hold)
         req.events.put(StreamEvent(req.id, [tok], req.text[req.emitted:upto],
                                    logprobs=None if picked is None else [picked]))

@@ -241,3 +241,60 @@ async def test_export_and_import_carry_the_images(tmp_path):
         assert copy.read_bytes() == cat.read_bytes()
         assert f"![cat.png]({folder.name}/{copy.name})" in md.read_text()
         assert any(f"images in {folder.name}/" in n for n in notes(app))
+
+
+# --- the chip's preview: textual-image where the terminal has graphics, half blocks elsewhere ----
+
+async def test_image_chip_preview_draws_through_textual_image_when_the_terminal_has_graphics(tmp_path, monkeypatch):
+    """The kitty-protocol widget of textual-image (what a kitty/Ghostty terminal gets), forced:
+    a pilot terminal answers no graphics query. It holds the image itself, in the chip's 8x3 cells."""
+    pytest.importorskip("textual_image")
+    from textual_image.widget import TGPImage
+
+    from app.widgets import image_preview
+    monkeypatch.setattr(image_preview, "GRAPHICS", TGPImage)
+    assert image_preview.protocol() == "kitty"
+    cat = png(tmp_path / "cat.png", size=(48, 32), color=(10, 120, 200))
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        chat = await open_chat(pilot)
+        await type_and_enter(pilot, f"/image {cat}")
+        chip = chat.query_one(AttachmentChip)
+        await pilot.pause(0.2)
+        (picture,) = chip.query(TGPImage)
+        assert picture.image.size == (48, 32) and picture.image.getpixel((5, 5)) == (10, 120, 200)
+        assert (picture.size.width, picture.size.height) == image_preview.PREVIEW_CELLS
+        assert not chip.query(".preview").exclude(".graphic")  # no half-block picture beside it
+
+
+async def test_image_chip_preview_falls_back_to_half_blocks_without_graphics(tmp_path, monkeypatch):
+    from rich.text import Text
+    from textual.widgets import Static
+
+    from app.widgets import image_preview
+    monkeypatch.setattr(image_preview, "GRAPHICS", None)
+    cat = png(tmp_path / "cat.png", color=(10, 120, 200))
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        chat = await open_chat(pilot)
+        await type_and_enter(pilot, f"/image {cat}")
+        (preview,) = chat.query_one(AttachmentChip).query(".preview")
+        assert isinstance(preview, Static) and isinstance(preview.content, Text)
+        assert "▀" in preview.content.plain
+
+
+def test_graphics_detection_follows_textual_image_and_can_be_turned_off(monkeypatch):
+    """textual-image's pick for this terminal -> our widget: sixel and kitty draw the picture, its
+    half-cell and unicode picks leave ours; EDGEGEM_IMAGE_PREVIEW=blocks forces ours."""
+    pytest.importorskip("textual_image")
+    from textual_image import renderable
+    from textual_image.widget import SixelImage, TGPImage
+
+    from app.widgets import image_preview
+    for picked, want in ((renderable.TGPImage, TGPImage), (renderable.SixelImage, SixelImage),
+                         (renderable.HalfcellImage, None), (renderable.UnicodeImage, None)):
+        monkeypatch.setattr(renderable, "Image", picked)
+        assert image_preview._graphics_widget() is want
+    monkeypatch.setattr(renderable, "Image", renderable.TGPImage)
+    monkeypatch.setenv("EDGEGEM_IMAGE_PREVIEW", "blocks")
+    assert image_preview._graphics_widget() is None

@@ -155,3 +155,31 @@ def test_snapshot_load_error_screen(snap_compare, tmp_path):
         await pilot.pause(0.2)
 
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def _screenshot_module():
+    """packaging/screenshot.py (by path: `packaging` is also the name of a PyPI library)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "packaging" / "screenshot.py"
+    spec = importlib.util.spec_from_file_location("edgegem_screenshot", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_snapshot_demo_first_answer(snap_compare, tmp_path, gemma3_270m_path):
+    """The real demo model's first answer to issue 24's message at the app's defaults (seeded):
+    continued as text, DRY on, ended at a blank line; the README screenshot is this scenario."""
+    shot = _screenshot_module()
+    app = shot.demo_app(tmp_path / "data")
+
+    async def run_before(pilot) -> None:
+        await shot.first_answer(pilot, blank_speeds=True)
+        chat = pilot.app.screen
+        (answer,) = [m for m in chat.messages if m.role == "assistant"]
+        assert answer.status == "done" and answer.content.strip()
+        assert "\n\n" not in answer.content.strip()  # one paragraph, no loop
+
+    assert snap_compare(app, terminal_size=shot.SIZE, run_before=run_before)

@@ -60,6 +60,39 @@ def test_run_sampling_is_seeded(tiny):
     assert a["ids"] == b["ids"]
 
 
+def test_dry_and_xtc_flags_reach_the_sampler():
+    from app.cli import _params, _parser
+
+    a = _parser().parse_args(["run", "--prompt", "x", "--dry-multiplier", "0.8", "--dry-base", "2",
+                              "--dry-allowed-length", "3", "--dry-penalty-last-n", "-1",
+                              "--dry-sequence-breaker", "###", "--dry-sequence-breaker", "\n",
+                              "--xtc-probability", "0.5", "--xtc-threshold", "0.2"])
+    p = _params(a)
+    assert (p.dry_multiplier, p.dry_base, p.dry_allowed_length, p.dry_penalty_last_n) == (0.8, 2.0, 3, -1)
+    assert p.dry_sequence_breakers == ("###", "\n") and (p.xtc_probability, p.xtc_threshold) == (0.5, 0.2)
+    default = _params(_parser().parse_args(["chat"]))
+    assert default.dry_multiplier == 0.0 and default.dry_sequence_breakers == ("\n", ":", "\"", "*")
+    assert default.xtc_probability == 0.0  # llama.cpp's defaults: both off
+    none = _params(_parser().parse_args(["run", "--prompt", "x", "--dry-sequence-breaker", "none"]))
+    assert none.dry_sequence_breakers == ()
+
+
+def test_run_with_dry_and_xtc_is_the_engines_seeded_run(tiny):
+    from engine import api
+
+    args = ("run", "--model", tiny, "--prompt", "the", "--max-tokens", "12", "--temperature", "1.0", "--json",
+            "--raw", "--seed", 4, "--dry-multiplier", "0.8", "--xtc-probability", "0.5")
+    out = json.loads(edgegem(*args).stdout.splitlines()[-1])
+    lm = api.open_model(tiny, exact=False)
+    client = api.start_client(lm, api.EngineOptions())
+    try:
+        params = api.SamplingParams(max_tokens=12, temperature=1.0, seed=4, dry_multiplier=0.8, xtc_probability=0.5)
+        ran = api.run_prompt(client, lm, "the", api.GenerationParams(params), raw=True)
+    finally:
+        client.close()
+    assert out["ids"] == ran["ids"] and out["ids"]
+
+
 def test_info_shows_layer_plan(tiny):
     text = edgegem("info", tiny).stdout
     assert "architecture gemma4" in text and "layer 2" in text and "Q4_K" not in text
@@ -73,6 +106,7 @@ def test_info_shows_layer_plan(tiny):
     (("score", "--model", "{tiny}", "--tokens", "2,99999", "--out", "x.npy"), "out of range"),
     (("score", "--model", "{tiny}", "--tokens", "2,x", "--out", "x.npy"), "comma-separated integers"),
     (("run", "--model", "{tiny}", "--prompt", "hi", "--top-p", "0"), "invalid sampling parameters"),
+    (("run", "--model", "{tiny}", "--prompt", "hi", "--dry-base", "0.5"), "invalid sampling parameters"),
 ])
 def test_bad_input_is_one_line_exit_2(tiny, tmp_path, args, needle):
     args = [a.replace("{tiny}", str(tiny)) for a in args]

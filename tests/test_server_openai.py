@@ -148,6 +148,24 @@ def _logprobs_checks(oa, server, lm):
     assert "".join(lp.tokens) == comp.choices[0].text and lp.text_offset[0] == 0
 
 
+def test_dry_and_xtc_by_llama_servers_names_reach_the_sampler(oa, server, lm):
+    """Greedy with DRY (extra_body, as llama-server takes it) is the engine's own DRY run, and not
+    the run without it (the demo loops greedily: DRY breaks the loop)."""
+    dry = {"dry_multiplier": 1.5, "dry_base": 2.0, "dry_allowed_length": 1, "dry_penalty_last_n": -1,
+           "dry_sequence_breakers": ["\n"]}
+    # cache_prompt false: both prefill afresh, so the two runs round alike (engine/client.py)
+    with_dry = _chat(oa, max_tokens=40, extra_body={**dry, "cache_prompt": False}).choices[0].message.content
+    without = _chat(oa, max_tokens=40, extra_body={"cache_prompt": False}).choices[0].message.content
+    params = api.SamplingParams(max_tokens=40, **{**dry, "dry_sequence_breakers": ("\n",)})
+    ran = api.run_prompt(server.client, lm, HELLO[0]["content"], api.GenerationParams(params, cache_prompt=False))
+    assert with_dry == ran["text"] and with_dry != without
+    # XTC at probability 1, seeded: repeatable (cache_prompt false: both runs prefill the same way)
+    body = {"xtc_probability": 1.0, "xtc_threshold": 0.05, "cache_prompt": False}
+    xtc = [_chat(oa, max_tokens=12, temperature=1.0, seed=5, extra_body=body).choices[0].message.content
+           for _ in range(2)]
+    assert xtc[0] == xtc[1] and xtc[0]
+
+
 def test_second_turn_reports_the_prefix_cache_in_cached_tokens(oa):
     turn1 = [{"role": "user", "content": "Name three colours of the rainbow, please."}]
     r1 = _chat(oa, messages=turn1, max_tokens=8)
@@ -191,6 +209,10 @@ BAD = {  # body (on /v1/chat/completions unless a path is given) -> status, word
     "top_logprobs without logprobs": ({"top_logprobs": 2}, 400, "needs logprobs"),
     "logit_bias": ({"logit_bias": {"5": 1.0}}, 400, "logit_bias"),
     "max_tokens negative": ({"max_tokens": -1}, 400, "max_tokens"),
+    "dry_base below 1": ({"dry_base": 0.5}, 400, "dry_base"),
+    "no dry_sequence_breakers": ({"dry_sequence_breakers": []}, 400, "dry_sequence_breakers"),
+    "dry_sequence_breakers not strings": ({"dry_sequence_breakers": [1]}, 400, "dry_sequence_breakers"),
+    "xtc_probability above 1": ({"xtc_probability": 2}, 400, "xtc_probability"),
     "prompt too long": ({"messages": [{"role": "user", "content": "word " * 40000}]}, 400, "context"),
     "several prompts": ({"prompt": ["a", "b"], "_path": "/v1/completions"}, 400, "one prompt"),
     "echo with logprobs": ({"prompt": "a", "echo": True, "logprobs": 1, "_path": "/v1/completions"}, 400, "echo"),

@@ -26,7 +26,7 @@ from app.messages import GenerationDone
 from app.screens.chat_commands import ChatCommandsMixin, one_line
 from app.screens.chat_media import MediaInputMixin
 from app.screens.chat_record import RecordMixin
-from app.screens.settings import DEFAULT_SETTINGS
+from app.screens.settings import BASE_SETTINGS, DEFAULT_SETTINGS
 from app.store import DEFAULT_TITLE, Message
 from app.widgets.attachments import AttachmentBar
 from app.widgets.chat_input import ChatInput
@@ -54,13 +54,23 @@ class Generation:
     shown: str = ""  # what the view shows; UI thread only
 
 
-def sampling_params(s: dict) -> GenerationParams:
+def sampling_params(s: dict, continue_text: bool = False) -> GenerationParams:
+    """A conversation's settings -> the request's parameters; `continue_text`: a base model (the
+    messages are one text the model continues, engine.client.continuation_text)."""
     s = {**DEFAULT_SETTINGS, **s}
     return GenerationParams(SamplingParams(temperature=float(s["temperature"]), top_k=int(s["top_k"]),
                                            top_p=float(s["top_p"]), min_p=float(s["min_p"]),
                                            max_tokens=int(s["max_tokens"]),
-                                           repetition_penalty=float(s["repetition_penalty"])),
-                            thinking=bool(s["thinking"]), image_tokens=int(s["image_tokens"]))
+                                           repetition_penalty=float(s["repetition_penalty"]),
+                                           seed=None if s.get("seed") is None else int(s["seed"]),
+                                           dry_multiplier=float(s["dry_multiplier"]), dry_base=float(s["dry_base"]),
+                                           dry_allowed_length=int(s["dry_allowed_length"]),
+                                           dry_penalty_last_n=int(s["dry_penalty_last_n"]),
+                                           dry_sequence_breakers=tuple(s["dry_sequence_breakers"]),
+                                           xtc_probability=float(s["xtc_probability"]),
+                                           xtc_threshold=float(s["xtc_threshold"])),
+                            thinking=bool(s["thinking"]) and not continue_text, image_tokens=int(s["image_tokens"]),
+                            continue_text=continue_text, stop_at_blank_line=bool(s["stop_at_blank_line"]))
 
 
 class ChatScreen(MediaInputMixin, RecordMixin, ChatCommandsMixin, Screen[None]):
@@ -97,6 +107,11 @@ class ChatScreen(MediaInputMixin, RecordMixin, ChatCommandsMixin, Screen[None]):
     def client(self):
         return self.session.client
 
+    @property
+    def continuation(self) -> bool:
+        """A base model: messages are continued, not answered (app/backend.py's `kind`)."""
+        return self.session.info.get("kind") == "base"
+
     def compose(self) -> ComposeResult:
         with Horizontal():
             yield Sidebar(self.store, id="sidebar")
@@ -114,7 +129,10 @@ class ChatScreen(MediaInputMixin, RecordMixin, ChatCommandsMixin, Screen[None]):
         self.load_conversation(self.conversation_id)
         self.set_interval(0.5, self.refresh_status)
         self.set_interval(CHUNK_INTERVAL_S, self._pump)
-        self.query_one(ChatInput).focus()
+        box = self.query_one(ChatInput)
+        if self.continuation:
+            box.placeholder = CONTINUE_PLACEHOLDER
+        box.focus()
         info = self.session.info
         if info.get("arch") == "gemma4" and not info.get("draft"):
             self.notify("Speculative decoding is off: no assistant draft model. `edgegem pull` fetches the "
@@ -132,6 +150,9 @@ class ChatScreen(MediaInputMixin, RecordMixin, ChatCommandsMixin, Screen[None]):
         box.remove_children()
         if self.session.info.get("demo"):
             box.mount(Static(DEMO_NOTE, classes="notice", markup=False))
+        elif self.continuation:
+            box.mount(Static(BASE_NOTE.format(why=self.session.info.get("kind_reason") or "base model"),
+                             classes="notice", markup=False))
         box.mount_all([MessageView(m.role, m.content, m.thinking, m.status, m.id, (m.stats or {}).get("error"),
                                    m.images, m.audio) for m in self.messages if m.role != "system"])
         box.scroll_end(animate=False)
@@ -143,9 +164,10 @@ class ChatScreen(MediaInputMixin, RecordMixin, ChatCommandsMixin, Screen[None]):
 
     @property
     def settings(self) -> dict:
-        """This conversation's settings over the app's defaults (command-line flags) over ours."""
-        return {**DEFAULT_SETTINGS, **getattr(self.app, "default_settings", {}),
-                **self.store.get(self.conversation_id).settings}
+        """This conversation's settings over the app's defaults (command-line flags) over ours
+        (a base model's over the chat ones)."""
+        return {**DEFAULT_SETTINGS, **(BASE_SETTINGS if self.continuation else {}),
+                **getattr(self.app, "default_settings", {}), **self.store.get(self.conversation_id).settings}
 
     def _busy(self) -> bool:
         if self.gen is not None:
@@ -248,7 +270,8 @@ class ChatScreen(MediaInputMixin, RecordMixin, ChatCommandsMixin, Screen[None]):
         await self.query_one("#messages", VerticalScroll).mount(view)
         view.start_stream()
         self.gen = Generation(self.conversation_id, view)
-        params = replace(sampling_params(self.settings), kv_session=self._kv_session(self.conversation_id))
+        params = replace(sampling_params(self.settings, self.continuation),
+                         kv_session=self._kv_session(self.conversation_id))
         msgs = self.prompt_messages()
         self.run_worker(lambda: self._work(self.gen, msgs, params), thread=True, group="generate")
 
@@ -288,7 +311,8 @@ class ChatScreen(MediaInputMixin, RecordMixin, ChatCommandsMixin, Screen[None]):
         g = self.gen
         if g is None or msg.gen_id != g.id:
             return
-        thought, answer = split_thinking(msg.text)
+        # a continuation is kept as written (its leading space joins it to the text it continues)
+        thought, answer = (None, msg.text) if self.continuation else split_thinking(msg.text)
         status = "error" if msg.error else "stopped" if msg.reason == "abort" else "done"
         stats = {**msg.stats, "finish_reason": msg.reason, **({"error": msg.error} if msg.error else {})}
         m = self._saved(lambda: self.store.add_message(g.conversation_id, "assistant", answer,
@@ -335,6 +359,9 @@ class ChatScreen(MediaInputMixin, RecordMixin, ChatCommandsMixin, Screen[None]):
         self.refresh_status()
 
 
-DEMO_NOTE = ("This is the bundled demo model, Gemma 3 270M: a small base model that rambles rather than "
-             "answers. For real answers load a Gemma-4 GGUF: edgegem --model PATH (or edgegem pull "
-             "unsloth/gemma-4-E2B-it-GGUF:Q4_K_M).")
+DEMO_NOTE = ("This is the bundled demo model, Gemma 3 270M: a small base model, so your text is continued, "
+             "not answered (start a sentence and let it finish the paragraph). For real answers load a "
+             "Gemma-4 GGUF: edgegem --model PATH (or edgegem pull unsloth/gemma-4-E2B-it-GGUF:Q4_K_M).")
+BASE_NOTE = ("Text continuation: this is a base model ({why}), so your text is continued, not answered; "
+             "each continuation ends at a blank line (Settings).")
+CONTINUE_PLACEHOLDER = "Text to continue (Enter sends, Shift+Enter or Ctrl+J for a new line)"

@@ -90,8 +90,10 @@ class ChatCommandsMixin:
                 self.app.confirm_reload(result.engine)
             else:
                 self.notify("Settings saved for this conversation.")
+        mode = (f"text continuation (a base model: {self.session.info.get('kind_reason') or 'its file says so'})"
+                if self.continuation else "")
         self.app.push_screen(SettingsScreen(self.settings, self.app.engine_flags(), self._kv_figures(),
-                                            self._kv_disk(), self._clear_kv_disk), done)
+                                            self._kv_disk(), self._clear_kv_disk, mode=mode), done)
 
     # --- conversations' KV on disk (engine/kv_sessions.py) ---------------------------------------
     def _kv_session(self, conversation_id: int) -> Optional[str]:

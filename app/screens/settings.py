@@ -2,6 +2,7 @@
 engine flags that need a model reload (KV format, memory budget, draft model; asked to confirm)."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -10,17 +11,35 @@ from textual.containers import Grid, Horizontal, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, Static, Switch, TextArea
 
+from app.backend import SamplingParams
 from app.screens.kv_check import figure_lines
 
-# Per-conversation defaults: llama.cpp-like chat sampling.
+# Per-conversation defaults: llama.cpp-like chat sampling (DRY and XTC off, as llama.cpp has them).
 DEFAULT_SETTINGS = {"system": "", "temperature": 0.7, "top_p": 0.95, "top_k": 64, "min_p": 0.0,
-                    "repetition_penalty": 1.0, "max_tokens": 1024, "thinking": False, "image_tokens": 280}
+                    "repetition_penalty": 1.0, "max_tokens": 1024, "thinking": False, "image_tokens": 280,
+                    "dry_multiplier": 0.0, "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": 64,
+                    "dry_sequence_breakers": list(SamplingParams().dry_sequence_breakers),
+                    "xtc_probability": 0.0, "xtc_threshold": 0.1, "stop_at_blank_line": False}
+# Over those for a base model (the text-continuation mode): DRY on at the multiplier koboldcpp and
+# SillyTavern suggest, over the whole text (a paragraph-long loop escapes a 64-token window), and
+# without the newline breaker: with it the demo looped on short lines ("--\n--\n...": a match
+# never reaches past a newline, so a one-token line is never penalized; 28 repeats of one 8-gram
+# in 200 tokens at seed 0, none over 1 without it, 10 seeds); a continuation of a paragraph or
+# so, ending at a blank line.
+BASE_SETTINGS = {"dry_multiplier": 0.8, "dry_penalty_last_n": -1, "dry_sequence_breakers": [":", "\"", "*"],
+                 "max_tokens": 256, "stop_at_blank_line": True}
 IMAGE_BUDGETS = (70, 140, 280, 560, 1120)  # soft tokens per image (engine.media); 280: 256 for a square
 # name -> (label, type, lower bound, upper bound)
 NUMBERS = {"temperature": ("Temperature", float, 0.0, 5.0), "top_p": ("Top-p", float, 0.0, 1.0),
            "top_k": ("Top-k (0: off)", int, 0, 1_000_000), "min_p": ("Min-p", float, 0.0, 1.0),
            "repetition_penalty": ("Repetition penalty", float, 0.1, 5.0),
-           "max_tokens": ("Max tokens", int, 1, 1_000_000)}
+           "max_tokens": ("Max tokens", int, 1, 1_000_000),
+           "dry_multiplier": ("DRY multiplier (0: off)", float, 0.0, 100.0),
+           "dry_base": ("DRY base", float, 1.0, 100.0),
+           "dry_allowed_length": ("DRY allowed length", int, 0, 1_000_000),
+           "dry_penalty_last_n": ("DRY window (-1: all)", int, -1, 1_000_000),
+           "xtc_probability": ("XTC probability (0: off)", float, 0.0, 1.0),
+           "xtc_threshold": ("XTC threshold", float, 0.0, 1.0)}
 KV_FORMATS = ["auto", "bf16", "fp16", "fp32", "int8_per_token_head", "fp8_per_token_head"]
 
 
@@ -32,7 +51,9 @@ class SettingsResult:
 
 def parse_settings(raw: dict) -> dict:
     """Validate the form's strings into typed settings; ValueError names the first bad field."""
-    out = {"system": raw.get("system", ""), "thinking": bool(raw.get("thinking"))}
+    out = {"system": raw.get("system", ""), "thinking": bool(raw.get("thinking")),
+           "stop_at_blank_line": bool(raw.get("stop_at_blank_line"))}
+    out["dry_sequence_breakers"] = parse_breakers(raw.get("dry_sequence_breakers", "[]"))
     if int(raw.get("image_tokens", DEFAULT_SETTINGS["image_tokens"])) not in IMAGE_BUDGETS:
         raise ValueError(f"Image tokens: one of {', '.join(map(str, IMAGE_BUDGETS))}")
     out["image_tokens"] = int(raw.get("image_tokens", DEFAULT_SETTINGS["image_tokens"]))
@@ -47,6 +68,19 @@ def parse_settings(raw: dict) -> dict:
     return out
 
 
+def parse_breakers(text) -> list[str]:
+    """DRY's sequence breakers as the form shows them: a JSON list of strings (`["\\n", ":"]`)."""
+    if isinstance(text, list):
+        text = json.dumps(text)
+    try:
+        value = json.loads(str(text).strip() or "[]")
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(b, str) and b for b in value):
+        raise ValueError('DRY breakers: a JSON list of strings, e.g. ["\\n", ":", "\\"", "*"]')
+    return value
+
+
 def kv_disk_line(d: dict) -> str:
     mib = d.get("bytes", 0) / 2**20
     budget = d.get("budget")
@@ -58,8 +92,10 @@ class SettingsScreen(ModalScreen["SettingsResult | None"]):
     BINDINGS = [("escape", "dismiss(None)", "Cancel"), ("ctrl+s", "save", "Save")]
 
     def __init__(self, settings: dict, engine: dict, kv_check: Optional[dict] = None,
-                 kv_disk: Optional[dict] = None, clear_kv_disk: Optional[Callable[[], Optional[dict]]] = None) -> None:
+                 kv_disk: Optional[dict] = None, clear_kv_disk: Optional[Callable[[], Optional[dict]]] = None,
+                 mode: str = "") -> None:
         super().__init__()
+        self.mode = mode  # "text continuation (base model: why)" or "" for a chat model
         self.kv_disk = kv_disk  # conversations' KV files: files, bytes, budget (None: off)
         self.clear_kv_disk = clear_kv_disk
         self.settings = {**DEFAULT_SETTINGS, **settings}
@@ -70,12 +106,18 @@ class SettingsScreen(ModalScreen["SettingsResult | None"]):
         s = self.settings
         with VerticalScroll(classes="dialog settings"):
             yield Label("This conversation", classes="heading")
+            if self.mode:
+                yield Static(f"Mode: {self.mode}", id="mode", markup=False)
             yield Label("System prompt")
             yield TextArea(s["system"], id="system", soft_wrap=True)
             with Grid(classes="numbers"):
                 for key, (label, *_rest) in NUMBERS.items():
                     yield Label(label)
                     yield Input(str(s[key]), id=key, compact=True)
+                yield Label("DRY breakers")
+                yield Input(json.dumps(list(s["dry_sequence_breakers"])), id="dry_sequence_breakers", compact=True)
+                yield Label("Stop at a blank line")
+                yield Switch(bool(s["stop_at_blank_line"]), id="stop_at_blank_line")
                 yield Label("Thinking (Gemma-4)")
                 yield Switch(bool(s["thinking"]), id="thinking")
                 yield Label("Image tokens")
@@ -121,6 +163,8 @@ class SettingsScreen(ModalScreen["SettingsResult | None"]):
         raw = {key: self.query_one(f"#{key}", Input).value for key in NUMBERS}
         raw["system"] = self.query_one("#system", TextArea).text
         raw["thinking"] = self.query_one("#thinking", Switch).value
+        raw["stop_at_blank_line"] = self.query_one("#stop_at_blank_line", Switch).value
+        raw["dry_sequence_breakers"] = self.query_one("#dry_sequence_breakers", Input).value
         raw["image_tokens"] = self.query_one("#image_tokens", Select).value
         try:
             conv = parse_settings(raw)

@@ -7,8 +7,10 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
+from .dry_xtc import AntiRepeatFields
 
-class Options(BaseModel):
+
+class Options(AntiRepeatFields):  # DRY/XTC by llama.cpp's names (Ollama has none of its own)
     model_config = ConfigDict(extra="ignore")
     num_predict: Optional[int] = Field(None, ge=-2)  # -1: to the context, -2: fill the context
     temperature: Optional[float] = Field(None, ge=0, le=100)

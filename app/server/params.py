@@ -13,6 +13,7 @@ from app.backend import (ConstraintError, GenerationParams, SamplingParams, audi
                          check_tool_request, from_ollama_format, from_response_format, image_marker)
 
 from . import media
+from .dry_xtc import anti_repeat
 from .errors import APIError
 from .ollama_schemas import ChatRequest as OllamaChat, GenerateRequest, Options
 from .schemas import ChatCompletionRequest, CompletionRequest
@@ -49,12 +50,12 @@ def _stops(stop) -> tuple[str, ...]:
 
 def _sampling(limit: int, default_max: Optional[int], *, max_tokens=None, temperature, top_p, top_k=0,
               min_p=0.0, seed=None, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
-              penalty_last_n=64, logprobs=None) -> SamplingParams:
+              penalty_last_n=64, logprobs=None, **dry_xtc) -> SamplingParams:
     n = max_tokens if max_tokens is not None else (default_max or limit)
     return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
                           max_tokens=min(n, limit), repetition_penalty=repetition_penalty,
                           presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                          penalty_last_n=penalty_last_n, logprobs=logprobs)
+                          penalty_last_n=penalty_last_n, logprobs=logprobs, **dry_xtc)
 
 
 def _one_choice(n, best_of=None) -> None:
@@ -73,7 +74,7 @@ def _openai_common(req, limit: int, default_max: Optional[int], max_tokens, logp
                      top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, min_p=req.min_p or 0.0,
                      seed=req.seed, repetition_penalty=req.repetition_penalty or 1.0,
                      presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-                     logprobs=logprobs)
+                     logprobs=logprobs, **anti_repeat(req))
 
 
 # --- OpenAI -----------------------------------------------------------------------------------------
@@ -189,7 +190,7 @@ def ollama_sampling(options: Optional[Options], limit: int, default_max: Optiona
                          min_p=o.min_p or 0.0, seed=o.seed if o.seed is not None and o.seed >= 0 else None,
                          repetition_penalty=1.1 if o.repeat_penalty is None else o.repeat_penalty,
                          presence_penalty=o.presence_penalty or 0.0, frequency_penalty=o.frequency_penalty or 0.0,
-                         penalty_last_n=last_n, logprobs=logprobs)
+                         penalty_last_n=last_n, logprobs=logprobs, **anti_repeat(o))
     return sampling, _stops(o.stop)
 
 

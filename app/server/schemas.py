@@ -8,6 +8,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
+from .dry_xtc import AntiRepeatFields
+
 MAX_STOPS = 16
 MAX_TOP_LOGPROBS = 20
 
@@ -66,7 +68,7 @@ class StreamOptions(_Part):
 Stop = Union[StrictStr, Annotated[list[StrictStr], Field(max_length=MAX_STOPS)], None]
 
 
-class _Sampling(_Body):
+class _Sampling(AntiRepeatFields, _Body):  # DRY/XTC: llama-server's fields
     model: Optional[StrictStr] = None
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None

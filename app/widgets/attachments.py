@@ -1,11 +1,11 @@
 """Attachment chips: the pending images and clips above the input, a recording in progress, and
 a sent message's images and clips.
 
-A pending image chip shows a half-block preview (where the terminal draws colour), the file name,
-its size and its soft tokens, and a ✕ that removes it (click, or Tab to it and Enter); a clip's
-chip shows ♪, its name, duration and tokens. Sixel and kitty graphics are not used: the preview is
-text, so it works over SSH and in snapshots. While the microphone records, a chip shows the
-elapsed time and a level meter (updated by the screen's timer).
+A pending image chip shows a preview (app/widgets/image_preview.py: the picture through
+textual-image where the terminal draws sixel or kitty graphics, else half-block cells where it
+draws colour), the file name, its size and its soft tokens, and a ✕ that removes it (click, or Tab
+to it and Enter); a clip's chip shows ♪, its name, duration and tokens. While the microphone
+records, a chip shows the elapsed time and a level meter (updated by the screen's timer).
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.widgets import Button, Label, Static
 
-from app.attachments import Attachment, chip_label, duration, half_block_preview
+from app.attachments import Attachment, chip_label, duration
+from app.widgets.image_preview import image_preview
 
 
 def can_draw_preview(app) -> bool:
@@ -37,9 +38,9 @@ class AttachmentChip(Horizontal):
         if a.kind == "audio":
             yield Static("♪", classes="preview audio-icon")
         else:
-            picture = half_block_preview(a.data) if self.preview else None
+            picture = image_preview(a.data, self.preview)
             if picture is not None:
-                yield Static(picture, classes="preview")
+                yield picture
         with Vertical(classes="chip-text"):
             yield Label(a.name, classes="chip-name", markup=False)
             yield Label(a.info, classes="chip-info", markup=False)
