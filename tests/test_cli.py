@@ -61,7 +61,8 @@ def test_run_sampling_is_seeded(tiny):
 
 
 def test_dry_and_xtc_flags_reach_the_sampler():
-    from app.cli import _params, _parser
+    from app.cli import _parser
+    from app.cli_options import _params
 
     a = _parser().parse_args(["run", "--prompt", "x", "--dry-multiplier", "0.8", "--dry-base", "2",
                               "--dry-allowed-length", "3", "--dry-penalty-last-n", "-1",
