@@ -141,6 +141,7 @@ def write_tiny_gemma4(path: Path, spec: TinySpec, seed: int = 0) -> Path:
 
     w = GGUFWriter(str(path), arch=arch)
     w.add_name("tiny-gemma4")
+    w.add_string("general.finetune", "it")  # a chat model (models/model_kind.py), as E2B-it
     w.add_uint32(f"{arch}.block_count", L)
     w.add_uint32(f"{arch}.context_length", 4096)
     w.add_uint32(f"{arch}.embedding_length", d)
