@@ -11,7 +11,9 @@ from typing import Optional
 
 import torch
 
-from models.ops import attention, decode_attention, decode_attention_parts
+from kernels.ggml_attention import BUCKET
+from models.ops import (attention, cpu_kernels_attend, decode_attention, decode_attention_masked,
+                        decode_attention_parts)
 
 from .kv_pool import HybridKVPool
 
@@ -210,6 +212,38 @@ class SequenceKV:
             self._reads[key] = out
         return self._reads[key]
 
+    def _masked(self, layer: int, window: Optional[int]):
+        """(k, v, mask) for ggml's decode attention (kernels/ggml_attention.py): k, v [S, n_kv, hd]
+        views of `layer`'s slab over the slots [lo, lo + S) that hold every position this step's
+        query sees, mask float16 [1, S] (0 at those slots, -inf elsewhere); S a multiple of BUCKET
+        (one graph serves a growing sequence for BUCKET steps). None for 8-bit pools, or slots
+        spread over more than twice their count (a fragmented pool: the torch path reads them).
+        The window and mask once a step per pool and window (slabs of a pool share slots)."""
+        slab = self.pools.slab(layer)
+        pool = self.pools.pool_of(slab)
+        if pool.fmt.scaled:
+            return None
+        key = ("masked", pool.name, window)
+        if key not in self._reads:
+            slots, positions = self._slots(pool)
+            if window:
+                slots = slots[positions > len(self) - 1 - window]
+            out, n = None, slots.numel()
+            if n:
+                lo, hi = (int(x) for x in torch.aminmax(slots))
+                size = min(pool.capacity, -(-(hi - lo + 1) // BUCKET) * BUCKET)
+                if size <= 2 * n + BUCKET:
+                    lo = min(lo, pool.capacity - size)
+                    mask = torch.full((1, size), float("-inf"), dtype=torch.float16)
+                    mask[0, slots - lo] = 0.0
+                    out = (lo, size, mask)
+            self._reads[key] = out
+        hit = self._reads[key]
+        if hit is None:
+            return None
+        lo, size, mask = hit
+        return pool.k[slab][lo:lo + size], pool.v[slab][lo:lo + size], mask
+
     def attend(self, layer: int, q: torch.Tensor, pos: torch.Tensor, window: Optional[int],
                scale: float) -> torch.Tensor:
         """Attention of `layer` over its slab (the source's when sharing, its own copy in the debug
@@ -218,6 +252,9 @@ class SequenceKV:
         reads the slots in place."""
         if self.backend is None:
             decode = q.shape[0] == 1 and q.device.type == "cpu"
+            masked = self._masked(layer, window) if decode and cpu_kernels_attend(q) else None
+            if masked is not None:  # llama.cpp's kernel over a window of the slab (kernels/ggml_attention.py)
+                return decode_attention_masked(q, *masked, scale)
             visible = self._visible(layer, window) if decode else None
             if visible is not None:
                 return decode_attention(q, visible[0], visible[1], scale)
