@@ -4,8 +4,9 @@ The engine decodes as `run` and the app do (scheduler, pooled KV); the step's pi
 wrapping them for the measured steps only: the layer stretches the models call through
 models/ops.py (the attention prologue, the residual after attention, the MLP and everything after
 it: each one ggml graph with its products on llama.cpp's kernels, several torch ops and products on
-the torch formats), the attention over the KV slabs, the KV writes, the embedding lookups, the
-head (product + softcap) and sampling; "other" is the rest of the step (Python, the scheduler).
+the torch formats), the attention over the KV slabs, the KV writes (made inside the prologue, so
+counted there too), the embedding lookups, the head (product + softcap) and sampling; "other" is
+the rest of the step (Python, the scheduler).
 Wall time, so a busy machine shows up in it (the table says the load average). torch's own
 profiler adds the top aten ops (it does not see ggml, which runs under ctypes).
 """
@@ -83,7 +84,7 @@ def profile_decode(lm, context: int = 1024, steps: int = 16, aten_rows: int = 12
             for mod in (g4, g3):
                 if hasattr(mod, name):
                     stack.enter_context(_timed(acc, mod, name, label))
-        stack.enter_context(_timed(acc, SequenceKV, "attend", "attention (torch, over the slab runs)"))
+        stack.enter_context(_timed(acc, SequenceKV, "attend", "attention (ggml flash attention over the slab)"))
         stack.enter_context(_timed(acc, SequenceKV, "write", "KV writes into the pools"))
         stack.enter_context(_timed(acc, family, "embed", "embedding rows + per-layer inputs"))
         stack.enter_context(_timed(acc, family, "head", "head (tied embedding product + softcap)"))
