@@ -260,7 +260,7 @@ well_formed = st.builds(
 bodies = bodies | structured | well_formed
 raw_bodies = st.binary(max_size=64) | st.sampled_from([b"{", b"[]", b"null", b'{"messages": [}', b"\xff\xfe"])
 FUZZ_CASES = 2000
-TOOL_FUZZ_CASES = 400
+TOOL_FUZZ_CASES = 600  # 23-36 of 400 reached the engine with a schema, as the strategies' draws moved
 
 
 def _fuzz(server, monkeypatch, endpoints, strategy, n) -> tuple[dict, dict]:
@@ -315,6 +315,7 @@ def test_fuzzed_tool_and_schema_requests_on_the_chat_endpoints_never_get_a_5xx(s
     chat endpoints only, so that many get past validation into rendering and constrained decoding."""
     statuses, reached = _fuzz(server, monkeypatch, ["/v1/chat/completions", "/api/chat"],
                               structured | well_formed, TOOL_FUZZ_CASES)
-    assert reached["tools"] >= 30 and reached["constraint"] >= 30, reached  # (derandomized: the same draws each run)
+    # derandomized, but the draws move when a strategy's inputs do (the API's field lists): >= 5% each
+    assert reached["tools"] >= 30 and reached["constraint"] >= 30, reached
     print(f"\ntool fuzz: {sum(statuses.values())} requests, statuses {dict(sorted(statuses.items()))}, served "
           f"with tools {reached['tools']}, with a schema {reached['constraint']}")
