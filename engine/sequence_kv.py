@@ -244,6 +244,25 @@ class SequenceKV:
         lo, size, mask = hit
         return pool.k[slab][lo:lo + size], pool.v[slab][lo:lo + size], mask
 
+    def decode_target(self, layer: int, window: Optional[int]):
+        """For a layer computed whole in one ggml graph (kernels/ggml_layer.py): (k slab, v slab,
+        this token's slot [1], k window, v window, mask) of `layer`'s own float32 slabs, or None
+        (a kernel backend, more than one token, a KV-shared layer, the debug copies, another
+        format, or a window `_masked` does not give)."""
+        if self.backend is not None or self.pools.copies or self._step is None or len(self._pos) != 1:
+            return None
+        slab = self.pools.slab(layer)
+        if slab != layer:
+            return None
+        pool = self.pools.pool_of(slab)
+        if pool.k[slab].dtype != torch.float32 or pool.fmt.scaled:
+            return None
+        masked = self._masked(layer, window)
+        if masked is None:
+            return None
+        new_full, new_win = self._step
+        return (pool.k[slab], pool.v[slab], new_win if pool is self.pools.window else new_full, *masked)
+
     def attend(self, layer: int, q: torch.Tensor, pos: torch.Tensor, window: Optional[int],
                scale: float) -> torch.Tensor:
         """Attention of `layer` over its slab (the source's when sharing, its own copy in the debug

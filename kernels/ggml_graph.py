@@ -21,9 +21,10 @@ import torch
 
 from .ggml import F32, GGMLError, Matrix, _InitParams, _load
 
-I32, F16, BF16 = 26, 1, 30  # GGML_TYPE_*
+I32, I64, F16, BF16 = 26, 27, 1, 30  # GGML_TYPE_*
 _P = ctypes.c_void_p
-_DTYPES = {torch.float32: (F32, 4), torch.int32: (I32, 4), torch.float16: (F16, 2), torch.bfloat16: (BF16, 2)}
+_DTYPES = {torch.float32: (F32, 4), torch.int32: (I32, 4), torch.int64: (I64, 8), torch.float16: (F16, 2),
+           torch.bfloat16: (BF16, 2)}
 _extra: dict = {}
 
 
@@ -90,6 +91,8 @@ class Graph:
         self.max_nodes = max_nodes
         self._inputs: list[tuple[int, int]] = []  # (view, base): both re-pointed per run
         self._outputs: list[int] = []
+        self._first: list[int] = []  # nodes computed before the outputs (`expand`)
+        self._aliases: list[tuple[int, int]] = []  # (view node, input index): re-pointed with that input
         self._keep: list = []  # constants bound at build: kept alive with the graph
         self._graph = self._galloc = None
 
@@ -145,6 +148,16 @@ class Graph:
         self.f["set_output"](node)
         self._outputs.append(node)
 
+    def expand(self, node: int) -> None:
+        """Compute `node` (and what it needs) before the outputs' nodes: a store into an input
+        (`ggml_set_rows`) that a later node reads through another input."""
+        self._first.append(node)
+
+    def alias(self, node: int, input_index: int) -> None:
+        """`node` is a view of input `input_index` made by an op (ggml_set_rows returns a view of
+        its destination): its data pointer is re-pointed with that input on every run."""
+        self._aliases.append((node, input_index))
+
     def view(self, a: int, ne: Sequence[int], nb: Sequence[int], offset: int) -> int:
         """A view of an intermediate node (ne innermost first, nb in bytes; 4 dims, padded)."""
         ne, nb = list(ne) + [1] * (4 - len(ne)), list(nb)
@@ -165,7 +178,7 @@ class Graph:
 
     def finish(self) -> "Graph":
         self._graph = self.lib.new_graph_custom(self.ctx, self.max_nodes, False)
-        for node in self._outputs:
+        for node in self._first + self._outputs:
             self.lib.build_forward_expand(self._graph, node)
         galloc = shared_allocator() if self.shared else self.f["gallocr_new"](self.f["cpu_buft"]())
         self._galloc = None if self.shared else galloc
@@ -185,6 +198,8 @@ class Graph:
                 lib.point(base, ptr)
             for node, t in zip(self._outputs, outputs):
                 lib.point(node, t.data_ptr())
+            for node, i in self._aliases:
+                lib.point(node, inputs[i].data_ptr())
             status = lib.graph_compute(lib.backend, self._graph)
         if status != 0:
             raise GGMLError(f"ggml graph compute failed (status {status})")

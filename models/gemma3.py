@@ -21,6 +21,7 @@ from .ops import (
     attn_residual,
     embedding_rows,
     ffn_residual,
+    fused_decode_layer,
     kernel_path,
     quant_rows_to_device,
     quantized_table,
@@ -152,12 +153,18 @@ class Gemma3Model(DecoderModel):
         hd = cfg.head_dim
         a = self.pre_norm(x, w[b + "attn_norm.weight"])
         cos, sin = self.rope(i, pos, rope_dtype(x))
+        nxt = w[f"blk.{i + 1}.attn_norm.weight"] if i + 1 < cfg.n_layer else w["output_norm.weight"]
+        if not trace:  # a decode token on llama.cpp's CPU kernels: the whole layer in one ggml graph
+            fused = fused_decode_layer(x, a, w, b, cfg.n_head, cfg.n_kv_head, hd, eps, cos, sin, False, cache, i,
+                                       cfg.window(i), cfg.query_scale, nxt)
+            if fused is not None:
+                self.keep_norm(fused[0], nxt, fused[1])
+                return fused[0]
         # q/k norm + RoPE; v stays raw (Gemma 3 has no v norm); K/V stored
         q = attention_prologue(a, w, b, cfg.n_head, cfg.n_kv_head, hd, eps, cos, sin, cache, i, pos, v_norm=False)
         o = attend(cache, i, i, q, pos, cfg.window(i), scale=cfg.query_scale)
         x, m = attn_residual(x, o, w[b + "attn_output.weight"], w[b + "post_attention_norm.weight"], eps,
                              w[b + "ffn_norm.weight"])
-        nxt = w[f"blk.{i + 1}.attn_norm.weight"] if i + 1 < cfg.n_layer else w["output_norm.weight"]
         x, n = ffn_residual(x, rms_norm(x, w[b + "ffn_norm.weight"], eps) if m is None else m, w, b, eps,
                             next_weight=nxt)
         self.keep_norm(x, nxt, n)  # kernel path: the next layer's attention norm (or the final norm)

@@ -21,6 +21,7 @@ PIECES = {  # label -> (module, attribute) wrapped; layer stretches are patched 
     "attention prologue (projections, q/k norm + RoPE, v norm)": ("attention_prologue",),
     "residual after attention (o projection + norms)": ("attn_residual",),
     "MLP + per-layer input + norms": ("ffn_residual",),
+    "whole layer in one ggml graph (Gemma 3 decode: all of the above and the attention)": ("fused_decode_layer",),
 }
 
 
