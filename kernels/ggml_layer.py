@@ -71,6 +71,7 @@ def decode_layer(x: torch.Tensor, a: torch.Tensor, qkv: Matrix, v_matrix: Option
         g = Graph(160, big)
         gx, ga, gc, gs, gks, gvs, gslot, gkh, gvh, gmask, gpa, gfn, gpf, gnw = (g.input(t) for t in ins)
         gqkw = g.constant(torch.cat([q_weight.expand(n_head, head_dim), k_weight.expand(n_kv, head_dim)]))
+        g._keep += [q_weight, k_weight]  # the key holds their ids: they must outlive the graph
         y = g.mul_mat(g.matrix(qkv), ga)
         width = qkv.shape[0]
         nb = [4, 4 * head_dim, 4 * width]

@@ -492,7 +492,11 @@ def fused_decode_layer(x: torch.Tensor, a: torch.Tensor, w, b: str, n_head: int,
     (kernels/ggml_layer.py): inside `cpu_chains` with ggml attention, the stacked q/k(/v) and
     gate/up matrices on llama.cpp's kernels, and a cache that offers the layer's slabs and window
     (`decode_target`: the engine's float32 pools). -> (h, rms_norm(h) * next_weight), or None
-    where any of that is missing (the four-run path then runs)."""
+    where any of that is missing (the four-run path then runs). Opt-in (EDGEGEM_CPU_LAYER_GRAPH=1):
+    in one full `make test` the demo's first-answer snapshot then got no answer in 300 s (alone,
+    and with every app test, it passes); until that is understood the four runs are the default."""
+    if os.environ.get("EDGEGEM_CPU_LAYER_GRAPH", "0") != "1":  # opt-in until the suite's hang is understood
+        return None
     if x.shape[0] != 1 or not cpu_kernels_attend(x) or _chains(a, cos, sin, next_weight) is None \
             or not hasattr(cache, "decode_target") or cos.shape[-1] == 0:
         return None
