@@ -21,7 +21,7 @@ import torch
 from .ggml import Matrix
 from .ggml_attention import _flash
 from .ggml_graph import Graph, _fns, layout
-from .ggml_ops import _cached, _check, _norm, _rope
+from .ggml_ops import _cached, _check, _norm, _rope, raw_v
 
 
 def _set_rows():
@@ -82,12 +82,7 @@ def decode_layer(x: torch.Tensor, a: torch.Tensor, qkv: Matrix, v_matrix: Option
                    gc, gs, n_half)
         q = g.view(qk, [head_dim, n_head, 1], [4, 4 * head_dim, 4 * head_dim * heads], 0)
         k = g.view(qk, [nk, 1], [4, 4 * head_dim * heads], 4 * nq)
-        if v_matrix is not None:
-            v = g.view(g.mul_mat(g.matrix(v_matrix), ga), [head_dim, n_kv, 1], [4, 4 * head_dim, 4 * nk], 0)
-        elif width >= nq + 2 * nk:
-            v = g.view(y, [head_dim, n_kv, 1], nb, 4 * (nq + nk))
-        else:
-            v = g.view(y, [head_dim, n_kv, 1], nb, 4 * nq)  # no V projection: V is the raw K
+        v = raw_v(g, y, ga, v_matrix, width, n_head, n_kv, head_dim, 1)
         v = _norm(g, v, None, eps) if v_norm else g.cont(v)
         # the stores first: their nodes come before the attention's in the graph's order
         store_k = f["set_rows"](g.ctx, gks, k, gslot)

@@ -267,6 +267,18 @@ def gated_mlp(m: torch.Tensor, gate_up: Matrix, down: Matrix, gate: Optional[Mat
 
 
 # --- whole stretches of a decoder layer ---------------------------------------------------------
+def raw_v(g: Graph, y: int, a: int, v_matrix: Optional[Matrix], width: int, n_head: int, n_kv: int,
+          head_dim: int, T: int) -> int:
+    """The un-normed V view [hd, n_kv, T] of a layer: its own product a V^T (`v_matrix`, another
+    quantization type), the rows after Q and K of the stacked product y [T, width], or (no V
+    projection) the raw K rows."""
+    nq, nk = n_head * head_dim, n_kv * head_dim
+    if v_matrix is not None:
+        return g.view(g.mul_mat(g.matrix(v_matrix), a), [head_dim, n_kv, T], [4, 4 * head_dim, 4 * nk], 0)
+    nb = [4, 4 * head_dim, 4 * width]
+    return g.view(y, [head_dim, n_kv, T], nb, 4 * (nq + nk) if width >= nq + 2 * nk else 4 * nq)
+
+
 def attention_prologue(a: torch.Tensor, qkv: Matrix, v_matrix: Optional[Matrix], n_head: int, n_kv: int,
                        head_dim: int, q_weight: torch.Tensor, k_weight: Optional[torch.Tensor], eps: float,
                        cos: torch.Tensor, sin: torch.Tensor, v_norm: bool = True):
@@ -295,13 +307,7 @@ def attention_prologue(a: torch.Tensor, qkv: Matrix, v_matrix: Optional[Matrix],
             gkw = g.input(k_weight)
             k = g.view(y, [head_dim, n_kv, T], nb, 4 * nq)
             g.output(_rope(g, _norm(g, k, gkw, eps), head_dim, n_kv, T, gc, gs, n_half))
-            if v_matrix is not None:
-                vy = g.mul_mat(g.matrix(v_matrix), ga)
-                v = g.view(vy, [head_dim, n_kv, T], [4, 4 * head_dim, 4 * nk], 0)
-            elif width >= nq + 2 * nk:
-                v = g.view(y, [head_dim, n_kv, T], nb, 4 * (nq + nk))
-            else:
-                v = k  # no V projection: V is the raw K
+            v = raw_v(g, y, ga, v_matrix, width, n_head, n_kv, head_dim, T)
             g.output(_norm(g, v, None, eps) if v_norm else g.cont(v))
         return g.finish()
 
