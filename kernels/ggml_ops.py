@@ -293,7 +293,7 @@ def attention_prologue(a: torch.Tensor, qkv: Matrix, v_matrix: Optional[Matrix],
     cos3, sin3 = cos.reshape(T, 1, n_half), sin.reshape(T, 1, n_half)
     shared = k_weight is None
     ins = [a, q_weight, cos3, sin3] + ([] if shared else [k_weight])
-    nq, nk = n_head * head_dim, n_kv * head_dim
+    nq = n_head * head_dim
 
     def build(big):
         g = Graph(96, big)
