@@ -43,12 +43,26 @@ async def first_answer(pilot, blank_speeds: bool = False, timeout: float = 300.0
             raise TimeoutError("the demo model did not load")
         await pilot.pause(0.1)
     chat = app.screen
-    chat.query_one("#input").text = PROMPT
-    await pilot.press("enter")
-    # the screen sets last_stats after the answer's view is finished: wait for that too
-    while chat.gen is not None or len(chat.messages) < 2 or chat.last_stats is None:
+    # the screen focuses its input at the end of its mount: text or Enter before that can be lost
+    while not (chat.query("#input") and chat.query_one("#input").has_focus):
         if asyncio.get_running_loop().time() > end:
-            raise TimeoutError("no answer in time")
+            raise TimeoutError(f"the chat input never took the focus ({app.focused!r} has it)")
+        await pilot.pause(0.05)
+    box = chat.query_one("#input")
+    box.text = PROMPT
+    await pilot.press("enter")
+    while chat.gen is not None or len(chat.messages) < 2:
+        if asyncio.get_running_loop().time() > end:
+            raise TimeoutError(f"no answer in {timeout:.0f} s ({len(chat.messages)} messages; "
+                               f"{'no generation' if chat.gen is None else f'{chat.gen.tokens} tokens streamed'})")
+        await pilot.pause(0.1)
+    answer = chat.messages[-1]
+    if answer.status != "done":  # a failed generation says why instead of timing out
+        raise RuntimeError(f"the demo's answer ended {answer.status}: {answer.stats.get('error')}")
+    # the screen sets last_stats after the answer's view is finished: wait for that too
+    while chat.last_stats is None:
+        if asyncio.get_running_loop().time() > end:
+            raise TimeoutError("no status after the answer")
         await pilot.pause(0.1)
     if blank_speeds:
         chat.last_stats = {**chat.last_stats, "prefill_tok_s": 0.0, "decode_tok_s": 0.0}
