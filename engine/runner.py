@@ -45,6 +45,14 @@ class ModelRunner:
             if failpoints.ACTIVE:
                 failpoints.maybe_fail("forward.oom")
             x, pl = model.embed(ids) if media is None else model.embed(ids, media)
+            step = getattr(model, "decode_step", None) if len(tokens) == 1 and want_logits and pl is None \
+                and media is None and not return_hidden else None
+            out = step(x, pos, kv) if step is not None else None
+            if out is not None:  # the whole token as one ggml graph (Gemma 3 on llama.cpp's CPU kernels)
+                logits, h = out
+                watch.layer(L - 1, h)
+                watch.check()
+                return logits if all_rows else logits[0]
             for i in range(self.first_shared):
                 x = model.layer(i, x, pos, None if pl is None else pl[:, i], kv)
                 watch.layer(i, x)

@@ -36,6 +36,50 @@ def _set_rows():
     return f
 
 
+def layer_nodes(g: Graph, gx: int, ga: int, qkv: Matrix, v_matrix: Optional[Matrix], n_head: int, n_kv: int,
+                head_dim: int, gqkw: int, eps: float, gc: int, gs: int, n_half: int, v_norm: bool,
+                gks: int, gvs: int, gslot: int, gkh: int, gvh: int, gmask: int, scale: float,
+                w_o: Matrix, gpa: int, gfn: int, gate_up: Matrix, down: Matrix, gpf: int, gnw: int) -> tuple[int, int, tuple[int, int]]:
+    """The nodes of one decode layer in graph g (handles of its inputs: gx the residual [d, 1],
+    ga its attention pre-norm, gqkw the q and k norm weights side by side [hd, n_head + n_kv],
+    gc/gs cos/sin [n_half, 1, 1], gks/gvs the slabs [n_kv·hd, capacity], gslot the slot, gkh/gvh
+    the window [hd, S, n_kv], gmask [S, 1], the norm weights) -> (h, rms_norm(h) · gnw, the two
+    stores): the stores are expanded ahead of the attention; the caller aliases them to the slab
+    inputs (`Graph.alias`)."""
+    f = _set_rows()
+    nq, nk = n_head * head_dim, n_kv * head_dim
+    y = g.mul_mat(g.matrix(qkv), ga)
+    width = qkv.shape[0]
+    nb = [4, 4 * head_dim, 4 * width]
+    # q and k side by side in the product: one RMSNorm, one weight product (q's weight on the
+    # query heads, k's on the key heads) and one RoPE for both (the same values, half the nodes)
+    heads = n_head + n_kv
+    qk = _rope(g, g.mul(g.rms_norm(g.view(y, [head_dim, heads, 1], nb, 0), eps), gqkw), head_dim, heads, 1,
+               gc, gs, n_half)
+    q = g.view(qk, [head_dim, n_head, 1], [4, 4 * head_dim, 4 * head_dim * heads], 0)
+    k = g.view(qk, [nk, 1], [4, 4 * head_dim * heads], 4 * nq)
+    v = raw_v(g, y, ga, v_matrix, width, n_head, n_kv, head_dim, 1)
+    v = _norm(g, v, None, eps) if v_norm else g.cont(v)
+    # the stores first: their nodes come before the attention's in the graph's order
+    store_k = f["set_rows"](g.ctx, gks, k, gslot)
+    store_v = f["set_rows"](g.ctx, gvs, g.view(v, [nk, 1], [4, 4 * nk], 0), gslot)
+    g.expand(store_k)
+    g.expand(store_v)
+    qp = f["permute"](g.ctx, q, 0, 2, 1, 3)  # [hd, n_head, 1] -> [hd, 1, n_head]
+    o = _flash()(g.ctx, qp, gkh, gvh, gmask, float(scale), 0.0, 0.0)  # [hd, n_head, 1]
+    o2 = g.view(o, [nq, 1], [4, 4 * nq], 0)
+    h = g.add(gx, _norm(g, g.mul_mat(g.matrix(w_o), o2), gpa, eps))
+    m = _norm(g, h, gfn, eps)
+    act = g.geglu(g.mul_mat(g.matrix(gate_up), m))
+    h = g.add(h, _norm(g, g.mul_mat(g.matrix(down), act), gpf, eps))
+    return h, _norm(g, h, gnw, eps), (store_k, store_v)
+
+
+def qk_weights(q_weight: torch.Tensor, k_weight: torch.Tensor, n_head: int, n_kv: int, head_dim: int) -> torch.Tensor:
+    """The q and k norm weights side by side [n_head + n_kv, hd] (a constant of the graph)."""
+    return torch.cat([q_weight.expand(n_head, head_dim), k_weight.expand(n_kv, head_dim)])
+
+
 def decode_layer(x: torch.Tensor, a: torch.Tensor, qkv: Matrix, v_matrix: Optional[Matrix], n_head: int,
                  n_kv: int, head_dim: int, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
                  cos: torch.Tensor, sin: torch.Tensor, v_norm: bool,
@@ -57,7 +101,6 @@ def decode_layer(x: torch.Tensor, a: torch.Tensor, qkv: Matrix, v_matrix: Option
         raise ValueError("ggml decode_layer: one row, float32 contiguous slabs, an int64 slot, float32 windows "
                          f"and a float16 mask; got x {tuple(x.shape)}, slabs {k_slab.dtype}/{v_slab.dtype}, "
                          f"slot {slot.dtype} {tuple(slot.shape)}, window {k_win.dtype}, mask {mask.dtype}")
-    f = _set_rows()
     n_half = cos.shape[-1]
     cos3, sin3 = cos.reshape(1, 1, n_half), sin.reshape(1, 1, n_half)
     cap = k_slab.shape[0]
@@ -65,41 +108,19 @@ def decode_layer(x: torch.Tensor, a: torch.Tensor, qkv: Matrix, v_matrix: Option
     slot = slot.reshape(1)
     kh, vh = k_win.permute(1, 0, 2), v_win.permute(1, 0, 2)  # ggml [hd, S, n_kv]
     ins = [x, a, cos3, sin3, ks2, vs2, slot, kh, vh, mask, post_attn, ffn_norm, post_ffw, next_weight]
-    nq, nk = n_head * head_dim, n_kv * head_dim
 
     def build(big):
         g = Graph(160, big)
         gx, ga, gc, gs, gks, gvs, gslot, gkh, gvh, gmask, gpa, gfn, gpf, gnw = (g.input(t) for t in ins)
-        gqkw = g.constant(torch.cat([q_weight.expand(n_head, head_dim), k_weight.expand(n_kv, head_dim)]))
+        gqkw = g.constant(qk_weights(q_weight, k_weight, n_head, n_kv, head_dim))
         g._keep += [q_weight, k_weight]  # the key holds their ids: they must outlive the graph
-        y = g.mul_mat(g.matrix(qkv), ga)
-        width = qkv.shape[0]
-        nb = [4, 4 * head_dim, 4 * width]
-        # q and k side by side in the product: one RMSNorm, one weight product (q's weight on the
-        # query heads, k's on the key heads) and one RoPE for both (the same values, half the nodes)
-        heads = n_head + n_kv
-        qk = _rope(g, g.mul(g.rms_norm(g.view(y, [head_dim, heads, 1], nb, 0), eps), gqkw), head_dim, heads, 1,
-                   gc, gs, n_half)
-        q = g.view(qk, [head_dim, n_head, 1], [4, 4 * head_dim, 4 * head_dim * heads], 0)
-        k = g.view(qk, [nk, 1], [4, 4 * head_dim * heads], 4 * nq)
-        v = raw_v(g, y, ga, v_matrix, width, n_head, n_kv, head_dim, 1)
-        v = _norm(g, v, None, eps) if v_norm else g.cont(v)
-        # the stores first: their nodes come before the attention's in the graph's order
-        store_k = f["set_rows"](g.ctx, gks, k, gslot)
-        store_v = f["set_rows"](g.ctx, gvs, g.view(v, [nk, 1], [4, 4 * nk], 0), gslot)
-        qp = f["permute"](g.ctx, q, 0, 2, 1, 3)  # [hd, n_head, 1] -> [hd, 1, n_head]
-        o = _flash()(g.ctx, qp, gkh, gvh, gmask, float(scale), 0.0, 0.0)  # [hd, n_head, 1]
-        o2 = g.view(o, [nq, 1], [4, 4 * nq], 0)
-        h = g.add(gx, _norm(g, g.mul_mat(g.matrix(w_o), o2), gpa, eps))
-        m = _norm(g, h, gfn, eps)
-        act = g.geglu(g.mul_mat(g.matrix(gate_up), m))
-        h = g.add(h, _norm(g, g.mul_mat(g.matrix(down), act), gpf, eps))
-        g.expand(store_k)
-        g.expand(store_v)
+        h, n, (store_k, store_v) = layer_nodes(g, gx, ga, qkv, v_matrix, n_head, n_kv, head_dim, gqkw, eps, gc, gs,
+                                               n_half, v_norm, gks, gvs, gslot, gkh, gvh, gmask, scale, w_o, gpa,
+                                               gfn, gate_up, down, gpf, gnw)
         g.alias(store_k, 4)
         g.alias(store_v, 5)
         g.output(h)
-        g.output(_norm(g, h, gnw, eps))
+        g.output(n)
         return g.finish()
 
     key = ("layer", id(qkv), id(v_matrix), id(w_o), id(gate_up), id(down), id(q_weight), id(k_weight), layout(x), layout(cos3), layout(ks2),

@@ -13,6 +13,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from .decoder import DecoderModel, Trace
+from .ggml_decode import fused_decode_layer, fused_decode_step
 from .kv_cache import KVStore
 from .metadata import ConfigError, metadata_reader, vocab_size_of
 from .ops import (
@@ -21,7 +22,6 @@ from .ops import (
     attn_residual,
     embedding_rows,
     ffn_residual,
-    fused_decode_layer,
     kernel_path,
     quant_rows_to_device,
     quantized_table,
@@ -30,6 +30,7 @@ from .ops import (
     rope_inv_freq,
     rows_to_device,
     head_logits,
+    softcap,
 )
 from .weights import load_weights
 
@@ -171,6 +172,23 @@ class Gemma3Model(DecoderModel):
         if trace:
             trace("l_out", i, x)
         return x
+
+    def decode_step(self, x: torch.Tensor, pos: torch.Tensor, cache) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """One embedded decode token x [1, d] through every layer, the final norm and the head as
+        one ggml graph (models.ggml_decode.fused_decode_step) -> (logits [1, vocab], the last layer's
+        residual [1, d]: for the caller's finite check), or None where it does not apply (the
+        caller then runs the layers one by one)."""
+        cfg = self.cfg
+        sets = {}
+        rope_of = [sets.setdefault(self._rope_key(i, None), len(sets)) for i in range(cfg.n_layer)]
+        first = {r: i for i, r in reversed(list(enumerate(rope_of)))}
+        ropes = [self.rope(first[r], pos, rope_dtype(x)) for r in range(len(sets))]
+        out = fused_decode_step(x, self.w, cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.rms_eps, ropes,
+                                rope_of, [cfg.window(i) for i in range(cfg.n_layer)], cfg.query_scale, False, cache,
+                                self.head_w, self)
+        if out is None:
+            return None
+        return softcap(out[0], cfg.final_softcap), out[1]
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.pre_norm(x, self.w["output_norm.weight"])

@@ -33,7 +33,7 @@ def test_one_graph_a_layer_gives_the_four_runs_bits(gemma3_270m_path, monkeypatc
     import models.gemma3 as g3
     from engine.api import open_model
 
-    monkeypatch.setenv("EDGEGEM_CPU_LAYER_GRAPH", "1")
+    monkeypatch.setenv("EDGEGEM_CPU_STEP_GRAPH", "0")  # the layer graphs, not the whole-token one
     lm = open_model(gemma3_270m_path, exact=False)
     text = lm.tokenizer.encode("The lighthouse keeper climbed the stairs and")
     prompts = (text, text[:5] + [236743] * 3)
