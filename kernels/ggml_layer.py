@@ -75,6 +75,18 @@ def layer_nodes(g: Graph, gx: int, ga: int, qkv: Matrix, v_matrix: Optional[Matr
     return h, _norm(g, h, gnw, eps), (store_k, store_v)
 
 
+def check_target(who: str, x: torch.Tensor, k_slab: torch.Tensor, v_slab: torch.Tensor, slot: torch.Tensor,
+                 k_win: torch.Tensor, mask: torch.Tensor) -> None:
+    """One token x and a layer's cache target as the graphs take it (float32 contiguous slabs, an
+    int64 slot, float32 windows, a float16 mask), or a one-line ValueError naming `who`."""
+    if (x.shape[0] != 1 or k_slab.dtype != torch.float32 or v_slab.dtype != torch.float32
+            or not k_slab.is_contiguous() or not v_slab.is_contiguous() or slot.dtype != torch.int64
+            or slot.numel() != 1 or k_win.dtype != torch.float32 or mask.dtype != torch.float16):
+        raise ValueError(f"{who}: one row, float32 contiguous slabs, an int64 slot, float32 windows "
+                         f"and a float16 mask; got x {tuple(x.shape)}, slabs {k_slab.dtype}/{v_slab.dtype}, "
+                         f"slot {slot.dtype} {tuple(slot.shape)}, window {k_win.dtype}, mask {mask.dtype}")
+
+
 def qk_weights(q_weight: torch.Tensor, k_weight: torch.Tensor, n_head: int, n_kv: int, head_dim: int) -> torch.Tensor:
     """The q and k norm weights side by side [n_head + n_kv, hd] (a constant of the graph)."""
     return torch.cat([q_weight.expand(n_head, head_dim), k_weight.expand(n_kv, head_dim)])
@@ -95,12 +107,7 @@ def decode_layer(x: torch.Tensor, a: torch.Tensor, qkv: Matrix, v_matrix: Option
     ffn_residual without a per-layer input -> (h [1, d], rms_norm(h) * next_weight). The slabs
     receive this token's K and V."""
     _check(x, a, q_weight, k_weight, cos, sin, post_attn, ffn_norm, post_ffw, next_weight)
-    if (x.shape[0] != 1 or k_slab.dtype != torch.float32 or v_slab.dtype != torch.float32
-            or not k_slab.is_contiguous() or not v_slab.is_contiguous() or slot.dtype != torch.int64
-            or slot.numel() != 1 or k_win.dtype != torch.float32 or mask.dtype != torch.float16):
-        raise ValueError("ggml decode_layer: one row, float32 contiguous slabs, an int64 slot, float32 windows "
-                         f"and a float16 mask; got x {tuple(x.shape)}, slabs {k_slab.dtype}/{v_slab.dtype}, "
-                         f"slot {slot.dtype} {tuple(slot.shape)}, window {k_win.dtype}, mask {mask.dtype}")
+    check_target("ggml decode_layer", x, k_slab, v_slab, slot, k_win, mask)
     n_half = cos.shape[-1]
     cos3, sin3 = cos.reshape(1, 1, n_half), sin.reshape(1, 1, n_half)
     cap = k_slab.shape[0]

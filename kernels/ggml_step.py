@@ -24,7 +24,7 @@ import torch
 
 from .ggml import Matrix
 from .ggml_graph import Graph, layout
-from .ggml_layer import layer_nodes, qk_weights
+from .ggml_layer import check_target, layer_nodes, qk_weights
 from .ggml_ops import _check, _norm
 
 
@@ -77,10 +77,7 @@ def decode_step(owner, x: torch.Tensor, layers: Sequence[StepLayer], ropes: Sequ
     if x.shape[0] != 1 or not layers:
         raise ValueError(f"ggml decode_step: one token and at least one layer, got x {tuple(x.shape)}")
     for ly in layers:
-        if (ly.k_slab.dtype != torch.float32 or ly.v_slab.dtype != torch.float32 or not ly.k_slab.is_contiguous()
-                or not ly.v_slab.is_contiguous() or ly.slot.dtype != torch.int64 or ly.slot.numel() != 1
-                or ly.mask.dtype != torch.float16):
-            raise ValueError("ggml decode_step: float32 contiguous slabs, an int64 slot and a float16 mask per layer")
+        check_target("ggml decode_step", x, ly.k_slab, ly.v_slab, ly.slot, ly.k_win, ly.mask)
     n_half = ropes[0][0].shape[-1]
     ins = _Inputs()
     ins.add(x)

@@ -179,10 +179,10 @@ class Gemma3Model(DecoderModel):
         residual [1, d]: for the caller's finite check), or None where it does not apply (the
         caller then runs the layers one by one)."""
         cfg = self.cfg
-        sets = {}
-        rope_of = [sets.setdefault(self._rope_key(i, None), len(sets)) for i in range(cfg.n_layer)]
-        first = {r: i for i, r in reversed(list(enumerate(rope_of)))}
-        ropes = [self.rope(first[r], pos, rope_dtype(x)) for r in range(len(sets))]
+        firsts = self.rope_sets()  # one layer of each frequency set
+        set_of = {self._rope_key(i, None): r for r, i in enumerate(firsts)}
+        rope_of = [set_of[self._rope_key(i, None)] for i in range(cfg.n_layer)]
+        ropes = [self.rope(i, pos, rope_dtype(x)) for i in firsts]
         out = fused_decode_step(x, self.w, cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.rms_eps, ropes,
                                 rope_of, [cfg.window(i) for i in range(cfg.n_layer)], cfg.query_scale, False, cache,
                                 self.head_w, self)

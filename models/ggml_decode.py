@@ -17,15 +17,18 @@ import torch
 from .ops import _chains, cpu_kernels_attend
 
 
-def _layer_graph_parts(x: torch.Tensor, w, b: str, n_head: int, head_dim: int, cache, layer: int,
-                       window: Optional[int], *tables: torch.Tensor):
-    """What a layer needs to run inside a ggml graph as a decode token: (qkv, v, w_o, gate_up,
-    down matrices for one row, the cache's `decode_target`), or None where any of it is missing:
-    outside `cpu_chains` with ggml attention, a matrix not on llama.cpp's kernels, q/k not
-    stacked, a cache without float32 slabs or a window `_masked` does not give."""
-    if x.shape[0] != 1 or not cpu_kernels_attend(x) or _chains(*tables) is None \
-            or not hasattr(cache, "decode_target"):
-        return None
+def _token_ready(x: torch.Tensor, cache, *tables: torch.Tensor) -> bool:
+    """One token inside `cpu_chains` with ggml attention, `tables` (norm weights, cos/sin) as the
+    chains take them, and a cache that offers its slabs (`decode_target`)."""
+    return x.shape[0] == 1 and cpu_kernels_attend(x) and _chains(*tables) is not None \
+        and hasattr(cache, "decode_target")
+
+
+def _layer_graph_parts(w, b: str, n_head: int, head_dim: int, cache, layer: int, window: Optional[int]):
+    """What a layer needs to run inside a ggml graph as a decode token (`_token_ready` checked):
+    (qkv, v, w_o, gate_up, down matrices for one row, the cache's `decode_target`), or None where
+    any of it is missing: a matrix not on llama.cpp's kernels, q/k not stacked, a cache without
+    float32 slabs or a window `_masked` does not give."""
     qkv, v_m = w.get(b + "attn_qkv.weight"), w.get(b + "attn_v.weight")
     gate_up, down, w_o = w.get(b + "ffn_gate_up.weight"), w[b + "ffn_down.weight"], w[b + "attn_output.weight"]
     mats = (qkv, gate_up, down, w_o) + (() if v_m is None else (v_m,))
@@ -48,7 +51,9 @@ def fused_decode_layer(x: torch.Tensor, a: torch.Tensor, w, b: str, n_head: int,
     where any of that is missing (the four-run path then runs; EDGEGEM_CPU_LAYER_GRAPH=0 forces it)."""
     if cos.shape[-1] == 0 or os.environ.get("EDGEGEM_CPU_LAYER_GRAPH", "1") == "0":
         return None
-    parts = _layer_graph_parts(x, w, b, n_head, head_dim, cache, layer, window, a, cos, sin, next_weight)
+    if not _token_ready(x, cache, a, cos, sin, next_weight):
+        return None
+    parts = _layer_graph_parts(w, b, n_head, head_dim, cache, layer, window)
     if parts is None:
         return None
     from kernels.ggml_layer import decode_layer
@@ -69,14 +74,14 @@ def fused_decode_step(x: torch.Tensor, w, n_layer: int, n_head: int, n_kv: int, 
     set of each layer -> (logits [1, vocab] before any softcap, h [1, d]), or None (the layer by
     layer path then runs; EDGEGEM_CPU_STEP_GRAPH=0 forces it)."""
     if os.environ.get("EDGEGEM_CPU_STEP_GRAPH", "1") == "0" or not hasattr(head, "matrix_for") \
-            or any(c.shape[-1] == 0 for c, _ in ropes):
+            or any(c.shape[-1] == 0 for c, _ in ropes) or not _token_ready(x, cache, *(t for r in ropes for t in r)):
         return None
     from kernels.ggml_step import StepLayer, decode_step
 
     layers = []
     for i in range(n_layer):
         b = f"blk.{i}."
-        parts = _layer_graph_parts(x, w, b, n_head, head_dim, cache, i, windows[i], *ropes[rope_of[i]])
+        parts = _layer_graph_parts(w, b, n_head, head_dim, cache, i, windows[i])
         if parts is None:
             return None
         qkv, v_m, w_o, gate_up, down, (k_slab, v_slab, slot, k_win, v_win, mask) = parts

@@ -12,12 +12,13 @@ from kernels import ggml
 pytestmark = pytest.mark.skipif(not ggml.available(), reason=f"ggml binding unavailable: {ggml.reason()}")
 
 
-def _run(lm, prompts):
+def decode_greedy(lm, prompts, max_tokens: int = 12) -> list[tuple[list[int], list[float]]]:
+    """The engine's greedy tokens and their log-probabilities for `prompts`, decoded together."""
     from engine.sampler import SamplingParams
     from engine.scheduler import Engine, EngineConfig
 
     engine = Engine(lm.model, config=EngineConfig(full_tokens=2048))
-    reqs = [engine.add(list(p), SamplingParams(temperature=0.0, max_tokens=12, logprobs=1)) for p in prompts]
+    reqs = [engine.add(list(p), SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1)) for p in prompts]
     engine.run_to_completion()
     out = []
     for r in reqs:
@@ -41,10 +42,10 @@ def test_one_graph_a_layer_gives_the_four_runs_bits(gemma3_270m_path, monkeypatc
     ran = []
     monkeypatch.setattr(g3, "fused_decode_layer", lambda *a, **k: (lambda r: (ran.append(r is not None), r)[1])(
         fused(*a, **k)))
-    one = _run(lm, prompts)
+    one = decode_greedy(lm, prompts)
     assert sum(ran) >= 2 * 11 * lm.model.cfg.n_layer  # every decode step's every layer (the prompt rows: not)
     monkeypatch.setattr(g3, "fused_decode_layer", lambda *a, **k: None)
-    four = _run(lm, prompts)
+    four = decode_greedy(lm, prompts)
     assert one == four
 
 

@@ -9,25 +9,9 @@ import pytest
 import torch
 
 from kernels import ggml
+from tests.test_ggml_layer import decode_greedy
 
 pytestmark = pytest.mark.skipif(not ggml.available(), reason=f"ggml binding unavailable: {ggml.reason()}")
-
-
-def _run(lm, prompts, max_tokens):
-    from engine.sampler import SamplingParams
-    from engine.scheduler import Engine, EngineConfig
-
-    engine = Engine(lm.model, config=EngineConfig(full_tokens=2048))
-    reqs = [engine.add(list(p), SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1)) for p in prompts]
-    engine.run_to_completion()
-    out = []
-    for r in reqs:
-        events = []
-        while not r.events.empty():
-            events.append(r.events.get_nowait())
-        out.append((r.output_ids, [lp.logprob for ev in events for lp in (ev.logprobs or [])]))
-    engine.check()
-    return out
 
 
 def test_one_graph_a_token_gives_the_layer_graphs_bits(gemma3_270m_path, monkeypatch):
@@ -41,12 +25,12 @@ def test_one_graph_a_token_gives_the_layer_graphs_bits(gemma3_270m_path, monkeyp
     ran = []
     monkeypatch.setattr(gemma3.Gemma3Model, "decode_step",
                         lambda self, *a: (lambda r: (ran.append(r is not None), r)[1])(step(self, *a)))
-    whole = _run(lm, prompts, 14)
+    whole = decode_greedy(lm, prompts, 14)
     assert sum(ran) >= 2 * 13 and all(ran)  # every decode step (the prompts' last rows too)
     monkeypatch.setenv("EDGEGEM_CPU_STEP_GRAPH", "0")
-    layers = _run(lm, prompts, 14)
+    layers = decode_greedy(lm, prompts, 14)
     monkeypatch.setenv("EDGEGEM_CPU_LAYER_GRAPH", "0")
-    four = _run(lm, prompts, 14)
+    four = decode_greedy(lm, prompts, 14)
     assert whole == layers == four
     assert all(len(ids) == 14 for ids, _ in whole)
 
