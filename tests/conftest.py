@@ -1,53 +1,22 @@
 """Shared test fixtures: offline real data (llama.cpp vocab files, Gemma 3 270M) and tiny models.
 
 The llama.cpp vocab GGUFs and their test vectors live in the llama-cpp-python 0.3.36 sdist; it is
-fetched once with pip (a package registry, no model hub) into `.cache/test-data/` and reused.
+fetched once with pip (a package registry, no model hub) into `.cache/test-data/` and reused
+(tests/llama_sdist.py, which also extracts llama.cpp's HF converter from it).
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import tarfile
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-CACHE = Path(os.environ.get("EDGEGEM_TEST_CACHE", REPO / ".cache" / "test-data"))
-LLAMA_SDIST = "llama-cpp-python==0.3.36"
-
-
-def _llama_models_dir() -> Path:
-    """Extract `vendor/llama.cpp/models/ggml-vocab-*` from the llama-cpp-python sdist (once)."""
-    out = CACHE / "llama-vocab"
-    marker = out / ".complete"
-    if marker.exists():
-        return out
-    dl = CACHE / "sdist"
-    dl.mkdir(parents=True, exist_ok=True)
-    tars = sorted(dl.glob("llama_cpp_python-0.3.36.tar.gz"))
-    if not tars:
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-             "--no-binary", "llama-cpp-python", LLAMA_SDIST, "-d", str(dl)],
-            check=True,
-        )
-        tars = sorted(dl.glob("llama_cpp_python-0.3.36.tar.gz"))
-    out.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(tars[0]) as tf:
-        for m in tf.getmembers():
-            if "/vendor/llama.cpp/models/ggml-vocab-" in m.name and m.isfile():
-                m.name = Path(m.name).name
-                tf.extract(m, out, filter="data")
-    marker.touch()
-    return out
+from llama_sdist import CACHE, vocab_dir  # noqa: F401  (tests import CACHE from here)
 
 
 @pytest.fixture(scope="session")
 def llama_vocab_dir() -> Path:
     """Folder holding llama.cpp's `ggml-vocab-*.gguf` files with their `.inp`/`.out` vectors."""
-    return _llama_models_dir()
+    return vocab_dir()
 
 
 @pytest.fixture(scope="session")

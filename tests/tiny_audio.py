@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from llama_sdist import converter_dir
 from tiny_vision import BOI, EOI, IMG, V
 
 BOA, EOA, AUD = 503, 504, 505
-LLAMA_CPP = Path("/work/src/llama_cpp_python-0.3.36/vendor/llama.cpp")
 
 
 def build_tiny_audio(folder: Path):
@@ -130,9 +130,10 @@ def reference(model, clips: list, ids_text: list[list[int]]) -> AudioReference:
 def convert_mmproj(folder: Path, out: Path, outtype: str = "f32") -> Path:
     """llama.cpp's own converter (the 0.3.36 sdist's convert_hf_to_gguf.py --mmproj): the audio
     tensors' names and re-layouts as published mmproj files have them (§7.1)."""
-    env = {**os.environ, "PYTHONPATH": str(LLAMA_CPP / "gguf-py") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    llama_cpp = converter_dir()
+    env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py") + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "NO_LOCAL_GGUF": ""}
-    cmd = [sys.executable, str(LLAMA_CPP / "convert_hf_to_gguf.py"), str(folder), "--mmproj",
+    cmd = [sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(folder), "--mmproj",
            "--outtype", outtype, "--outfile", str(out)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
