@@ -34,7 +34,7 @@ TRITON36_SPEC ?= triton==3.6.*
 T36_DEPS := numpy pytest pytest-asyncio gguf tokenizers jinja2 safetensors platformdirs pillow llama-cpp-python==0.3.36
 KERNEL_TESTS := tests/test_kernels_interpreter.py tests/test_kernels_attention.py tests/test_kernels_fused.py \
 	tests/test_kernels_qkv.py tests/test_kernels_qmatmul.py tests/test_kernels_model.py tests/test_kernels_logits.py \
-	tests/test_kernel_counts.py tests/test_gpu_arch.py \
+	tests/test_kernel_counts.py tests/test_gpu_arch.py tests/test_gpu_bench_compiles.py \
 	tests/test_batch_decode.py::test_triton_backend_batched_equals_reference
 
 $(T36PY):

@@ -119,6 +119,35 @@ def _engine_specs(out, model, variant, kv_formats, batches, verify_rows, prefill
     return out
 
 
+def gpu_check_specs(variant: str = "e2b", kv: str = "bf16", arch: str = "sm_90",
+                    prefills=(2048, 512)) -> dict:
+    """{KernelSpec: [labels]} of what the quick GPU check (packaging/gpu_check.py --quick) launches,
+    as built for `arch`: the engine bench's B = 1 decode step and `prefills`-token chunks with KV
+    `kv`, and the GEMV table's `QuantWeight.linear` launches (every decode GEMV format at the
+    variant's matrix shapes, engine.bench.gemv.SHAPES; a shape that is no whole number of a
+    format's blocks is left out, as the table reports it)."""
+    from kernels.arch import assume_gpu
+    from kernels.compile_check import spec_of
+
+    from .gemv import SHAPES
+
+    specs: dict = {}
+    for i, prefill in enumerate(prefills):
+        for spec, labels in engine_specs(variant, (kv,), batches=(1,) if i == 0 else (), verify_rows=0,
+                                         prefill=prefill, arch=arch, exact_kv_formats=()).items():
+            have = specs.setdefault(spec, [])
+            have.extend(lab for lab in labels if lab not in have)
+    with assume_gpu((int(arch[3:-1]), int(arch[-1]))):
+        for fmt in gemv_formats():
+            for name, n_out, n_in in SHAPES[variant]:
+                try:
+                    launch, _ = gemv_launch(fmt, (n_out, n_in))
+                except (RuntimeError, ValueError):
+                    continue
+                specs.setdefault(spec_of(launch), []).append(f"{variant} gemv {fmt} {name}")
+    return specs
+
+
 def decode_path(labels) -> bool:
     """A spec launched by a decode or verify step (the batched decoder's graph)."""
     return any(" decode " in lab or " verify " in lab for lab in labels)
