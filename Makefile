@@ -7,7 +7,7 @@ VPY := $(VENV)/bin/python
 # CPU build that CI uses; a user who already has a (CUDA) torch in the venv keeps it.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: chat test venv torch clean gpu-check wheels test-triton36
+.PHONY: chat test venv torch clean gpu-check gpu-dry-run wheels test-triton36
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -48,20 +48,43 @@ chat: torch
 	$(VPY) -m pip install --quiet -e ".[demo,preview]"
 	$(VENV)/bin/edgegem
 
-# On a machine with an NVIDIA GPU: the CUDA tests, the decode GEMV bandwidth microbenchmark and an
-# engine bench in one Markdown report, rewritten after every part (path printed; $OUT/gpu-check.md when
-# $OUT is set). Quick by default: E2B's GEMV table and one E2B bench, inside 8 minutes with the install
-# (GPU_CHECK_ARGS= for the full check: E2B/E4B, bf16 and int8 KV; --dry-run: every step but the GPU ones,
-# anywhere). Runs with the machine's own python3 and its CUDA torch, not the CPU venv above; what is
-# missing is installed first, from wheels in .whl/ when that folder exists (`make wheels` fills it here).
+# On a machine with an NVIDIA GPU: the decode GEMV bandwidth table, an engine bench and the CUDA tests,
+# in that order, in one Markdown report rewritten after every part (path printed; $OUT/gpu-check.md
+# when $OUT is set), each part's output in <part>.log beside it. Quick by default: E2B's GEMV table and
+# one E2B bench, inside 440 s (GPU_CHECK_ARGS= for the full check: E2B/E4B, bf16 and int8 KV).
+# Runs with the machine's own python3 and its CUDA torch, not the CPU venv above; what the GPU parts
+# import and the machine lacks is installed first into .site/, from the wheels in .whl/ when that
+# folder exists (`make wheels` fills it here).
 GPU_CHECK_ARGS ?= --quick
 gpu-check:
 	TRITON_INTERPRET=0 $(PY) packaging/gpu_check.py $(GPU_CHECK_ARGS)
 
-# .whl/ for a GPU machine without a package index: gguf, textual and the rest it lacks, for its Python
-# (3.12), from pip's cache; llama-cpp-python as the wheel pip built for `make test`.
+# .whl/ for a GPU machine without a package index: gguf and diskcache for its Python (3.12), from
+# pip's cache; llama-cpp-python as the wheel pip built for `make test` (packaging/gpu_install.py).
 wheels: $(VPY)
 	$(VPY) packaging/gpu_check.py wheels
 
+# The GPU machine's Python without the GPU: a venv holding only what that machine has of ours
+# (python 3.12, torch 2.11 and triton 3.6 as PyPI ships them, numpy, jinja2, tokenizers, pytest)
+# in which `gpu_check.py --quick --dry-run` runs the real install from .whl/ and imports everything
+# the GPU parts import, so a wheel missing from .whl/ fails here, not on the GPU. 4.7 GB and ~2 min
+# to make (PyPI's torch is the CUDA build, as there); the dry run itself ~2 min on 2 busy cores.
+# The first python3.12 that runs (on PATH, else a pyenv install of it), else python3.
+DEVICE_PY ?= $(firstword $(shell python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null) \
+	$(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3)
+DEVICE_SPEC ?= torch==2.11.* triton==3.6.* numpy jinja2 tokenizers pytest
+DEV := .venv-device
+DEVPY := $(DEV)/bin/python
+
+$(DEVPY):
+	$(DEVICE_PY) -m venv $(DEV)
+	$(DEVPY) -m pip install --quiet $(DEVICE_SPEC)
+
+gpu-dry-run: $(DEVPY)
+	@test -d .whl || $(MAKE) --no-print-directory wheels
+	rm -rf .cache/gpu-dry-run
+	$(DEVPY) packaging/gpu_check.py --quick --dry-run --out .cache/gpu-dry-run/gpu-check.md \
+		--site .cache/gpu-dry-run/site
+
 clean:
-	rm -rf $(VENV) $(T36) build *.egg-info
+	rm -rf $(VENV) $(T36) $(DEV) .site build *.egg-info

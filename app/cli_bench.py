@@ -88,6 +88,7 @@ def cmd_bench(a) -> int:
             from engine import api
             model = api.resolve_model(a.model)
         out = gpu_bench(model, device=a.device, budget=a.gpu_memory_budget, kv_cache_dtype=a.kv_cache_dtype,
+                        on_row=_print_row if a.rows else None,
                         swa_kv_cache_dtype=a.swa_kv_cache_dtype, embed_weights=a.embed_weights,
                         fast_prefill=a.fast_prefill == "on",
                         prompts=_int_list(a.prompt_lengths, "--prompt-lengths"),
@@ -98,3 +99,9 @@ def cmd_bench(a) -> int:
     else:
         print(out["table"])
     return 0
+
+
+def _print_row(kind: str, row: dict) -> None:
+    """`bench --rows`: one JSON line per measured row, flushed at once (packaging/gpu_check.py
+    collects them from the stream, so a bench killed at its time limit keeps what it finished)."""
+    print(json.dumps({"row": kind, **row}), flush=True)

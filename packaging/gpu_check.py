@@ -1,35 +1,33 @@
 """`make gpu-check`: the one command to run on a machine with an NVIDIA GPU. Writes one Markdown report.
 
-Parts, each in its own process with its own time limit (one failing or running over does not stop
-the others; the whole run stays inside --budget seconds):
-  1. install   what the project needs and this Python lacks (pyproject dependencies, pytest and
-               llama-cpp-python, which tests/test_cuda.py quantizes its tiny model with);
-  2. pytest    `pytest -m cuda tests/test_cuda.py` with TRITON_INTERPRET=0;
-  3. gemv      per-kernel bandwidth: each decode GEMV format at E2B and E4B shapes through
+Parts, in this order, each in its own process with its own time limit (one failing or running over
+does not stop the others):
+  1. install   the carried wheels of what the GPU parts import and this Python lacks (gguf,
+               llama-cpp-python, diskcache on the workplace's GPU machine), into `.site/`
+               (packaging/gpu_install.py says what and why);
+  2. gemv      per-kernel bandwidth: each decode GEMV format at E2B (and E4B) shapes through
                `QuantWeight.linear` (engine/bench/gemv.py), GB/s and share of the device's peak;
-  4. bench     `edgegem bench --synthetic e2b|e4b --device cuda --gpu-memory-budget 8GiB`, KV bf16
-               and int8_per_token_head (engine.bench.throughput.gpu_bench through the CLI).
-`--quick` (what `make gpu-check` runs; a GPU machine may be lent for a quarter of an hour, install
-included): the same parts with the GEMV table at E2B's shapes and one E2B bench (bf16 KV), inside
-440 s. `--dry-run`: every step but the GPU ones, on any machine: the install (and, with `.whl/`,
-a check that its wheels install on the GPU machine's Python), the CUDA tests collected but not
-run, the GPU parts listed as skipped; tests/test_gpu_check.py runs it on the CPU.
-The report is rewritten after every part, so a run cut short (the device's time limit) still leaves
-the figures of the parts that finished. It goes to --out, else $OUT/gpu-check.md when $OUT is set,
-else ./gpu-check.md; its path is printed last.
+  3. bench     `edgegem --debug bench --synthetic e2b|e4b --device cuda --gpu-memory-budget 8GiB
+               --rows`, KV bf16 (and int8_per_token_head): engine.bench.throughput.gpu_bench;
+  4. pytest    `pytest -m cuda tests/test_cuda.py` with TRITON_INTERPRET=0.
+The figures come first: the tests compile kernels the bench has already compiled. Each part has
+planned seconds (PLAN); what one leaves unused rolls over to the next, and the whole run stays
+inside --budget. `--quick` (what `make gpu-check` runs): the GEMV table at E2B's shapes and one E2B
+bench (bf16 KV), inside 440 s, python's start and the report included in well under 8 minutes.
 
-Installing without network. A GPU machine with no package index (the device machine of the
-workplace this was written in has torch 2.11 + triton 3.6 but no gguf, textual or platformdirs)
-installs the missing packages from wheels in `.whl/` at the repository root (git-ignored: name it in
-the device run's `carry`), filled on a machine with pip's cache by `make wheels` (`python3
-packaging/gpu_check.py wheels`): the pure-Python wheels of GPU_WHEELS at this machine's versions for
-the GPU machine's Python (`--python-version`, 3.12 by default), downloaded with --no-deps (their
-other dependencies, numpy, pyyaml, requests, rich, ..., are on that machine already), and
-llama-cpp-python 0.3.36 as the wheel pip built here for `make test` (its library is loaded through
-ctypes, so the wheel is py3-none-linux_x86_64 and serves any Python). About 26 MB in all.
-When `.whl/` exists the install step runs `pip install --no-index --find-links .whl NAMES` (pip
-takes what is already installed from the environment and the rest from the folder); otherwise a
-plain `pip install NAMES`.
+Nothing finished is lost to a part killed at its limit: the gemv and bench parts print one JSON line
+(`{"row": ...}`) per measured row the moment it is measured, this script collects the rows from the
+stream and echoes each to its stdout at once, and the report (rows included) is rewritten after
+every part. Each part's whole output, each line stamped with its second, goes to `<part>.log`
+beside the report, and a part that fails prints its last lines here. The report goes to --out,
+else $OUT/gpu-check.md when $OUT is set, else ./gpu-check.md; its path is printed last. A full run
+writes the report and at most 7 logs.
+
+`--dry-run`: every part on a machine without a GPU, as far as it gets there: the real install (with
+.whl/: pip resolving its wheels for the GPU machine's Python as well), the GEMV sweep and a tiny
+bench on the CPU under Triton's interpreter (the modules the CUDA run imports, and the streamed
+rows), the real bench command stopping where it needs CUDA, the CUDA tests collected and their
+quantizer imported. `make gpu-dry-run` runs it in a venv holding only the GPU machine's packages.
 """
 from __future__ import annotations
 
@@ -40,30 +38,34 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Optional
 
-REPO = Path(__file__).resolve().parents[1]
-WHEEL_DIR = REPO / ".whl"
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # gpu_install beside it, when loaded by path (the tests) not run
+    sys.path.insert(0, str(HERE))
+import gpu_install  # noqa: E402
+
+REPO = HERE.parent
 BENCH_RUNS = [(variant, kv) for variant in ("e2b", "e4b") for kv in ("bf16", "int8_per_token_head")]
 QUICK_BENCH_RUNS = [("e2b", "bf16")]
-# Seconds per part (cut to what is left of --budget): the first bench of a process also JIT-compiles
-# every kernel it launches (~1 s each), later ones reuse Triton's on-disk cache.
-LIMITS = {"install": 120, "pytest": 180, "gemv": 120, "bench": 120}
-# --quick: 440 s in all, so `make gpu-check` (python start, report) ends inside 8 minutes.
-QUICK_LIMITS = {"install": 60, "pytest": 150, "gemv": 90, "bench": 140}
+# Planned seconds per part, in run order (one "bench" per bench run). A part may run until the sum
+# of the plans up to it, so what earlier parts left unused rolls over. The first bench of a
+# process also JIT-compiles every kernel it launches (~1 s each); later runs reuse Triton's cache.
+PLAN = {"install": 30, "gemv": 150, "bench": 150, "pytest": 120}  # 900 s with four benches
+QUICK_PLAN = {"install": 30, "gemv": 90, "bench": 180, "pytest": 140}  # 440 s
 QUICK_BUDGET = 440.0
-# What a GPU machine lacks (textual's markdown plugins with it) and `make wheels` carries in .whl/.
-GPU_WHEELS = ("gguf", "textual", "platformdirs", "mdit-py-plugins", "linkify-it-py", "diskcache")
-LLAMA = "llama-cpp-python==0.3.36"  # tests/test_cuda.py's quantizer; built once by `make test`
+NO_CUDA = "torch sees no CUDA device"  # app/cli_bench.py's error: where the dry run's bench stops
+TAIL_LINES = 25  # of a failing part, printed here
 
 
 @dataclass
 class Part:
-    """One step of the check: its command, exit code (None: did not finish), time and output."""
+    """One step of the check: its command, exit code (None: did not finish), time, output and rows."""
     name: str
     cmd: list[str]
     rc: Optional[int] = None
@@ -71,7 +73,8 @@ class Part:
     output: str = ""
     timed_out: bool = False
     skipped: Optional[str] = None
-    data: dict = field(default_factory=dict)
+    rows: list[dict] = field(default_factory=list)  # the {"row": ...} lines it printed, in order
+    note: str = ""
 
     @property
     def ok(self) -> bool:
@@ -86,171 +89,188 @@ class Part:
         return "ok" if self.rc == 0 else f"failed (exit {self.rc})"
 
 
-def run_part(name: str, cmd: list[str], timeout: float, env: Optional[dict] = None) -> Part:
-    """Run `cmd` in its own process group; past `timeout` seconds the group is killed."""
+def log_name(part: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.]+", "-", part) + ".log"
+
+
+def _row(line: str) -> Optional[dict]:
+    if not line.startswith('{"row"'):
+        return None
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None
+
+
+def run_part(name: str, cmd: list[str], timeout: float, env: Optional[dict] = None,
+             log: Optional[Path] = None, echo=None) -> Part:
+    """Run `cmd` in its own process group, reading its output as it comes: every line to `log`
+    (stamped with its second), every row line into part.rows and to `echo`. Past `timeout` seconds
+    the group is killed; what it printed until then is kept."""
     part = Part(name, cmd)
     if timeout <= 0:
         part.skipped = "no time left in the budget"
         return part
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                            env=env, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                            cwd=REPO, env=env, start_new_session=True)
+    lines: list[str] = []
+
+    def read() -> None:
+        f = open(log, "w") if log is not None else None
+        try:
+            if f:
+                f.write(f"$ {' '.join(cmd)}\n")
+            for line in proc.stdout:
+                lines.append(line)
+                if f:
+                    f.write(f"[{time.perf_counter() - t0:6.1f} s] {line}")
+                    f.flush()
+                row = _row(line)
+                if row is not None:
+                    part.rows.append(row)
+                    if echo:
+                        echo(json.dumps({"part": name, **row}))
+        finally:
+            if f:
+                f.close()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
-        part.output, _ = proc.communicate(timeout=timeout)
-        part.rc = proc.returncode
+        part.rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        part.output, _ = proc.communicate()
+        proc.wait()
         part.timed_out = True
+    reader.join(timeout=10)  # a grandchild outside the group may hold the pipe: do not wait for it
+    part.output = "".join(lines)
     part.seconds = time.perf_counter() - t0
+    if log is not None and part.timed_out:
+        with open(log, "a") as f:
+            f.write(f"[{part.seconds:6.1f} s] killed at its limit of {timeout:.0f} s\n")
     return part
-
-
-# ------------------------------------------------------------------------------------- install
-
-def requirements() -> list[str]:
-    """Distribution names the check needs: pyproject's dependencies, pytest and llama-cpp-python."""
-    import tomllib
-
-    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
-    return [re.match(r"[A-Za-z0-9_.\-]+", d).group(0) for d in deps] + ["pytest", "llama-cpp-python"]
-
-
-def missing_distributions(names: list[str]) -> list[str]:
-    out = []
-    for name in names:
-        try:
-            metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out.append(name)
-    return out
-
-
-def install_command(missing: list[str], wheel_dir: Path = WHEEL_DIR) -> list[str]:
-    """pip from the wheels in `wheel_dir` when it exists (no network), else from the index."""
-    cmd = [sys.executable, "-m", "pip", "install", "--quiet"]
-    if wheel_dir.is_dir():
-        cmd += ["--no-index", "--find-links", str(wheel_dir)]
-    return cmd + missing
-
-
-def wheel_commands(wheel_dir: Path = WHEEL_DIR, python_version: str = "3.12") -> list[list[str]]:
-    """What `make wheels` runs: pip download of GPU_WHEELS (this machine's versions, pure-Python
-    wheels for `python_version`, from pip's cache where it has them) and pip wheel of LLAMA (the
-    wheel pip's cache holds from building it for `make test`; built again, ~5 minutes, if not)."""
-    pins = []
-    for name in GPU_WHEELS:
-        try:
-            pins.append(f"{name}=={metadata.version(name)}")
-        except metadata.PackageNotFoundError:
-            pins.append(name)
-    pip = [sys.executable, "-m", "pip"]
-    return [pip + ["download", "--quiet", "--no-deps", "--only-binary=:all:", "--python-version", python_version,
-                   "--implementation", "py", "--abi", "none", "--platform", "any", "-d", str(wheel_dir), *pins],
-            pip + ["wheel", "--quiet", "--no-deps", "-w", str(wheel_dir), LLAMA]]
-
-
-def wheels_main(wheel_dir: Path = WHEEL_DIR, python_version: str = "3.12") -> int:
-    """`make wheels`: fill `wheel_dir` (created) for a GPU machine without a package index."""
-    wheel_dir.mkdir(parents=True, exist_ok=True)
-    for cmd in wheel_commands(wheel_dir, python_version):
-        print("+", " ".join(cmd), flush=True)
-        rc = subprocess.run(cmd).returncode
-        if rc:
-            return rc
-    wheels = sorted(wheel_dir.glob("*.whl"))
-    total = sum(w.stat().st_size for w in wheels)
-    print(f"{len(wheels)} wheels in {wheel_dir} ({total / 2**20:.1f} MiB): " + ", ".join(w.name for w in wheels))
-    return 0
-
-
-def wheel_check_command(wheel_dir: Path = WHEEL_DIR, python_version: str = "3.12") -> list[str]:
-    """Dry run: pip resolves every GPU wheel (and llama-cpp-python) from `wheel_dir` alone for the
-    GPU machine's Python, as the install step there would, installing nothing."""
-    return [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-deps",
-            "--no-index", "--find-links", str(wheel_dir), "--only-binary=:all:", "--python-version", python_version,
-            *GPU_WHEELS, LLAMA]
 
 
 # ----------------------------------------------------------------------------------- the parts
 
-def _env() -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+def part_env(site: Path, interpret: bool = False) -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(site), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return env
 
 
 def bench_cmd(variant: str, kv: str, quick: bool = False) -> list[str]:
-    return [sys.executable, "-m", "app.cli", "bench", "--synthetic", variant, "--device", "cuda",
+    return [sys.executable, "-m", "app.cli", "--debug", "bench", "--synthetic", variant, "--device", "cuda",
             "--gpu-memory-budget", "8GiB", "--kv-cache-dtype", kv, "--swa-kv-cache-dtype", kv,
             "--prompt-lengths", "512,2048", "--contexts", "0,4096" if quick else "0,4096,32768",
-            "--decode-steps", "32", "--json"]
+            "--decode-steps", "32", "--rows"]
 
 
-def _json_tail(text: str) -> dict:
-    """The JSON object a command printed last (after any warnings), or {}."""
-    start = text.find("\n{")
-    start = 0 if text.startswith("{") else start + 1 if start >= 0 else -1
-    try:
-        return json.loads(text[start:]) if start >= 0 else {}
-    except json.JSONDecodeError:
-        return {}
+def _print_row(row: dict) -> None:
+    print(json.dumps(row), flush=True)
 
 
-def microbench_main(out_path: str, iters: int, variants: str = "e2b,e4b") -> int:
-    """The gemv part, in its own process: the sweep as JSON to `out_path`."""
+def microbench_main(iters: int, variants: str = "e2b,e4b", cpu: bool = False) -> int:
+    """The gemv part, in its own process: one JSON line per row as it is measured. `cpu` (the dry
+    run): one small shape per format on the CPU (TRITON_INTERPRET=1 in the part's environment)."""
     import torch
 
     from engine.bench import gemv_sweep
 
-    rows = gemv_sweep(variants.split(","), iters=iters)
-    Path(out_path).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+    if cpu:
+        _interpreter_compat()
+        _print_row({"row": "device", "name": "cpu (dry run)"})
+        rows = gemv_sweep(["tiny"], device="cpu", iters=1, shapes={"tiny": (("ffn_up", 16, 256),)},
+                          on_row=lambda r: _print_row({"row": "gemv", **r}))
+    else:
+        _print_row({"row": "device", "name": torch.cuda.get_device_name()})
+        rows = gemv_sweep(variants.split(","), iters=iters, on_row=lambda r: _print_row({"row": "gemv", **r}))
+    return 1 if any("error" in r for r in rows) else 0
+
+
+def _interpreter_compat() -> None:
+    """The dry run's interpreted parts: triton 3.6's interpreter with numpy >= 2.3, as the kernel
+    tests set it up (kernels/interpreter_compat.py); the GPU's compiled path needs nothing."""
+    from kernels.interpreter_compat import install
+
+    install()
+
+
+def cpu_bench_main() -> int:
+    """The dry run's bench: gpu_bench on the tiny synthetic model on the CPU with the quantized
+    weights and the batched decode, as the CUDA run takes them (TRITON_INTERPRET=1: the kernels
+    interpreted), rows streamed as `bench --rows` streams them."""
+    from engine.bench import gpu_bench
+
+    _interpreter_compat()
+    gpu_bench(synthetic="tiny", device="cpu", quantized=True, batched_decode=True, prompts=(8,), contexts=(0,),
+              decode_steps=1, on_row=lambda kind, r: _print_row({"row": kind, **r}))  # ~1 min interpreted
     return 0
 
 
-def run_all(args, report: Optional[Path] = None) -> list[Part]:
-    """Every part in order; the report (when given) is rewritten after each one."""
-    deadline = time.perf_counter() + args.budget
-    limits = QUICK_LIMITS if args.quick else LIMITS
-    left = lambda part: min(limits[part], deadline - time.perf_counter())  # noqa: E731
-    env, parts = _env(), []
+def plan_parts(args) -> list[tuple[str, list[str], str, bool]]:
+    """(name, command, PLAN key, interpreted) of every part after the install, in run order."""
+    me = [sys.executable, str(Path(__file__).resolve())]
+    runs = QUICK_BENCH_RUNS if args.quick else BENCH_RUNS
+    pytest = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rA", "-p", "no:cacheprovider",
+              "--durations=5", "tests/test_cuda.py"]
+    if not args.dry_run:
+        return ([("gemv", me + ["_microbench", str(args.iters), "e2b" if args.quick else "e2b,e4b"], "gemv", False)]
+                + [(f"bench {v} {kv}", bench_cmd(v, kv, args.quick), "bench", False) for v, kv in runs]
+                + [("pytest", pytest, "pytest", False)])
+    v, kv = runs[0]
+    return [("gemv", me + ["_microbench", "1", "tiny", "--cpu"], "gemv", True),
+            (f"bench {v} {kv}", bench_cmd(v, kv, args.quick), "bench", False),
+            ("bench tiny cpu", me + ["_cpu_bench"], "bench", True),
+            ("pytest", pytest + ["--collect-only"], "pytest", False),
+            ("quantizer", [sys.executable, "-c", "import llama_cpp; print('llama_cpp', llama_cpp.__version__)"],
+             "pytest", False)]
+
+
+def run_all(args, report: Optional[Path] = None, echo=print) -> list[Part]:
+    """Every part in order, each until the sum of the plans so far (the budget's end at most); the
+    report (when given) is rewritten after each part."""
+    start = time.perf_counter()
+    deadline = start + args.budget
+    plan = QUICK_PLAN if args.quick else PLAN
+    planned = 0.0
+    work, site = Path(args.work_dir), Path(args.site)
+    parts: list[Part] = []
+
+    def run(name: str, cmd: list[str], key: str, env: dict) -> Part:
+        nonlocal planned
+        planned += plan[key]
+        cap = min(start + planned, deadline) - time.perf_counter()
+        return run_part(name, cmd, cap, env, work / log_name(name), echo)
 
     def done(part: Part) -> None:
         parts.append(part)
+        echo(f"== {part.name}: {part.status} ({part.seconds:.0f} s)")
+        if not part.ok and not part.skipped and part.output.strip():
+            echo(_tail(part.output, TAIL_LINES))
         if report is not None:
             write_report(parts, report, quick=args.quick, dry_run=args.dry_run)
 
-    missing = missing_distributions(requirements())
-    if args.skip_install or not missing:
-        install = Part("install", [], skipped="--skip-install" if args.skip_install else "nothing missing")
+    lacking = gpu_install.missing(site)
+    carried = [d for d in lacking if d in gpu_install.CARRIED]
+    if args.skip_install or not carried:
+        install = Part("install", [], skipped="--skip-install" if args.skip_install else "nothing to install")
+        planned += plan["install"]
     else:
-        install = run_part("install", install_command(missing), left("install"), env)
-    install.data["missing"] = missing
+        install = run("install", gpu_install.install_command(carried, site, gpu_install.WHEEL_DIR), "install",
+                      part_env(site))
+    absent = [d for d in lacking if d not in gpu_install.CARRIED]
+    install.note = f"missing before: {', '.join(lacking) or 'nothing'}" + \
+        (f"; not carried in .whl/, so the parts needing them fail: {', '.join(absent)}" if absent else "")
     done(install)
-    if args.dry_run and WHEEL_DIR.is_dir():
-        done(run_part("wheels", wheel_check_command(), left("install"), env))
-
-    pytest_cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rA", "-p", "no:cacheprovider",
-                  "tests/test_cuda.py"]
-    done(run_part("pytest", pytest_cmd + (["--collect-only"] if args.dry_run else []), left("pytest"), env))
-
-    gemv_json = Path(args.work_dir) / "gemv.json"
-    gemv_cmd = [sys.executable, str(Path(__file__).resolve()), "_microbench", str(gemv_json), str(args.iters),
-                "e2b" if args.quick else "e2b,e4b"]
-    runs = [(f"bench {variant} {kv}", bench_cmd(variant, kv, args.quick))
-            for variant, kv in (QUICK_BENCH_RUNS if args.quick else BENCH_RUNS)]
-    if args.dry_run:  # the GPU parts: listed with their commands, not run
-        for name, cmd in [("gemv", gemv_cmd)] + runs:
-            done(Part(name, cmd, skipped="dry run: needs a GPU"))
-        return parts
-    gemv = run_part("gemv", gemv_cmd, left("gemv"), env)
-    if gemv_json.exists():
-        gemv.data = json.loads(gemv_json.read_text())
-    done(gemv)
-    for name, cmd in runs:
-        p = run_part(name, cmd, left("bench"), env)
-        p.data = _json_tail(p.output) if p.rc == 0 else {}
-        done(p)
+    if args.dry_run and gpu_install.WHEEL_DIR.is_dir():
+        done(run_part("wheels", gpu_install.wheel_check_command(gpu_install.WHEEL_DIR), 120, part_env(site)))
+    for name, cmd, key, interpret in plan_parts(args):
+        part = run(name, cmd, key, part_env(site, interpret))
+        if args.dry_run and part.rc and NO_CUDA in part.output:
+            part.skipped = "dry run: stopped where it needs CUDA"
+        done(part)
     return parts
 
 
@@ -277,18 +297,21 @@ def _tail(text: str, n: int = 40) -> str:
 
 
 def _bench_rows(parts: list[Part]) -> list[str]:
-    rows = ["| run | prefill tok/s (prompt) | decode tok/s (context) | GB/s | of peak |",
-            "| --- | --- | --- | --- | --- |"]
+    """The decode summary: one line per bench part from the rows it streamed (a part killed
+    half-way shows what it finished)."""
+    rows = ["| run | prefill tok/s (prompt) | decode tok/s (context) | GB/s | of peak | load + warm-up s |",
+            "| --- | --- | --- | --- | --- | --- |"]
     for p in parts:
-        if not p.name.startswith("bench") or not p.data:
+        if not p.name.startswith("bench") or not p.rows:
             continue
-        d = p.data
-        pre = ", ".join(f"{r['tok_s']:.0f} ({r['prompt_tokens']})" for r in d.get("prefill", []) if "tok_s" in r)
-        dec = [r for r in d.get("decode", []) if "tok_s" in r]
+        pre = ", ".join(f"{r['tok_s']:.0f} ({r['prompt_tokens']})" for r in p.rows
+                        if r["row"] == "prefill" and "tok_s" in r)
+        dec = [r for r in p.rows if r["row"] == "decode" and "tok_s" in r]
+        warm = [f"{r['load_s']:.0f} + {r['warmup_s']:.0f}" for r in p.rows if r["row"] == "warmup"]
         rows.append(f"| {p.name[6:]} | {pre} | " + ", ".join(f"{r['tok_s']:.1f} ({r['context']})" for r in dec)
                     + " | " + ", ".join(f"{r['achieved_gbps']:.0f}" for r in dec) + " | "
                     + ", ".join(f"{100 * r['bandwidth_share']:.1f}%" if r.get("bandwidth_share") is not None
-                                else "n/a" for r in dec) + " |")
+                                else "n/a" for r in dec) + f" | {''.join(warm)} |")
     return rows
 
 
@@ -306,19 +329,18 @@ def write_report(parts: list[Part], path: Path, machine: Optional[list[str]] = N
     mode = " --quick" * quick + " --dry-run" * dry_run
     lines = ["# edgegem gpu-check", "", f"{time.strftime('%Y-%m-%d %H:%M:%S')}, from `make gpu-check` "
              f"(packaging/gpu_check.py{mode})", "", "## Machine", *machine, "",
-             "## Parts", "| part | status | seconds |", "| --- | --- | ---: |"]
-    lines += [f"| {p.name} | {p.status} | {p.seconds:.1f} |" for p in parts]
+             "## Parts", "| part | status | seconds | rows |", "| --- | --- | ---: | ---: |"]
+    lines += [f"| {p.name} | {p.status} | {p.seconds:.1f} | {len(p.rows)} |" for p in parts]
     for p in parts:
         lines += ["", f"## {p.name}", ""]
         if p.cmd:
             lines += [f"`{' '.join(p.cmd)}`", ""]
-        if p.name == "install" and p.data.get("missing") is not None:
-            lines += [f"missing before: {', '.join(p.data['missing']) or 'nothing'}", ""]
-        if p.name == "gemv" and p.data.get("rows"):
-            lines += [f"device: {p.data.get('device', '?')}", "", sweep_table(p.data["rows"]), ""]
-        if p.name.startswith("bench") and p.data.get("table"):
-            lines += ["```", p.data["table"], "```"]
-            continue
+        if p.note:
+            lines += [p.note, ""]
+        gemv = [r for r in p.rows if r["row"] == "gemv"]
+        if gemv:
+            device = next((r["name"] for r in p.rows if r["row"] == "device"), "?")
+            lines += [f"device: {device}", "", sweep_table(gemv), ""]
         if p.output.strip():
             lines += ["```", _tail(p.output), "```"]
     bench = _bench_rows(parts)
@@ -337,37 +359,40 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="GPU checks and benchmarks, one Markdown report")
     p.add_argument("--out", type=Path, help="report path (default: $OUT/gpu-check.md, else ./gpu-check.md)")
     p.add_argument("--quick", action="store_true",
-                   help=f"the CUDA tests, the E2B GEMV table and one E2B bench, inside {QUICK_BUDGET:.0f} s")
-    p.add_argument("--dry-run", action="store_true", help="every step but the GPU ones (runs on any machine)")
+                   help=f"the E2B GEMV table, one E2B bench and the CUDA tests, inside {QUICK_BUDGET:.0f} s")
+    p.add_argument("--dry-run", action="store_true", help="every part as far as it gets without a GPU")
     p.add_argument("--budget", type=float, default=None,
-                   help=f"seconds for all parts together (default 540, {QUICK_BUDGET:.0f} with --quick)")
+                   help=f"seconds for all parts together (default 900, {QUICK_BUDGET:.0f} with --quick)")
     p.add_argument("--iters", type=int, default=100, help="timed calls per GEMV measurement")
     p.add_argument("--skip-install", action="store_true")
-    p.add_argument("--work-dir", default=None, help="scratch folder (default: next to the report)")
+    p.add_argument("--site", type=Path, default=gpu_install.SITE_DIR,
+                   help="where the install puts the carried wheels (default .site/ in the repository)")
+    p.add_argument("--work-dir", default=None, help="folder of the part logs (default: the report's)")
     a = p.parse_args(argv)
-    a.budget = a.budget if a.budget is not None else QUICK_BUDGET if a.quick else 540.0
+    a.budget = a.budget if a.budget is not None else QUICK_BUDGET if a.quick else 900.0
     a.out = a.out or default_out()
     a.work_dir = a.work_dir or str(Path(a.out).resolve().parent)
+    a.site = a.site.resolve()
     return a
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_microbench"]:
-        return microbench_main(argv[1], int(argv[2]), *argv[3:4])
+        return microbench_main(int(argv[1]), argv[2], "--cpu" in argv)
+    if argv[:1] == ["_cpu_bench"]:
+        return cpu_bench_main()
     if argv[:1] == ["wheels"]:
         w = argparse.ArgumentParser(prog="gpu_check.py wheels", description="fill .whl/ for a GPU machine")
-        w.add_argument("--wheel-dir", type=Path, default=WHEEL_DIR)
+        w.add_argument("--wheel-dir", type=Path, default=gpu_install.WHEEL_DIR)
         w.add_argument("--python-version", default="3.12", help="the GPU machine's Python (default 3.12)")
         wa = w.parse_args(argv[1:])
-        return wheels_main(wa.wheel_dir, wa.python_version)
+        return gpu_install.wheels_main(wa.wheel_dir, wa.python_version)
     args = parse_args(argv)
     Path(args.work_dir).mkdir(parents=True, exist_ok=True)
     path = Path(args.out)
-    parts = run_all(args, path)
+    parts = run_all(args, path, echo=lambda s: print(s, flush=True))
     write_report(parts, path, quick=args.quick, dry_run=args.dry_run)
-    for p in parts:
-        print(f"{p.name:28s} {p.status}")
     print(f"report: {path.resolve()}")
     return 0 if all(p.ok or p.skipped for p in parts) else 1
 

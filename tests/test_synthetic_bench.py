@@ -143,3 +143,44 @@ def test_cli_bench_argument_errors(capsys):
         assert main(["bench", "--synthetic", "e2b", "--device", "cuda"]) == 2
     err = capsys.readouterr().err
     assert "not both" in err and "--contexts" in err
+
+
+def test_the_timed_decode_starts_after_the_slot_tables_grew_to_the_context(monkeypatch):
+    """The batched decode's static buffers (a CUDA graph's, re-captured with them) grow to a power of
+    two >= the context on the first step past their capacity: the warm-up leaves them at 64 slots,
+    a decode at context 80 needs 128. That step must be the untimed one after the prefill, never one
+    inside `time_decode`; the rows reach `on_row` in the order measured, equal to the result's.
+    (Dense weights on the torch path: the same static-buffer code, without the interpreter's cost.)"""
+    from engine.batch_decode import BatchDecoder
+    from engine.bench import throughput
+
+    events, timing = [], [False]
+    static = BatchDecoder._static
+
+    def spy_static(self, B, T, full_need, win_need):
+        before = self.statics.get((B, T))
+        st = static(self, B, T, full_need, win_need)
+        if st is not before:
+            events.append(("alloc", st.full_cap, timing[0]))
+        return st
+
+    def spy_time_decode(engine, device, steps):
+        timing[0] = True
+        try:
+            return time_decode(engine, device, steps)
+        finally:
+            timing[0] = False
+            events.append(("timed", steps))
+
+    time_decode = throughput.time_decode
+    monkeypatch.setattr(BatchDecoder, "_static", spy_static)
+    monkeypatch.setattr(throughput, "time_decode", spy_time_decode)
+    rows = []
+    out = throughput.gpu_bench(synthetic="tiny", device="cpu", quantized=False, batched_decode=True, prompts=(16,),
+                               contexts=(0, 80), decode_steps=2, on_row=lambda kind, r: rows.append((kind, r)))
+    assert [e for e in events if e[0] == "alloc"] == [("alloc", 64, False), ("alloc", 128, False)]
+    assert not any(e[0] == "alloc" and e[2] for e in events)  # none while a decode was timed
+    assert events[-1] == ("timed", 2) and events.index(("alloc", 128, False)) < len(events) - 1
+    assert [r["steps"] for r in out["decode"]] == [2, 2]
+    assert [k for k, _ in rows] == ["warmup", "prefill", "decode", "decode"]
+    assert [r for k, r in rows if k == "decode"] == out["decode"] and rows[1][1] is out["prefill"][0]

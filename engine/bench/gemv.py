@@ -76,9 +76,10 @@ def gemv_bandwidth(fmt: str, n_out: int, n_in: int, device="cuda", iters: int = 
 
 
 def gemv_sweep(variants=("e2b", "e4b"), formats=None, device="cuda", iters: int = 100,
-               peak_gbps: Optional[float] = None, shapes=SHAPES) -> list[dict]:
+               peak_gbps: Optional[float] = None, shapes=SHAPES, on_row=None) -> list[dict]:
     """`gemv_bandwidth` for every format (default: every one QuantWeight reads) at each variant's
-    shapes; a format or shape that fails gives a row with "error" instead of stopping the sweep."""
+    shapes; a format or shape that fails gives a row with "error" instead of stopping the sweep.
+    `on_row(row)` is called with each row as soon as it is measured (gpu_check streams them)."""
     from models.weights import QuantWeight
 
     from .throughput import peak_bandwidth_gbps
@@ -97,6 +98,8 @@ def gemv_sweep(variants=("e2b", "e4b"), formats=None, device="cuda", iters: int 
                 except Exception as e:  # one format failing must not hide the others' figures
                     row.update(format=fmt, n_out=n_out, n_in=n_in, error=f"{type(e).__name__}: {e}")
                 rows.append(row)
+                if on_row is not None:
+                    on_row(row)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
     return rows

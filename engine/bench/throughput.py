@@ -82,20 +82,28 @@ def _random_prompt(vocab: int, n: int, seed: int) -> list[int]:
 def gpu_bench(model=None, device="cuda", budget=None, kv_cache_dtype: str = "auto", embed_weights: str = "host",
               fast_prefill: bool = True, prompts=(512, 4096, 16384), contexts=(0, 4096, 32768),
               decode_steps: int = 32, synthetic=None, swa_kv_cache_dtype: str = "auto",
-              peak_bandwidth=None, quantized=None, attention_backend: str = "auto", seed: int = 0) -> dict:
+              peak_bandwidth=None, quantized=None, attention_backend: str = "auto", seed: int = 0,
+              batched_decode=None, on_row=None) -> dict:
     """Prefill tok/s per prompt length and decode tok/s per context through the Engine.
 
     `model`: a GGUF path, a loaded `Gemma4Model`/`LoadedModel`, or None with `synthetic`
     ("e2b"/"e4b"/"tiny": random weights built in memory). Pools follow the memory planner for
     `budget` (bytes or "8GiB"; default 90% of free memory) with one running request; on the CPU the
     full pool is capped to what the runs need. Each prefill is timed from `add` to its first token
-    (CUDA synchronized around it); each decode figure is prefill to `context` tokens (untimed), then
-    `decode_steps` timed steps. One warm-up (the shortest prompt plus 2 decode steps) runs first.
+    (CUDA synchronized around it); each decode figure is prefill to `context` tokens and one decode
+    step (untimed), then `decode_steps` timed steps (`time_decode`). One warm-up (the shortest
+    prompt plus 2 decode steps) runs first. The untimed step keeps the CUDA graph's re-capture out
+    of the figure: the warm-up's slot tables hold 1,024 tokens, a step at context 4,096 needs 8,192
+    (batch_decode.capacity_of), so the first step at a longer context reallocates them and captures
+    again (a warm-up run and a capture of the whole step, many times a replay's cost).
     Bytes per decode token = device weight bytes (`device_weight_bytes`) + KV bytes read at that
     context (`kv_bytes_read`); achieved bandwidth = bytes/token x decode tok/s, and its share of the
     device's peak (`peak_bandwidth` in GB/s, else the PEAK_BANDWIDTH_GBPS table; n/a if unknown).
     `quantized` (synthetic): QuantWeight matrices for the Triton kernels (default on CUDA or under
-    TRITON_INTERPRET=1), else dense weights on the plain torch path."""
+    TRITON_INTERPRET=1), else dense weights on the plain torch path. `batched_decode`: the engine's
+    setting (None: its default, on for CUDA). `on_row(kind, row)`: called once with "warmup" (load
+    and warm-up seconds, the device), then with "prefill" or "decode" and each row as soon as it
+    is measured (`edgegem bench --rows` prints them), so a run stopped part-way keeps its rows."""
     import os
 
     from ..kv_format import resolve_format
@@ -142,7 +150,8 @@ def gpu_bench(model=None, device="cuda", budget=None, kv_cache_dtype: str = "aut
     engine = Engine(lm_model, None, EngineConfig(max_running_requests=1, prefill_chunk=chunk,
                                                  fast_prefill=fast_prefill, cache_type="naive",
                                                  kv_cache_dtype=kv, swa_kv_cache_dtype=swa, full_tokens=full,
-                                                 window_tokens=window, attention_backend=attention_backend))
+                                                 window_tokens=window, attention_backend=attention_backend,
+                                                 batched_decode=batched_decode))
     limit, vocab = engine.context_limit, cfg.vocab_size
     rng_seed = iter(range(seed + 1, seed + 10_000))
 
@@ -157,21 +166,17 @@ def gpu_bench(model=None, device="cuda", budget=None, kv_cache_dtype: str = "aut
             raise RuntimeError(f"bench prefill of {n} tokens failed (KV pools too small for it?)")
         return req, time.perf_counter() - t
 
-    def decode(req, steps: int) -> float:
-        _sync(dev)
-        t = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        _sync(dev)
-        return time.perf_counter() - t
-
     def finish(req):
         engine.abort(req.id)
         engine.run_to_completion()
 
+    t_warm = time.perf_counter()
     warm, _ = prefill(min(prompts, default=8), 3)
-    decode(warm, 2)
+    for _ in range(2):
+        engine.step()
+    _sync(dev)
     finish(warm)
+    warmup_s = time.perf_counter() - t_warm
 
     out = {"model": label, "device": str(dev), "device_name": _device_name(dev), "load_s": load_s,
            "dtype": str(lm_model.dtype).replace("torch.", ""), "kv_cache_dtype": kv, "swa_kv_cache_dtype": swa,
@@ -184,20 +189,33 @@ def gpu_bench(model=None, device="cuda", budget=None, kv_cache_dtype: str = "aut
         out["budget"] = plan.budget
     peak = peak_bandwidth if peak_bandwidth else peak_bandwidth_gbps(out["device_name"]) if dev.type == "cuda" else None
     out["peak_bandwidth_gbps"] = peak
+
+    def add_row(kind: str, row: dict) -> None:
+        out[kind].append(row)
+        if on_row is not None:
+            on_row(kind, row)
+
+    if on_row is not None:  # where the time went before the first figure (the first run JIT-compiles)
+        on_row("warmup", {"load_s": load_s, "warmup_s": warmup_s, "device_name": out["device_name"],
+                          "peak_bandwidth_gbps": peak, "context_limit": limit})
+
     for n in prompts:
         if n >= limit:
-            out["prefill"].append({"prompt_tokens": n, "skipped": f"over the {limit}-token context"})
+            add_row("prefill", {"prompt_tokens": n, "skipped": f"over the {limit}-token context"})
             continue
         req, s = prefill(n, 1)
         finish(req)
-        out["prefill"].append({"prompt_tokens": n, "seconds": s, "tok_s": n / s})
+        add_row("prefill", {"prompt_tokens": n, "seconds": s, "tok_s": n / s})
     for c in contexts:
-        if max(c, 1) + decode_steps + 1 >= limit:
-            out["decode"].append({"context": c, "skipped": f"over the {limit}-token context"})
+        if max(c, 1) + decode_steps + 2 >= limit:
+            add_row("decode", {"context": c, "skipped": f"over the {limit}-token context"})
             continue
-        req, _ = prefill(max(c, 1), decode_steps + 1)  # context 0: a 1-token prompt
-        s = decode(req, decode_steps)
-        n_done = len(req.output_ids) - 1
+        # context 0: a 1-token prompt; its first token, one untimed step, then decode_steps timed ones
+        req, _ = prefill(max(c, 1), decode_steps + 2)
+        engine.step()  # untimed: the slot tables grow to this context here (a graph re-capture on CUDA)
+        before = len(req.output_ids)
+        s = time_decode(engine, dev, decode_steps)
+        n_done = len(req.output_ids) - before
         finish(req)
         tok_s = n_done / s if s > 0 else 0.0
         kv_b = kv_bytes_read(cfg, engine.pools, c)
@@ -205,10 +223,21 @@ def gpu_bench(model=None, device="cuda", budget=None, kv_cache_dtype: str = "aut
         row = {"context": c, "steps": n_done, "seconds": s, "tok_s": tok_s, "kv_bytes_per_token": kv_b,
                "bytes_per_token": b, "achieved_gbps": b * tok_s / 1e9}
         row["bandwidth_share"] = row["achieved_gbps"] / peak if peak else None
-        out["decode"].append(row)
+        add_row("decode", row)
     out["peak_memory_bytes"], out["peak_memory_source"] = _peak_memory(dev)
     out["table"] = _bench_table(out)
     return out
+
+
+def time_decode(engine, device, steps: int) -> float:
+    """Seconds for `steps` engine steps of the running decode (the device synchronized before and
+    after, so the figure holds every kernel the steps launched)."""
+    _sync(device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    _sync(device)
+    return time.perf_counter() - t
 
 
 def _device_name(dev) -> str:

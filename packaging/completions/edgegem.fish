@@ -144,6 +144,7 @@ complete -c edgegem -n '__fish_seen_subcommand_from bench' -l prompt-lengths -x 
 complete -c edgegem -n '__fish_seen_subcommand_from bench' -l contexts -x -d 'decode contexts'
 complete -c edgegem -n '__fish_seen_subcommand_from bench' -l decode-steps -x -d 'timed decode steps per context'
 complete -c edgegem -n '__fish_seen_subcommand_from bench' -l peak-bandwidth -x -d 'the devices peak memory bandwidth'
+complete -c edgegem -n '__fish_seen_subcommand_from bench' -l rows -d 'print each prefill and decode row as one JSON line the moment it is me'
 complete -c edgegem -n '__fish_seen_subcommand_from bench' -l static -d 'count the kernels of one decode step and the weight bytes per token, a'
 complete -c edgegem -n '__fish_seen_subcommand_from bench' -l arch -x -d '--static, compile target, sm_75, sm_80, sm_86, sm_89, sm_90 or sm_120'
 complete -c edgegem -n '__fish_seen_subcommand_from bench' -l spec-draft-model -r -F -d 'assistant GGUF, decode tok/s with and without it, acceptance, verify c'
