@@ -13,9 +13,8 @@ from starlette.concurrency import run_in_threadpool
 
 from . import params as P
 from .config import OLLAMA_VERSION
-from .errors import APIError
+from .errors import APIError, engine_error
 from .ollama_schemas import ChatRequest, GenerateRequest, ShowRequest
-from .openai_routes import engine_error
 from app.backend import ollama_tool_calls
 
 from .output import ReasoningSplitter, TokenText, ollama_logprobs, split_all
