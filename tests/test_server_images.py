@@ -77,10 +77,9 @@ def test_hostile_or_oversize_images_are_400s_naming_the_part(tiny):
         assert r.status_code == 400 and "120x120" in r.text and "--max-image-pixels" in r.text
     finally:
         capped.bg.stop()
-    r = h.post("/api/chat", json={"stream": False, "messages": [
+    r = h.post("/api/chat", json={"model": "tiny-mm", "stream": False, "messages": [
         {"role": "user", "content": "x<|image|><|image|>", "images": [base64.b64encode(_png(64, 64, 2)).decode()]}]})
     assert r.status_code == 400 and "markers" in r.json()["error"]  # the engine's one-line refusal
-
 
 
 def test_an_image_encoder_failure_is_a_400_in_each_api(tiny, monkeypatch):

@@ -130,6 +130,33 @@ def test_a_gemma4_model_shows_thinking_and_think_reaches_the_template(tiny_serve
     assert think_id in seen[0] and think_id not in seen[1]
 
 
+@pytest.mark.parametrize("path, body", [("/api/chat", {"messages": ASK}), ("/api/generate", {"prompt": "hi"})])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_without_a_model_is_ollamas_400(tiny_server, path, body, stream):
+    """Ollama's words and shape; before, it was answered with no token limit (num_predict's
+    default), so a plain request waited until the context was full."""
+    for model in ({}, {"model": ""}):
+        r = tiny_server.http().post(path, json={**body, **model, "stream": stream})
+        assert r.status_code == 400 and r.json() == {"error": "model is required"}, r.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_load_probe_is_answered_done_with_reason_load(tiny_server, stream):
+    """What clients send to preload a model: chat with no messages, generate with no prompt."""
+    h = tiny_server.http()
+    r = h.post("/api/chat", json={"model": "tiny-gemma4", "messages": [], "stream": stream})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got.pop("created_at").endswith("Z")
+    assert got == {"model": "tiny-gemma4", "message": {"role": "assistant", "content": ""}, "done": True,
+                   "done_reason": "load"}
+    for body in ({}, {"prompt": ""}):
+        r = h.post("/api/generate", json={"model": "tiny-gemma4", "stream": stream, **body})
+        assert r.status_code == 200 and r.json()["done_reason"] == "load" and r.json()["done"] is True, r.text
+    done = tiny_server.ollama().chat(model="tiny-gemma4", messages=[])
+    assert done.done and done.done_reason == "load" and done.message.content == ""
+
+
 # step.error@2: the first step raises before it admits the request (a waiting one stays queued)
 @pytest.mark.parametrize("spec, status", [("forward.oom@1", 503), ("step.error@2", 500)], ids=["oom", "internal"])
 def test_an_engine_failure_is_the_status_of_its_kind(tiny_server, spec, status):
