@@ -1,7 +1,9 @@
 """`edgegem` command line. With no command (or `app`) it opens the full-screen chat; `run` prints
 one reply to stdout for scripts; `chat` is a plain line chat; score, tokenize, info, bench, kv-check.
 
-Bad input ends in one line on stderr and exit code 2; `--debug` shows the traceback.
+Bad input ends in one line on stderr and exit code 2 (also an answer the engine ended for its
+input: media its encoder refused, more tokens than the KV pool holds); an answer the engine ended
+for its own failure (out of memory, a failed forward) exits 1; `--debug` shows the traceback.
 """
 from __future__ import annotations
 
@@ -19,6 +21,16 @@ from .cli_options import (_audio_args, _engine_args, _engine_options, _fit_args,
 from .cli_run import cmd_run, cmd_score, cmd_tokenize
 
 EXIT_BAD_INPUT = 2
+EXIT_FAILED = 1
+
+
+def _exit_code(e: BaseException) -> int:
+    """engine.api.GenerationError by its kind; every other error here is bad input."""
+    kind = getattr(e, "kind", None)
+    if kind is None:
+        return EXIT_BAD_INPUT
+    from engine.api import ErrorKind
+    return EXIT_BAD_INPUT if kind in (ErrorKind.BAD_INPUT, ErrorKind.CAPACITY) else EXIT_FAILED
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -261,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"edgegem: error: {msg}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return _exit_code(e)
     if code in (130, 143):  # a signal: clients are closed and files finished; skip the slow teardown
         _fast_exit(code)
     return code

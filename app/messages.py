@@ -29,10 +29,14 @@ class LoadFailed(Message):
 
 
 class GenerationDone(Message):
+    """`error_kind`: the engine's ErrorKind of an error the engine ended the answer with (None: the
+    submit itself failed, or no error)."""
+
     def __init__(self, gen_id: int, text: str, reason: Optional[str], error: Optional[str],
-                 stats: Optional[dict]) -> None:
+                 stats: Optional[dict], error_kind=None) -> None:
         super().__init__()
         self.gen_id, self.text, self.reason, self.error, self.stats = gen_id, text, reason, error, stats or {}
+        self.error_kind = error_kind
 
 
 class KVCheckProgress(Message):

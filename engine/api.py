@@ -17,7 +17,8 @@ from models.chat import split_thinking
 from models.gguf import GGUFError, GGUFFile
 from models.loader import LoadedModel, load_model, open_gguf
 
-from .client import GenerationParams, LocalClient, QueueFullError, audio_marker, image_marker
+from .client import GenerationError, GenerationParams, LocalClient, QueueFullError, audio_marker, image_marker
+from .request import ErrorKind
 from .sampler import SamplingParams
 from .scheduler import EngineConfig
 
@@ -25,7 +26,8 @@ __all__ = ["GGUFError", "LoadedModel", "SamplingParams", "GenerationParams", "En
            "demo_model_path", "resolve_model", "open_model", "tokenize", "score", "prompt_ids", "load_images",
            "load_audio", "audio_from_base64",
            "engine_config", "engine_plan", "split_thinking", "start_client", "run_prompt", "describe",
-           "open_layout", "memory_plan", "gpu_support", "QueueFullError", "image_marker", "audio_marker",
+           "open_layout", "memory_plan", "gpu_support", "QueueFullError", "ErrorKind", "GenerationError",
+           "image_marker", "audio_marker",
            "model_kind"]
 
 
@@ -330,7 +332,7 @@ def run_prompt(client: LocalClient, lm: LoadedModel, prompt: str, gen: Generatio
             on_text(ev.text)
         last = ev
     if last.error:
-        raise RuntimeError(last.error)
+        raise GenerationError(last.error, last.error_kind)
     return {"prompt_ids": client.last_prompt_ids(rid), "ids": ids, "text": text,
             "finish_reason": last.finish_reason, "timings": last.stats}
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 from .media import as_audio_input, as_image_input, expand_markers, place_markers
-from .request import StreamEvent
+from .request import ErrorKind, StreamEvent
 from .sampler import SamplingParams
 from .scheduler import ContextOverflowError, Engine, EngineConfig
 from .constraints import Constraint
@@ -56,6 +56,15 @@ KEEP_PROMPTS = 1024  # last_prompt_ids answers for this many recent requests (a 
 
 class QueueFullError(RuntimeError):
     """The engine's wait queue is at the caller's `queue_limit` (a server answers 429)."""
+
+
+class GenerationError(RuntimeError):
+    """A request the engine ended with an error, raised by callers that wait for a whole answer
+    (engine.api.run_prompt); `kind` (ErrorKind) says whose fault, the message is one line."""
+
+    def __init__(self, message: str, kind: ErrorKind):
+        super().__init__(message)
+        self.kind = kind
 
 
 class _NotifyingQueue(queue.Queue):

@@ -28,6 +28,15 @@ class RequestState(enum.Enum):
     FINISHED = "finished"
 
 
+class ErrorKind(enum.Enum):
+    """Why the engine ended a request with an error, for front ends to map to a status (an HTTP
+    code, an exit code) without reading the message, which is for people."""
+    BAD_INPUT = "bad_input"  # the request's own content: an image or clip its encoder cannot take
+    CAPACITY = "capacity"  # does not fit: more tokens than the KV pool holds
+    OUT_OF_MEMORY = "out_of_memory"  # device memory ran out in a forward: may pass, try again
+    INTERNAL = "internal"  # a forward or step failed: the engine's fault
+
+
 @dataclass
 class StreamEvent:
     """What a client reads from `stream(id)`: new token ids and text; `finished` on the last one."""
@@ -37,8 +46,9 @@ class StreamEvent:
     text: str
     finished: bool = False
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
-    error: Optional[str] = None
+    error: Optional[str] = None  # one line, with finish_reason "error"
     stats: Optional[dict] = None
+    error_kind: Optional[ErrorKind] = None  # set with `error`
     # requests with tools (engine/structured.py): calls completed in this event, OpenAI stream
     # deltas {"index", "id", "type", "function": {"name", "arguments"}}; on the final event
     # `tool_calls` is every call of the reply ({"id", "type", "function"})

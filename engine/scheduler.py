@@ -31,7 +31,7 @@ from .media import describe_counts, media_kinds, prompt_media
 from .kv_sessions import KVDisk, KVSessions
 from .paragraph_stop import blank_line_hold, blank_line_stop
 from .prefix_cache import make_prefix_cache
-from .request import Request, RequestState, StreamEvent
+from .request import ErrorKind, Request, RequestState, StreamEvent
 from .runner import ModelRunner
 from .sampler import SamplingParams
 from .sequence_kv import SequenceKV
@@ -224,7 +224,7 @@ class Engine:
                     if not self.running:  # nothing will free up: this prompt can never fit
                         self.waiting.popleft()
                         self._finish(req, "error", f"KV cache full: {need} slots needed, "
-                                                   f"{self.pools.full.n_free} free")
+                                                   f"{self.pools.full.n_free} free", ErrorKind.CAPACITY)
                         continue
                     return
             self.waiting.popleft()
@@ -234,7 +234,9 @@ class Engine:
                 except Exception as e:  # noqa: BLE001 (an encoder failure ends this request only)
                     self.cache.release(match.nodes)
                     kinds = " and ".join(req.media.items)
-                    self._finish(req, "error", f"{kinds} encoder: {str(e).splitlines()[0] if str(e) else e!r}")
+                    # the media the request sent, unless the device ran out of memory
+                    kind = ErrorKind.OUT_OF_MEMORY if isinstance(e, torch.OutOfMemoryError) else ErrorKind.BAD_INPUT
+                    self._finish(req, "error", f"{kinds} encoder: {str(e).splitlines()[0] if str(e) else e!r}", kind)
                     continue
             req.kv = SequenceKV(self.pools, self.window, self.model.dtype, self.config.window_margin,
                                 self.attention_backend)
@@ -261,7 +263,7 @@ class Engine:
                                                                  media=media),
                                      lambda: req.kv.truncate(req.computed_len))
         except KVPoolFull as e:
-            self._finish(req, "error", str(e))
+            self._finish(req, "error", str(e), ErrorKind.CAPACITY)
             return
         if hidden:
             logits, req.h = logits
@@ -300,7 +302,7 @@ class Engine:
             if len(self.running) == 1:
                 cap = self.pools.full.capacity if self.pools.full.layers else self.pools.window.capacity
                 self._finish(victim, "error", f"KV cache full: {len(victim.all_ids)} tokens of this request "
-                                              f"do not fit the {cap}-token KV pool alone")
+                                              f"do not fit the {cap}-token KV pool alone", ErrorKind.CAPACITY)
             else:
                 self._preempt(victim)
             needs = [(r, k) for r, k in needs if r is not victim]
@@ -339,7 +341,7 @@ class Engine:
             try:  # SequenceKV stays the owner of the slots; the decoder copies them into its tables
                 req.kv.begin(torch.arange(req.computed_len, req.computed_len + len(tokens)))
             except KVPoolFull as e:
-                self._finish(req, "error", str(e))
+                self._finish(req, "error", str(e), ErrorKind.CAPACITY)
                 continue
             batch.append((req, tokens))
         if not batch:
@@ -381,7 +383,7 @@ class Engine:
                                                                      all_rows=True, return_hidden=True),
                                          lambda: req.kv.truncate(start))
         except KVPoolFull as e:
-            self._finish(req, "error", str(e))
+            self._finish(req, "error", str(e), ErrorKind.CAPACITY)
             return
         self._commit_verified(req, start, drafts, logits, ys)
 
@@ -417,7 +419,9 @@ class Engine:
     def recover(self, exc: BaseException) -> str:
         """After a step raised: end the running requests with a one-line reason (their KV slots go
         back to the pools; waiting requests stay queued) and return the reason."""
+        kind = ErrorKind.INTERNAL
         if isinstance(exc, torch.OutOfMemoryError):
+            kind = ErrorKind.OUT_OF_MEMORY
             reason = ("out of memory in a model forward: lower --gpu-memory-budget (or the context, or use "
                       "int8_per_token_head KV) and try again")
             if self.model.device.type == "cuda":
@@ -428,7 +432,7 @@ class Engine:
         for req in list(self.running):
             if req.kv is not None and len(req.kv) > req.computed_len:
                 req.kv.truncate(req.computed_len)  # a forward that began and failed
-            self._finish(req, "error", reason)
+            self._finish(req, "error", reason, kind)
         return reason
 
     def check(self) -> None:
@@ -497,7 +501,9 @@ class Engine:
         if reason:
             self._finish(req, reason)
 
-    def _finish(self, req: Request, reason: str, error: Optional[str] = None) -> None:
+    def _finish(self, req: Request, reason: str, error: Optional[str] = None,
+                kind: Optional[ErrorKind] = None) -> None:
+        assert (reason == "error") == (error is not None) == (kind is not None), (reason, error, kind)
         if req in self.waiting:
             self.waiting.remove(req)
         if req in self.running:
@@ -520,7 +526,7 @@ class Engine:
         req.state, req.finish_reason = RequestState.FINISHED, reason
         req.t_done = time.perf_counter()
         self.requests.pop(req.id, None)  # a server runs for days: finished requests are not kept
-        req.events.put(StreamEvent(req.id, [], tail, True, reason, error, req.stats()))
+        req.events.put(StreamEvent(req.id, [], tail, True, reason, error, req.stats(), kind))
 
     # --- status --------------------------------------------------------------------------------
     def status(self) -> dict:

@@ -11,7 +11,9 @@ calls goes out as content at once, except a tail that might be the start of `<|t
 call is held until it is complete and then given as one OpenAI stream delta (`index`, `id`,
 `type`, `function.name`, `function.arguments`), so a call that turns out malformed was never
 announced. A call that does not parse (or names a function not offered) stays in the content, with
-one warning line on the `edgegem.tools` logger; nothing here raises on model output.
+one warning line on the `edgegem.tools` logger; a call the reply ends inside (cut off by a token
+limit, or an end token mid-call) is dropped with such a line, as it is no text the model meant to
+show and no call it finished; nothing here raises on model output.
 """
 from __future__ import annotations
 
@@ -232,8 +234,8 @@ class ToolCallStream:
     def finish(self) -> tuple[str, list[dict]]:
         return self._drain(at_end=True)
 
-    def _reject(self, text: str, why: str) -> None:
-        line = f"tool call left as text ({why}): {text[:80]!r}"
+    def _reject(self, text: str, why: str, kept: bool = True) -> None:
+        line = f"tool call {'left as text' if kept else 'dropped'} ({why}): {text[:80]!r}"
         self.errors.append(line)
         log.warning(line)
 
@@ -254,8 +256,7 @@ class ToolCallStream:
             except _Incomplete:
                 if not at_end:
                     break
-                self._reject(s, "unterminated")
-                content.append(s)
+                self._reject(s, "the reply ended inside it", kept=False)
                 s = ""
                 break
             except _Malformed as e:

@@ -136,6 +136,17 @@ def test_chat_prints_the_error_and_answers_the_next_prompt(tiny_path):
     assert len(answers) == 2 and answers[1].strip()
 
 
+@pytest.mark.parametrize("spec, code", [("forward.oom@1", 1), ("step.error@2", 1)], ids=["oom", "internal"])
+def test_run_exits_by_the_error_kind(tiny_path, spec, code):
+    """`edgegem run`: an answer the engine ended for its own failure exits 1 (bad input is 2), in
+    one line."""
+    env = {**os.environ, "EDGEGEM_FAILPOINTS": spec}
+    r = subprocess.run([sys.executable, "-m", "app.cli", "run", "--model", str(tiny_path), "--prompt", "the cat",
+                        "--max-tokens", "4", "--device", "cpu"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == code and r.stderr.startswith("edgegem: error: "), r.stderr
+    assert r.stderr.count("\n") == 1
+
+
 def test_a_malformed_failpoint_spec_is_one_line(tiny_path):
     env = {**os.environ, "EDGEGEM_FAILPOINTS": "forward.oom"}
     r = subprocess.run([sys.executable, "-m", "app.cli", "tokenize", "--model", str(tiny_path), "--text", "x"],
@@ -167,7 +178,7 @@ async def test_app_out_of_memory_shows_the_error_on_the_message_and_goes_on(tmp_
         assert [(m.role, m.status) for m in stored] == [("user", "done"), ("assistant", "done"),
                                                          ("user", "done"), ("assistant", "error"),
                                                          ("user", "done"), ("assistant", "done")]
-        assert stored[3].stats["error"].startswith("out of memory")
+        assert stored[3].stats["error"].startswith("out of memory") and stored[3].stats["error_kind"] == "out_of_memory"
         assert app.session.client.call(lambda e: e.check()) is None
 
 

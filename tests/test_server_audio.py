@@ -125,3 +125,40 @@ def test_fuzzed_audio_parts_are_400s_never_a_5xx(tiny):
         {"role": "user", "content": [_part(real[0])]}]}).status_code == 200
     server.engine(lambda e: e.check())  # no slot leaked
     print(f"\naudio fuzz: statuses {dict(sorted(statuses.items()))}")
+
+
+@pytest.mark.parametrize("failure, status, kind", [
+    (RuntimeError("the tower rejects this clip"), 400, "bad_input"),
+    (None, 503, "out_of_memory"),  # torch.OutOfMemoryError: it may pass, try again
+], ids=["encoder-error", "encoder-oom"])
+def test_an_audio_encoder_failure_is_the_status_of_its_kind(tiny, monkeypatch, failure, status, kind):
+    """The engine ends the request with an error kind; the API maps the kind (never the message's
+    words: it names the audio encoder, where a prefix match once looked for the image one)."""
+    import json
+
+    import torch
+
+    server = tiny["server"]
+    failure = failure if failure is not None else torch.OutOfMemoryError("CUDA out of memory (test)")
+
+    def fail(items):
+        raise failure
+    monkeypatch.setattr(server.client.engine.audio, "encode", fail)
+    h = server.http()
+    for i, stream in enumerate((False, True)):  # a clip of its own each time: no cached prefix skips the encoder
+        clip = _encoded(make_clip(0.4, 20 + i + 2 * status))
+        r = h.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "stream": stream, "messages": [
+            {"role": "user", "content": [_part(clip), {"type": "text", "text": "hi"}]}]})
+        if not stream:
+            assert r.status_code == status, r.text
+            err = r.json()["error"]
+        else:  # the status went out with the first chunk: the error is the stream's last event
+            assert r.status_code == 200
+            events = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {")]
+            err = events[-1]["error"]
+        assert err["code"] == kind and err["message"].startswith("audio encoder: "), err
+        assert err["type"] == ("invalid_request_error" if status == 400 else "unavailable_error")
+    monkeypatch.undo()
+    server.engine(lambda e: e.check())  # no slot leaked
+    assert h.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 1, "messages": [
+        {"role": "user", "content": [_part(_encoded(make_clip(0.4, 50)))]}]}).status_code == 200

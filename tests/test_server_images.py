@@ -77,6 +77,26 @@ def test_hostile_or_oversize_images_are_400s_naming_the_part(tiny):
         assert r.status_code == 400 and "120x120" in r.text and "--max-image-pixels" in r.text
     finally:
         capped.bg.stop()
-    r = h.post("/api/chat", json={"stream": False, "messages": [
+    r = h.post("/api/chat", json={"model": "tiny-mm", "stream": False, "messages": [
         {"role": "user", "content": "x<|image|><|image|>", "images": [base64.b64encode(_png(64, 64, 2)).decode()]}]})
     assert r.status_code == 400 and "markers" in r.json()["error"]  # the engine's one-line refusal
+
+
+def test_an_image_encoder_failure_is_a_400_in_each_api(tiny, monkeypatch):
+    """The engine's bad-input kind, not its message, makes the status (Ollama's shape on /api)."""
+    server, _ = tiny
+
+    def fail(items):
+        raise RuntimeError("the tower rejects this image")
+    monkeypatch.setattr(server.client.engine.vision, "encode", fail)
+    h = server.http()
+    r = h.post("/api/chat", json={"model": "tiny-mm", "stream": False, "messages": [
+        {"role": "user", "content": "what?", "images": [base64.b64encode(_png(40, 40, 11)).decode()]}]})
+    assert r.status_code == 400 and set(r.json()) == {"error"}, r.text
+    assert r.json()["error"].startswith("image encoder:") and "the tower rejects" in r.json()["error"]
+    url = "data:image/png;base64," + base64.b64encode(_png(40, 40, 12)).decode()
+    r = h.post("/v1/chat/completions", json={"max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}]}]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_input", r.text
+    monkeypatch.undo()
+    server.engine(lambda e: e.check())

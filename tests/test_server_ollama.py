@@ -3,11 +3,13 @@ streams and `"stream": false`), options, raw prompts and `context`, tags/show/ps
 `/` probe, errors in Ollama's shape; the demo model and a tiny Gemma-4 (thinking capability)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 ollama = pytest.importorskip("ollama")
 
-from engine import api  # noqa: E402
+from engine import api, failpoints  # noqa: E402
 from server_helpers import LiveServer  # noqa: E402
 from tiny_models import TinySpec, write_tiny_gemma4  # noqa: E402
 
@@ -126,3 +128,49 @@ def test_a_gemma4_model_shows_thinking_and_think_reaches_the_template(tiny_serve
         del tiny_server.client.submit
     think_id = tiny_server.client.tokenize("<|think|>")[0]
     assert think_id in seen[0] and think_id not in seen[1]
+
+
+@pytest.mark.parametrize("path, body", [("/api/chat", {"messages": ASK}), ("/api/generate", {"prompt": "hi"})])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_without_a_model_is_ollamas_400(tiny_server, path, body, stream):
+    """Ollama's words and shape; before, it was answered with no token limit (num_predict's
+    default), so a plain request waited until the context was full."""
+    for model in ({}, {"model": ""}):
+        r = tiny_server.http().post(path, json={**body, **model, "stream": stream})
+        assert r.status_code == 400 and r.json() == {"error": "model is required"}, r.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_load_probe_is_answered_done_with_reason_load(tiny_server, stream):
+    """What clients send to preload a model: chat with no messages, generate with no prompt."""
+    h = tiny_server.http()
+    r = h.post("/api/chat", json={"model": "tiny-gemma4", "messages": [], "stream": stream})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got.pop("created_at").endswith("Z")
+    assert got == {"model": "tiny-gemma4", "message": {"role": "assistant", "content": ""}, "done": True,
+                   "done_reason": "load"}
+    for body in ({}, {"prompt": ""}):
+        r = h.post("/api/generate", json={"model": "tiny-gemma4", "stream": stream, **body})
+        assert r.status_code == 200 and r.json()["done_reason"] == "load" and r.json()["done"] is True, r.text
+    done = tiny_server.ollama().chat(model="tiny-gemma4", messages=[])
+    assert done.done and done.done_reason == "load" and done.message.content == ""
+
+
+# step.error@2: the first step raises before it admits the request (a waiting one stays queued)
+@pytest.mark.parametrize("spec, status", [("forward.oom@1", 503), ("step.error@2", 500)], ids=["oom", "internal"])
+def test_an_engine_failure_is_the_status_of_its_kind(tiny_server, spec, status):
+    """Out of memory (it may pass: try again) is a 503, a failed step a 500, streamed or not; the
+    request's own faults are 400s (tests/test_server_audio.py, tests/test_server_images.py)."""
+    h = tiny_server.http()
+    try:
+        for path, body in (("/api/chat", {"messages": ASK}), ("/api/generate", {"prompt": "hi"})):
+            failpoints.configure(spec)
+            r = h.post(path, json={"model": "tiny-gemma4", "stream": False, "options": {"num_predict": 3}, **body})
+            assert r.status_code == status and set(r.json()) == {"error"}, r.text
+            failpoints.configure(spec)
+            r = h.post(path, json={"model": "tiny-gemma4", "options": {"num_predict": 3}, **body})
+            assert r.status_code == 200 and set(json.loads(r.text.splitlines()[-1])) == {"error"}, r.text
+    finally:
+        failpoints.configure(None)
+    tiny_server.engine(lambda e: e.check())

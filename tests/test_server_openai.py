@@ -243,6 +243,19 @@ def test_each_bad_request_is_an_openai_error_object_with_its_status(server, case
     assert set(err) == {"message", "type", "param", "code"} and words in err["message"] and "\n" not in err["message"]
 
 
+def test_a_message_without_content_is_a_400_naming_it(server):
+    """As OpenAI refuses it: only an assistant message with tool_calls may leave content out (that
+    one is served in tests/test_server_tools.py)."""
+    h = server.http()
+    for i, messages in ((0, [{"role": "user"}]), (0, [{"role": "user", "content": None}]),
+                        (1, HELLO + [{"role": "assistant"}] + HELLO), (0, [{"role": "system"}] + HELLO)):
+        r = h.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 2})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == f"messages.{i}.content" and err["code"] == "missing_required_parameter", err
+        assert err["type"] == "invalid_request_error" and "required" in err["message"]
+
+
 def test_the_openai_client_raises_its_own_error_types(oa):
     with pytest.raises(openai.BadRequestError):
         _chat(oa, n=3)

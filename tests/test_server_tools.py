@@ -132,6 +132,30 @@ def test_streamed_tool_call_deltas_reassemble_to_the_plain_call_and_the_engines(
     assert [c["function"]["arguments"] for c in last.tool_calls] == [plain.function.arguments]
 
 
+def test_a_call_cut_off_by_max_tokens_is_never_shown_as_text(server, monkeypatch):
+    """The reply ends inside the call (a length finish): no call, and none of its markup in the
+    content, plain or streamed, in either API; finish_reason stays "length"."""
+    oa = server.openai()
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=NAMED, temperature=1.0, seed=3, max_tokens=6)
+    ch = oa.chat.completions.create(**kw).choices[0]
+    assert ch.finish_reason == "length" and not ch.message.tool_calls and ch.message.content == "", ch
+    calls, content, finish = _reassembled(oa.chat.completions.create(**kw, stream=True))
+    assert (calls, content, finish) == ([], "", "length")
+    real = P.ollama_chat   # Ollama has no tool_choice: forced as in the Ollama test below
+
+    def forced(*a, **kw):
+        msgs, gp = real(*a, **kw)
+        return msgs, dataclasses.replace(gp, tool_choice=NAMED)
+    monkeypatch.setattr(P, "ollama_chat", forced)
+    body = {"model": MODEL, "messages": ASK, "tools": TOOLS, "stream": False,
+            "options": {"seed": 3, "num_predict": 6, "temperature": 1.0}}
+    r = server.http().post("/api/chat", json=body).json()
+    assert r["done_reason"] == "length" and r["message"]["content"] == "" and "tool_calls" not in r["message"], r
+    lines = [json.loads(ln) for ln in server.http().post("/api/chat", json={**body, "stream": True}).text.splitlines()]
+    assert "".join(ln["message"]["content"] for ln in lines) == "" and lines[-1]["done_reason"] == "length"
+    assert not any("tool_calls" in ln["message"] for ln in lines)
+
+
 def test_tool_choice_required_and_none(server):
     oa = server.openai()
     r = oa.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", seed=1,

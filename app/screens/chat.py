@@ -21,7 +21,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
-from app.backend import GenerationParams, SamplingParams, split_thinking
+from app.backend import ErrorKind, GenerationParams, SamplingParams, split_thinking
 from app.messages import GenerationDone
 from app.screens.chat_commands import ChatCommandsMixin, one_line
 from app.screens.chat_media import MediaInputMixin
@@ -36,6 +36,9 @@ from app.widgets.status_panel import StatusPanel
 
 CHUNK_INTERVAL_S = 0.1  # at most 10 UI updates a second, however fast the decode
 UI_SHARE = 0.1  # and at most ~10% of the time spent rendering them
+# the notice's title by the engine's ErrorKind: whether to change the message, the settings or nothing
+FAILED_TITLE = {ErrorKind.BAD_INPUT: "An attachment was refused", ErrorKind.CAPACITY: "Too long for the KV cache",
+                ErrorKind.OUT_OF_MEMORY: "Out of memory", ErrorKind.INTERNAL: "Generation failed"}
 _gen_ids = itertools.count(1)
 
 
@@ -287,7 +290,8 @@ class ChatScreen(MediaInputMixin, RecordMixin, ChatCommandsMixin, Screen[None]):
                 g.text += ev.text
                 g.tokens += len(ev.token_ids)
                 if ev.finished:
-                    self.post_message(GenerationDone(g.id, g.text, ev.finish_reason, ev.error, ev.stats))
+                    self.post_message(GenerationDone(g.id, g.text, ev.finish_reason, ev.error, ev.stats,
+                                                     ev.error_kind))
                     return
         except Exception as e:  # noqa: BLE001 - context overflow, CUDA OOM...: shown, not raised
             self.post_message(GenerationDone(g.id, g.text, "error", one_line(e), None))
@@ -314,7 +318,8 @@ class ChatScreen(MediaInputMixin, RecordMixin, ChatCommandsMixin, Screen[None]):
         # a continuation is kept as written (its leading space joins it to the text it continues)
         thought, answer = (None, msg.text) if self.continuation else split_thinking(msg.text)
         status = "error" if msg.error else "stopped" if msg.reason == "abort" else "done"
-        stats = {**msg.stats, "finish_reason": msg.reason, **({"error": msg.error} if msg.error else {})}
+        stats = {**msg.stats, "finish_reason": msg.reason, **({"error": msg.error} if msg.error else {}),
+                 **({"error_kind": msg.error_kind.value} if msg.error_kind else {})}
         m = self._saved(lambda: self.store.add_message(g.conversation_id, "assistant", answer,
                                                        thinking=thought or "", status=status, stats=stats),
                         "the answer")
@@ -328,7 +333,8 @@ class ChatScreen(MediaInputMixin, RecordMixin, ChatCommandsMixin, Screen[None]):
         if msg.stats:
             self.last_stats = msg.stats
         if msg.error:
-            self.notify(msg.error, title="Generation failed", severity="error", timeout=10)
+            self.notify(msg.error, title=FAILED_TITLE.get(msg.error_kind, "Generation failed"), severity="error",
+                        timeout=10)
         self.query_one("#messages", VerticalScroll).scroll_end(animate=False)
         self.query_one(Sidebar).reload(self.conversation_id)
         self.refresh_status()

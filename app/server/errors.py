@@ -14,6 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.backend import ErrorKind
+
 log = logging.getLogger("edgegem.server")
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -27,6 +29,24 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, _one_line(message), param, code
         self.type = type_ or TYPES.get(status, "invalid_request_error")
+
+
+# A request the engine ended with an error, by its kind: the request's fault (its media, more tokens
+# than the KV pool holds) is a 400, device memory running out a 503 (it may pass: try again), a
+# failed forward a 500.
+KIND_STATUS = {ErrorKind.BAD_INPUT: 400, ErrorKind.CAPACITY: 400, ErrorKind.OUT_OF_MEMORY: 503,
+               ErrorKind.INTERNAL: 500}
+
+
+def engine_error(ev) -> APIError:
+    """The APIError of a final StreamEvent without an answer: its error kind's status, the kind as
+    the OpenAI `code`; an abort is the server stopping (503)."""
+    if ev.finish_reason == "abort":
+        return APIError(503, "the request was stopped (the server is shutting down)")
+    kind = ev.error_kind or ErrorKind.INTERNAL
+    status = KIND_STATUS[kind]
+    return APIError(status, ev.error or "generation failed", code=kind.value,
+                    type_="server_error" if status == 500 else None)
 
 
 def _one_line(msg: str) -> str:

@@ -13,9 +13,8 @@ from starlette.concurrency import run_in_threadpool
 
 from . import params as P
 from .config import OLLAMA_VERSION
-from .errors import APIError
+from .errors import APIError, engine_error
 from .ollama_schemas import ChatRequest, GenerateRequest, ShowRequest
-from .openai_routes import engine_error
 from app.backend import ollama_tool_calls
 
 from .output import ReasoningSplitter, TokenText, ollama_logprobs, split_all
@@ -96,7 +95,10 @@ def router(state: ServerState) -> APIRouter:
 
     @r.post("/api/chat")
     async def chat(req: ChatRequest, request: Request):
-        model = state.check_model(req.model)
+        model = _model(state, req.model)
+        if not req.messages:  # Ollama's load probe (clients send it to preload a model): answered at once
+            return {"model": model, "created_at": _now(), "message": {"role": "assistant", "content": ""},
+                    "done": True, "done_reason": "load"}
         info = state.info()
         msgs, gen_params = await run_in_threadpool(P.ollama_chat, req, info["context_length"], cfg, info)
         t0 = time.perf_counter()
@@ -115,7 +117,7 @@ def router(state: ServerState) -> APIRouter:
 
     @r.post("/api/generate")
     async def generate(req: GenerateRequest, request: Request):
-        model = state.check_model(req.model)
+        model = _model(state, req.model)
         client = state.client()
         if not req.prompt and not req.images and not req.context:  # Ollama: load the model, answer done
             return {"model": model, "created_at": _now(), "response": "", "done": True, "done_reason": "load"}
@@ -143,6 +145,14 @@ def router(state: ServerState) -> APIRouter:
         return _done(model, last, t0, extra)
 
     return r
+
+
+def _model(state: ServerState, name) -> str:
+    """Our model's id for a chat or generate request, which must name one: Ollama refuses one
+    without (a 400 in these words), where the OpenAI routes take none to mean ours."""
+    if not name:
+        raise APIError(400, "model is required", "model")
+    return state.check_model(name)
 
 
 def _generate_ids(client, state: ServerState, req: GenerateRequest, msgs, gen_params):

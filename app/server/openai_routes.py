@@ -11,26 +11,13 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from . import params as P
-from .errors import APIError, error_body
+from .errors import APIError, engine_error, error_body
 from .output import ReasoningSplitter, TokenText, chat_logprobs, completion_logprobs, split_all
 from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .state import EngineStream, ServerState
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls"}
-
-
-def engine_error(ev) -> APIError:
-    """A request the engine ended without an answer: the request's fault (400), a transient
-    shortage (503), the server stopping (503) or a failure in a forward (500)."""
-    if ev.finish_reason == "abort":
-        return APIError(503, "the request was stopped (the server is shutting down)")
-    msg = ev.error or "generation failed"
-    if msg.startswith(("KV cache full", "image encoder")):
-        return APIError(400, msg)
-    if msg.startswith("out of memory"):
-        return APIError(503, msg)
-    return APIError(500, msg, type_="server_error")
 
 
 def usage(stats: dict | None, completion_tokens: int) -> dict:

@@ -109,6 +109,10 @@ def openai_messages(req: ChatCompletionRequest, max_pixels: int, info: Optional[
     `name` as models/chat.py renders them (JSON-string arguments are parsed there)."""
     out = []
     for i, m in enumerate(req.messages):
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):  # as OpenAI refuses it
+            raise APIError(400, f"messages.{i}.content: required in a {m.role} message"
+                                + (" (one without tool_calls)" if m.role == "assistant" else ""),
+                           f"messages.{i}.content", "missing_required_parameter")
         images, audio, text = [], [], ""
         if isinstance(m.content, list):
             for j, part in enumerate(m.content):
