@@ -7,7 +7,7 @@ VPY := $(VENV)/bin/python
 # CPU build that CI uses; a user who already has a (CUDA) torch in the venv keeps it.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: chat test venv torch clean gpu-check gpu-dry-run wheels test-triton36
+.PHONY: chat test venv torch clean gpu-check gpu-dry-run wheels test-triton36 compile-check
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -43,6 +43,13 @@ $(T36PY):
 
 test-triton36: $(T36PY)
 	PYTHONPATH=$(CURDIR) $(T36PY) -m pytest -q -p no:cacheprovider $(KERNEL_TESTS)
+
+# The full compile check: every launch of E2B and E4B, five KV formats, six archs (~2,000 compiles,
+# about an hour of CPU from a cold cache; `make test` runs the core of it: tests/test_kernel_compile.py).
+# Run it when a kernel, its launcher or its launch parameters change.
+compile-check: torch
+	$(VPY) -m pip install --quiet -e ".[test]"
+	EDGEGEM_COMPILE_CHECK=full $(VPY) -m pytest -q -s tests/test_kernel_compile.py
 
 chat: torch
 	$(VPY) -m pip install --quiet -e ".[demo,preview]"
