@@ -130,14 +130,20 @@ def _llama_greedy(llama, ids: list[int], n: int, tie: float = 0.0) -> list[int]:
     return out
 
 
+# A top-2 logit gap under which the two may pick differently: llama.cpp's ops and ours agree to
+# ~1e-7, and now and then that flips one activation's 8-bit rounding in a later product. How far
+# the logits then move depends on the CPU's kernels: up to ~0.1 measured on AVX-512, 0.17 on an
+# AVX2-only AMD EPYC ("My favorite food is", step 13).
+TIE = 0.2
+
+
 @pytest.mark.cpu_runtime
 def test_cpu_runtime_format_keeps_greedy_tokens(ours, llama, gemma3_270m_path, monkeypatch):
     """The quantized CPU runtime format. On llama.cpp's kernels (models/cpu_ggml.py: the file's
     bytes, 8-bit activations, ggml's GELU table, the chains as ggml graphs) it computes what
     llama.cpp computes: its greedy tokens are llama.cpp's (llama.cpp's placement for the prompt
-    rows too) up to the first near-tie (top-2 gap < 0.1: each op agrees with llama.cpp's to ~1e-7,
-    and now and then such a difference flips one activation's 8-bit rounding in a later product,
-    moving these logits by up to ~0.1; tests/test_cpu_ggml.py shows it op by op), and its text
+    rows too) up to the first near-tie (top-2 gap < TIE, above; tests/test_cpu_ggml.py shows the
+    ops agree one by one), and its text
     score is within 2e-2 nats of the float32 reference's. On the torch
     formats (no ggml, and make test's EDGEGEM_CPU_KERNELS=torch pass: models/cpu_quant.py int4pack
     for Q4_K, float16 for the Q5_0/Q6_K tensors, the int8-ranked Q8_0 head, file rows for lookups)
@@ -150,10 +156,13 @@ def test_cpu_runtime_format_keeps_greedy_tokens(ours, llama, gemma3_270m_path, m
         return
     monkeypatch.setattr(cpu_ggml, "PACKED_ROWS", 1 << 20)
     params = SamplingParams(temperature=0.0, max_tokens=16)
+    compared = 0
     for prompt in PROMPTS:
         ids = ours.tokenizer.encode(prompt)
-        ref = _llama_greedy(llama, ids, 16, tie=0.1)
-        assert len(ref) >= 8 and generate(fast.model, ids, params).ids[:len(ref)] == ref, prompt
+        ref = _llama_greedy(llama, ids, 16, tie=TIE)
+        assert generate(fast.model, ids, params).ids[:len(ref)] == ref, prompt
+        compared += len(ref)
+    assert compared >= 24  # of 48: the near ties cut a prompt short, not the comparison
     tokens = ours.tokenizer.encode(TEXT)[:300]
     with torch.inference_mode():
         a, b = ours.model.forward(torch.tensor(tokens)), fast.model.forward(torch.tensor(tokens))

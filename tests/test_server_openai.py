@@ -116,6 +116,12 @@ def test_logprobs_are_the_models_log_softmax_and_top_ones_rank(gemma3_270m_path)
         server.close()
 
 
+# float32 logits of magnitude ~30 summed in another order (the engine's pooled attention against
+# the dense cache, other SIMD widths on AVX2 and AVX-512): ~1e-6 relative, so a few 1e-5 nats on a
+# log-probability; 1.1e-4 measured on an AVX2-only EPYC. A wrong normalizer is off by far more.
+LOGPROB_TOL = 5e-4
+
+
 def _logprobs_checks(oa, server, lm):
     import torch
     from models.kv_cache import DenseKVCache
@@ -135,13 +141,13 @@ def _logprobs_checks(oa, server, lm):
     for k, c in enumerate(content):
         assert c.top_logprobs[0].token == c.token  # greedy picks the most likely
         assert [t.logprob for t in c.top_logprobs] == sorted((t.logprob for t in c.top_logprobs), reverse=True)
-        assert math.isclose(c.logprob, float(lsm[k, out[k]]), abs_tol=1e-4)
+        assert math.isclose(c.logprob, float(lsm[k, out[k]]), abs_tol=LOGPROB_TOL)
         assert bytes(c.bytes) == lm.tokenizer.token_bytes(out[k])
     streamed = [lp for ch in _chat(oa, max_tokens=6, logprobs=True, top_logprobs=3, stream=True)
                 if ch.choices and ch.choices[0].logprobs for lp in ch.choices[0].logprobs.content]
     # the same tokens and log-probabilities (float32 rounding apart: KV in other slot runs)
     assert [s.token for s in streamed] == [c.token for c in content]
-    assert all(math.isclose(s.logprob, c.logprob, abs_tol=1e-4) for s, c in zip(streamed, content))
+    assert all(math.isclose(s.logprob, c.logprob, abs_tol=LOGPROB_TOL) for s, c in zip(streamed, content))
     comp = oa.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0, logprobs=2)
     lp = comp.choices[0].logprobs
     assert len(lp.tokens) == 4 == len(lp.token_logprobs) and all(len(t) == 2 for t in lp.top_logprobs)
