@@ -81,8 +81,11 @@ def test_no_tracked_file_reads_a_folder_outside_the_repository():
 def test_the_scan_finds_the_paths_that_broke_a_new_machine():
     """The check itself: the converter path that broke a fresh clone, a venv, a home folder and a
     scratch file are caught; system paths, URLs, API routes and regexes are not."""
-    caught = ['Path("/work/src/llama_cpp_python-0.3.36/vendor/llama.cpp")', "/root/.venv/bin/python",
-              "PYTHONPATH=/home/me/gguf-py", "/tmp/model.gguf", "/srv/x/venv/bin/pip", "/usr/local/src/llama.cpp"]
+    # Built from a root's name and a tail, so that this file names no such folder itself.
+    cases = [("work", "src/llama_cpp_python-0.3.36/vendor/llama.cpp", 'Path("{}")'), ("root", ".venv/bin/python", "{}"),
+             ("home", "me/gguf-py", "PYTHONPATH={}"), ("tmp", "model.gguf", "{}"), ("srv", "x/venv/bin/pip", "{}"),
+             ("usr/local/src", "llama.cpp", "{}")]
+    caught = [form.format(f"/{root}/{tail}") for root, tail, form in cases]
     fine = ["/proc/self/status", "/dev/null", "/usr/bin/env python3", "https://example.org/home/x",
             "/v1/chat/completions", "/api/tags", "a/tmp/b", "~/(?s:.*)/", "$(CURDIR)/.venv-triton36",
             "/etc/os-release", "/sys/devices/system/cpu", "/.venv-device/"]
