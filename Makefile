@@ -18,10 +18,14 @@ torch: $(VPY)
 
 # The suite runs on llama.cpp's CPU kernels (the test extra has llama-cpp-python), then the CPU
 # runtime's tests again on the torch formats a plain `pip install edgegem` runs (EDGEGEM_CPU_KERNELS=torch).
+# TEST_WORKERS pytest-xdist workers, each test module on one of them (its module fixtures built
+# once), each worker with its share of the cores (tests/conftest.py); TEST_WORKERS=0 runs in one.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope)
 test: torch
 	$(VPY) -m pip install --quiet -e ".[test,demo]"
-	$(VPY) -m pytest -q $(PYTEST_ARGS)
-	EDGEGEM_CPU_KERNELS=torch $(VPY) -m pytest -q -m "cpu_runtime and not cuda" $(PYTEST_ARGS)
+	$(VPY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
+	EDGEGEM_CPU_KERNELS=torch $(VPY) -m pytest -q $(XDIST) -m "cpu_runtime and not cuda" $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-triton36
 
 # The kernel tests again under triton 3.6, the version GPU machines carry (with numpy >= 2.3, as
@@ -31,7 +35,7 @@ test: torch
 T36 := .venv-triton36
 T36PY := $(T36)/bin/python
 TRITON36_SPEC ?= triton==3.6.*
-T36_DEPS := numpy pytest pytest-asyncio gguf tokenizers jinja2 safetensors platformdirs pillow llama-cpp-python==0.3.36
+T36_DEPS := numpy pytest pytest-asyncio pytest-xdist gguf tokenizers jinja2 safetensors platformdirs pillow llama-cpp-python==0.3.36
 KERNEL_TESTS := tests/test_kernels_interpreter.py tests/test_kernels_attention.py tests/test_kernels_fused.py \
 	tests/test_kernels_qkv.py tests/test_kernels_qmatmul.py tests/test_kernels_model.py tests/test_kernels_logits.py \
 	tests/test_kernel_counts.py tests/test_gpu_arch.py tests/test_gpu_bench_compiles.py \
@@ -42,7 +46,8 @@ $(T36PY):
 	$(T36PY) -m pip install --quiet "$(TORCH_SPEC)" "$(TRITON36_SPEC)" $(T36_DEPS)
 
 test-triton36: $(T36PY)
-	PYTHONPATH=$(CURDIR) $(T36PY) -m pytest -q -p no:cacheprovider $(KERNEL_TESTS)
+	@$(T36PY) -c "import xdist" 2>/dev/null || $(T36PY) -m pip install --quiet pytest-xdist
+	PYTHONPATH=$(CURDIR) $(T36PY) -m pytest -q -p no:cacheprovider $(XDIST) $(KERNEL_TESTS)
 
 # The full compile check: every launch of E2B and E4B, five KV formats, six archs (~2,000 compiles,
 # about an hour of CPU from a cold cache; `make test` runs the core of it: tests/test_kernel_compile.py).

@@ -110,7 +110,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="cpu with a GGUF: edgegem beside llama-cpp-python; cuda (or --synthetic): the engine bench")
     b.add_argument("--prompt-tokens", type=int, default=128, help="CPU-vs-llama.cpp bench: prompt length")
     b.add_argument("--decode-tokens", type=int, default=64, help="CPU-vs-llama.cpp bench: decode steps")
-    b.add_argument("--threads", type=int, default=0, help="CPU threads (0: the physical cores)")
+    b.add_argument("--threads", type=int, default=0, help="CPU threads (0: $OMP_NUM_THREADS, else the physical cores)")
     b.add_argument("--no-llama-cpp", action="store_true", help="skip the llama-cpp-python run")
     b.add_argument("--engine", action="store_true",
                    help="--device cpu (a GGUF or --synthetic): time edgegem through the engine (as run and the app "

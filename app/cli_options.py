@@ -50,8 +50,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--spec-p-min", type=float, default=0.0,
                    help="stop drafting when the draft's top probability falls below this")
     g.add_argument("--threads", type=int, default=0, metavar="N",
-                   help="CPU threads for torch and llama.cpp's kernels (default: the physical cores; 1 on a "
-                        "machine busy with other work)")
+                   help="CPU threads for torch and llama.cpp's kernels (default: $OMP_NUM_THREADS, else the "
+                        "physical cores; 1 on a machine busy with other work)")
 
 def _kv_session_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-session", metavar="FILE",

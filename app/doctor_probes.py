@@ -198,8 +198,8 @@ def probe_cpu_kernels(f: Facts) -> None:
     if f.torch_version is None:
         return
     try:
-        from engine.cpu_runtime import kernels, physical_cores
-        f.cpu_kernels, f.cpu_threads = kernels(), physical_cores()
+        from engine.cpu_runtime import default_threads, kernels
+        f.cpu_kernels, f.cpu_threads = kernels(), default_threads()
     except Exception as e:  # a broken install must still give a report
         f.cpu_kernels = {"name": "torch", "reason": str(e).splitlines()[0] if str(e) else type(e).__name__,
                          "detail": "torch formats"}

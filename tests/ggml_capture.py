@@ -7,9 +7,11 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.cpu_runtime import default_threads
+
 
 def capture_mul_mats(path: Path, batches: list[list[int]], weights: set[str], n_ctx: int = 256,
-                     n_threads: int = 2) -> list[tuple[str, np.ndarray, np.ndarray]]:
+                     n_threads: int = 0) -> list[tuple[str, np.ndarray, np.ndarray]]:
     """Run llama.cpp (CPU, F32 KV) over `batches` of tokens, one llama_decode each, and return
     (weight name, x float32 [rows, k], y float32 [rows, n]) for every MUL_MAT whose src0 is one
     of `weights` (the file's tensors; attention's K·Q products are left out)."""
@@ -41,7 +43,7 @@ def capture_mul_mats(path: Path, batches: list[list[int]], weights: set[str], n_
     model = L.llama_model_load_from_file(str(path).encode(), mp)
     cp = L.llama_context_default_params()
     cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, n_ctx, n_ctx
-    cp.n_threads = cp.n_threads_batch = n_threads
+    cp.n_threads = cp.n_threads_batch = n_threads or default_threads()
     cp.type_k = cp.type_v = 0  # F32 KV
     cp.flash_attn_type = 0  # disabled
     cp.cb_eval, cp.cb_eval_user_data = observe, None

@@ -7,12 +7,15 @@ the same tests.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
+
+from filelock import FileLock  # torch's own dependency
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("EDGEGEM_TEST_CACHE", REPO / ".cache" / "test-data"))
@@ -21,15 +24,36 @@ _TARBALL = "llama_cpp_python-0.3.36.tar.gz"
 _VENDOR = "/vendor/llama.cpp/"
 
 
+@contextlib.contextmanager
+def cache_lock(name: str):
+    """Held while one process fills CACHE's `name`: the suite runs in several pytest-xdist workers,
+    and a second one must wait for the first's files, not rewrite them under it."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(CACHE / f".{name}.lock")):
+        yield
+
+
 def sdist() -> Path:
     """The sdist tarball, downloaded with pip (no binary, no dependencies) on first use."""
     dl = CACHE / "sdist"
     tar = dl / _TARBALL
-    if not tar.exists():
-        dl.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary",
-                        "llama-cpp-python", LLAMA_SDIST, "-d", str(dl)], check=True)
+    if tar.exists():
+        return tar
+    with cache_lock("sdist"):
+        if not tar.exists():
+            _download(dl)
     return tar
+
+
+def _download(dl: Path) -> None:
+    """pip writes the tarball in place: it is downloaded into a fresh folder and renamed."""
+    tmp = dl.with_name(".sdist.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary",
+                    "llama-cpp-python", LLAMA_SDIST, "-d", str(tmp)], check=True)
+    shutil.rmtree(dl, ignore_errors=True)
+    tmp.rename(dl)
 
 
 def _extract(name: str, keep, flatten: bool) -> Path:
@@ -39,6 +63,14 @@ def _extract(name: str, keep, flatten: bool) -> Path:
     out = CACHE / name
     if (out / ".complete").exists():
         return out
+    with cache_lock(name):
+        if not (out / ".complete").exists():
+            _extract_into(out, keep, flatten)
+    return out
+
+
+def _extract_into(out: Path, keep, flatten: bool) -> None:
+    name = out.name
     tmp = CACHE / f".{name}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -54,7 +86,6 @@ def _extract(name: str, keep, flatten: bool) -> Path:
     (tmp / ".complete").touch()
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
-    return out
 
 
 def vocab_dir() -> Path:

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.cpu_runtime import default_threads
 from engine.generate import generate
 from engine.sampler import SamplingParams
 from models.loader import load_model
@@ -57,7 +58,7 @@ def llama(gemma3_270m_path):
     import llama_cpp
 
     llm = llama_cpp.Llama(model_path=str(gemma3_270m_path), n_ctx=1024, n_batch=1024, n_ubatch=1024,
-                          logits_all=True, type_k=0, type_v=0, n_threads=2, verbose=False)
+                          logits_all=True, type_k=0, type_v=0, n_threads=default_threads(), verbose=False)
     yield llm
     llm.close()
 

@@ -12,6 +12,8 @@ from typing import Optional
 import numpy as np
 from gguf import GGUFWriter
 
+from engine.cpu_runtime import default_threads  # the oracle's threads: as many as ours
+
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>", "<|think|>"]
 USER_DEFINED = ["<|channel>", "<channel|>", "<|tool_response>"]
 # Gemma-4's tool markers (spec §5.3), placed on `<unusedN>` ids of a 384-token tiny vocab
@@ -336,7 +338,7 @@ def llama_cpp_logits(path: Path, tokens: list[int], n_ctx: int = 512) -> np.ndar
 
     quiet_llama_cpp()
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
-                          logits_all=True, type_k=0, type_v=0, n_threads=2, verbose=False,
+                          logits_all=True, type_k=0, type_v=0, n_threads=default_threads(), verbose=False,
                           flash_attn=False)
     try:
         llm.eval(tokens)
@@ -352,7 +354,7 @@ def llama_cpp_greedy(path: Path, prompt: list[int], n: int, n_ctx: int = 512) ->
 
     quiet_llama_cpp()
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
-                          type_k=0, type_v=0, n_threads=2, verbose=False, flash_attn=False)
+                          type_k=0, type_v=0, n_threads=default_threads(), verbose=False, flash_attn=False)
     try:
         llm.eval(prompt)
         out = []

@@ -208,9 +208,9 @@ def cpu_side_by_side(path: Optional[Path] = None, synthetic: Optional[str] = Non
     from models.gguf import GGUFFile
 
     from .cpu_profile import cpu_flags
-    from ..cpu_runtime import kernels, physical_cores
+    from ..cpu_runtime import default_threads, kernels
 
-    threads = threads or physical_cores()
+    threads = threads or default_threads()
     with synthetic_gguf(synthetic, keep) as written:
         path = written or path
         vocab = len(GGUFFile(path).metadata.get("tokenizer.ggml.tokens", ())) or 32000
