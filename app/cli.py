@@ -257,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _on_signal)  # the app handles both in its event loop
         signal.signal(signal.SIGINT, _on_signal)
     try:
+        from engine.env import env
+        env()  # a bad EDGEGEM_* value is one line here, not a traceback inside a forward
         from engine import failpoints
         if failpoints.CONFIG_ERROR:
             raise ValueError(failpoints.CONFIG_ERROR)

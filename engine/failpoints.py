@@ -1,5 +1,6 @@
 """Failpoints: `EDGEGEM_FAILPOINTS="NAME@N[,NAME@N...]"` makes the N-th hit of a named point fail,
-once. For tests, and for users reproducing a report.
+once. For tests, and for users reproducing a report. The variable is read by kernels/env.py with
+the others; its grammar and the point names are this module's.
 
 Points:
   forward.oom   torch.OutOfMemoryError inside a model forward (prefill, decode, verify)
@@ -12,9 +13,10 @@ Unset, a call site costs one attribute read: `if failpoints.ACTIVE and failpoint
 from __future__ import annotations
 
 import errno
-import os
 import threading
 from collections import Counter
+
+from kernels.env import ConfigError, env
 
 POINTS = ("forward.oom", "step.error", "store.write", "kv.write")
 
@@ -75,6 +77,8 @@ def maybe_fail(name: str) -> None:
 
 CONFIG_ERROR: str | None = None  # a malformed EDGEGEM_FAILPOINTS: the CLI says it in one line
 try:
-    configure(os.environ.get("EDGEGEM_FAILPOINTS"))
+    configure(env().failpoints)
+except ConfigError:
+    pass  # another variable is bad: the CLI's env() check at start says which, none is armed
 except ValueError as e:
     CONFIG_ERROR = str(e)

@@ -50,6 +50,8 @@ from typing import Iterable, Optional
 
 import torch
 
+from .env import env
+
 __all__ = ["ARCHS", "Arch", "CompileResult", "KernelSpec", "bandwidth_cap", "compile_specs", "default_cache_dir",
            "gpu_pool", "spec_of", "specialize_value"]
 
@@ -264,9 +266,8 @@ class CompileResult:
 
 def default_cache_dir() -> Path:
     """$EDGEGEM_COMPILE_CACHE, else ~/.cache/edgegem/compile-check (XDG_CACHE_HOME honoured)."""
-    env = os.environ.get("EDGEGEM_COMPILE_CACHE")
-    if env:
-        return Path(env)
+    if env().compile_cache is not None:
+        return env().compile_cache
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "edgegem" / "compile-check"
 

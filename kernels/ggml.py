@@ -41,13 +41,14 @@ import ctypes
 import functools
 import importlib.metadata
 import importlib.util
-import os
 import threading
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 import torch
+
+from .env import env
 
 PINNED = "0.3.36"  # the llama-cpp-python release whose ggml this binding is written against
 F32 = 0  # GGML_TYPE_F32
@@ -231,7 +232,7 @@ def _log_message(level: int, text: bytes, user_data) -> None:
 def _load() -> _Lib:
     if "lib" not in _state:
         try:
-            if os.environ.get("EDGEGEM_CPU_KERNELS", "auto").lower() == "torch":
+            if env().cpu_kernels == "torch":
                 raise GGMLError("EDGEGEM_CPU_KERNELS=torch: the torch formats are forced")
             lib = _Lib()
             _state["lib"] = lib

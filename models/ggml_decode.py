@@ -9,10 +9,11 @@ EDGEGEM_CPU_LAYER_GRAPH=0 the four graphs a layer (prologue, attention, two resi
 """
 from __future__ import annotations
 
-import os
 from typing import Optional, Sequence
 
 import torch
+
+from kernels.env import env
 
 from .ops import _chains, cpu_kernels_attend
 
@@ -49,7 +50,7 @@ def fused_decode_layer(x: torch.Tensor, a: torch.Tensor, w, b: str, n_head: int,
     gate/up matrices on llama.cpp's kernels, and a cache that offers the layer's slabs and window
     (`decode_target`: the engine's float32 pools). -> (h, rms_norm(h) * next_weight), or None
     where any of that is missing (the four-run path then runs; EDGEGEM_CPU_LAYER_GRAPH=0 forces it)."""
-    if cos.shape[-1] == 0 or os.environ.get("EDGEGEM_CPU_LAYER_GRAPH", "1") == "0":
+    if cos.shape[-1] == 0 or not env().cpu_layer_graph:
         return None
     if not _token_ready(x, cache, a, cos, sin, next_weight):
         return None
@@ -73,7 +74,7 @@ def fused_decode_step(x: torch.Tensor, w, n_layer: int, n_head: int, n_kv: int, 
     head is on llama.cpp's kernels: x [1, d] embedded; ropes (cos, sin) per rope set, rope_of the
     set of each layer -> (logits [1, vocab] before any softcap, h [1, d]), or None (the layer by
     layer path then runs; EDGEGEM_CPU_STEP_GRAPH=0 forces it)."""
-    if os.environ.get("EDGEGEM_CPU_STEP_GRAPH", "1") == "0" or not hasattr(head, "matrix_for") \
+    if not env().cpu_step_graph or not hasattr(head, "matrix_for") \
             or any(c.shape[-1] == 0 for c, _ in ropes) or not _token_ready(x, cache, *(t for r in ropes for t in r)):
         return None
     from kernels.ggml_step import StepLayer, decode_step

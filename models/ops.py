@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from kernels.env import env
 
 
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -470,7 +471,7 @@ def cpu_kernels_attend(q: torch.Tensor) -> bool:
     """Decode attention runs on llama.cpp's kernel (`decode_attention_masked`): inside
     `cpu_chains` (a model on llama.cpp's CPU kernels; not the exact path) with a CPU float32 query,
     unless EDGEGEM_CPU_ATTENTION=torch (the torch products over the slot runs: comparisons, tests)."""
-    return _chains(q) is not None and os.environ.get("EDGEGEM_CPU_ATTENTION", "ggml").lower() != "torch"
+    return _chains(q) is not None and env().cpu_attention != "torch"
 
 
 def decode_attention_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

@@ -34,6 +34,19 @@ def gemma3_270m_path() -> Path:
         return Path(mod.assemble())
 
 
+@pytest.fixture(autouse=True)
+def _fresh_env_switches():
+    """The EDGEGEM_* switches (kernels/env.py, read once) re-read around every test: before, so a
+    module or fixture that set a variable is seen; after, once monkeypatch has put the
+    environment back (autouse fixtures are torn down after the test's own), so no test's values
+    reach the next. A test that sets a switch itself calls `kernels.env.reload()` after it."""
+    from kernels.env import reload
+
+    reload()
+    yield
+    reload()
+
+
 @pytest.fixture
 def torch_cpu_formats(monkeypatch):
     """The CPU runtime's torch formats (models/cpu_quant.py) even where llama.cpp's kernels are

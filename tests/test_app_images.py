@@ -17,6 +17,7 @@ from app.screens.dialogs import TextPrompt
 from app.widgets.attachments import AttachmentBar, AttachmentChip, ImageChips
 from app.widgets.message_view import MessageView
 from app.widgets.status_panel import StatusPanel
+from engine.env import reload
 from engine.scheduler import ContextOverflowError
 from tests.app_fakes import FakeBackend, FakeClient
 from tests.test_app import SIZE, make_app, on_screen, open_chat, until
@@ -297,4 +298,5 @@ def test_graphics_detection_follows_textual_image_and_can_be_turned_off(monkeypa
         assert image_preview._graphics_widget() is want
     monkeypatch.setattr(renderable, "Image", renderable.TGPImage)
     monkeypatch.setenv("EDGEGEM_IMAGE_PREVIEW", "blocks")
+    reload()
     assert image_preview._graphics_widget() is None

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kernels import ggml
+from kernels.env import reload
 
 pytestmark = pytest.mark.skipif(not ggml.available(), reason=f"ggml binding unavailable: {ggml.reason()}")
 
@@ -145,6 +146,7 @@ def test_engine_decode_on_ggml_attention_agrees_with_the_torch_products(tiny, mo
 
     def run(mode):
         monkeypatch.setenv("EDGEGEM_CPU_ATTENTION", mode)
+        reload()
         engine = Engine(lm.model, config=EngineConfig(full_tokens=256))
         reqs = [engine.add(list(p), SamplingParams(temperature=0.0, max_tokens=12, logprobs=2)) for p in prompts]
         engine.run_to_completion()

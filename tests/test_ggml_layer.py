@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kernels import ggml
+from kernels.env import reload
 
 pytestmark = pytest.mark.skipif(not ggml.available(), reason=f"ggml binding unavailable: {ggml.reason()}")
 
@@ -35,6 +36,7 @@ def test_one_graph_a_layer_gives_the_four_runs_bits(gemma3_270m_path, monkeypatc
     from engine.api import open_model
 
     monkeypatch.setenv("EDGEGEM_CPU_STEP_GRAPH", "0")  # the layer graphs, not the whole-token one
+    reload()
     lm = open_model(gemma3_270m_path, exact=False)
     text = lm.tokenizer.encode("The lighthouse keeper climbed the stairs and")
     prompts = (text, text[:5] + [236743] * 3)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kernels import ggml
+from kernels.env import reload
 from tests.test_ggml_layer import decode_greedy
 
 pytestmark = pytest.mark.skipif(not ggml.available(), reason=f"ggml binding unavailable: {ggml.reason()}")
@@ -28,8 +29,10 @@ def test_one_graph_a_token_gives_the_layer_graphs_bits(gemma3_270m_path, monkeyp
     whole = decode_greedy(lm, prompts, 14)
     assert sum(ran) >= 2 * 13 and all(ran)  # every decode step (the prompts' last rows too)
     monkeypatch.setenv("EDGEGEM_CPU_STEP_GRAPH", "0")
+    reload()
     layers = decode_greedy(lm, prompts, 14)
     monkeypatch.setenv("EDGEGEM_CPU_LAYER_GRAPH", "0")
+    reload()
     four = decode_greedy(lm, prompts, 14)
     assert whole == layers == four
     assert all(len(ids) == 14 for ids, _ in whole)

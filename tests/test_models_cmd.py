@@ -12,6 +12,7 @@ from tiny_models import TinySpec, write_tiny_assistant, write_tiny_gemma4
 from app.cli import main
 from engine import api
 from engine.models_dir import find_model, local_models, quant_label, quant_matches
+from kernels.env import reload
 from models.gguf import GGUFError
 
 SPEC = TinySpec(d_model=64, hd_sliding=32, hd_full=64, ffn=128, ple_width=8)
@@ -29,6 +30,7 @@ def models_dir(tmp_path, monkeypatch):
     (root / "broken.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")
     (root / REPO / "gemma-4-E2B-it-Q6_K.gguf.part").write_bytes(b"partial")  # a download in progress
     monkeypatch.setenv("EDGEGEM_MODELS_DIR", str(root))
+    reload()
     return root
 
 

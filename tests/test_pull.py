@@ -24,6 +24,7 @@ from app.cli import main
 from engine.models_dir import hub
 from engine.models_dir.hub import RemoteFile, RepoSpec, choose_draft, choose_mmproj, choose_model
 from engine.models_dir import find_model
+from kernels.env import reload
 
 # huggingface_hub 2.x ships its HTTP client as httpx2, 1.x used httpx
 httpx = importlib.import_module("httpx2" if importlib.util.find_spec("httpx2") else "httpx")
@@ -143,6 +144,7 @@ def fake_hub(tmp_path, monkeypatch):
     monkeypatch.setattr(hf_constants, "DOWNLOAD_CHUNK_SIZE", 65536)  # so a cut leaves whole chunks on disk
     monkeypatch.setenv("HF_TOKEN", "hf_fake")  # no token file lookups
     monkeypatch.setenv("EDGEGEM_MODELS_DIR", str(tmp_path / "models"))
+    reload()
     yield fake
     hf_http.set_client_factory(hf_http.default_client_factory)
 

@@ -13,6 +13,7 @@ import pytest
 
 from app.cli import main
 from conftest import CACHE
+from kernels.env import reload
 
 pytestmark = pytest.mark.slow
 
@@ -28,6 +29,7 @@ def _cli(*args: str) -> tuple[int, str]:
 def e2b_report():
     old = os.environ.get("EDGEGEM_COMPILE_CACHE")
     os.environ["EDGEGEM_COMPILE_CACHE"] = str(CACHE / "compile-check")
+    reload()
     try:
         rc, text = _cli("bench", "--static", "--synthetic", "e2b", "--arch", "sm_86", "--json")
     finally:
@@ -35,6 +37,7 @@ def e2b_report():
             del os.environ["EDGEGEM_COMPILE_CACHE"]
         else:
             os.environ["EDGEGEM_COMPILE_CACHE"] = old
+        reload()
     assert rc == 0, text
     return json.loads(text)
 

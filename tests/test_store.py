@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from app.store import Conversation, Message, Store, default_data_dir
+from engine.env import reload
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -41,8 +42,10 @@ def _snapshot(store: Store) -> list:
 
 def test_default_data_dir_env(monkeypatch, tmp_path):
     monkeypatch.setenv("EDGEGEM_DATA_DIR", str(tmp_path / "x"))
+    reload()
     assert default_data_dir() == tmp_path / "x"
     monkeypatch.delenv("EDGEGEM_DATA_DIR")
+    reload()
     assert default_data_dir().name == "edgegem"
 
 

@@ -9,13 +9,13 @@ EDGEGEM_IMAGE_PREVIEW=blocks forces that fallback anywhere.
 from __future__ import annotations
 
 import io
-import os
 from typing import Optional
 
 from textual.widget import Widget
 from textual.widgets import Static
 
 from app.attachments import half_block_preview
+from engine.env import env
 
 PREVIEW_CELLS = (8, 3)  # columns, rows: the chip's picture (16 pixel rows in half blocks)
 
@@ -23,7 +23,7 @@ PREVIEW_CELLS = (8, 3)  # columns, rows: the chip's picture (16 pixel rows in ha
 def _graphics_widget() -> Optional[type]:
     """textual-image's widget class for this terminal's graphics protocol; None when it is not
     installed, the terminal has none (it would draw half cells or unicode), or the user said so."""
-    if os.environ.get("EDGEGEM_IMAGE_PREVIEW", "auto") == "blocks":
+    if env().image_preview == "blocks":
         return None
     try:
         from textual_image import renderable

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from kernels.env import env
+
 DEFAULT_QUANT = "Q4_K_M"  # the quant most Gemma GGUF repos publish and llama.cpp users pick
 DRAFT_WORDS = ("assistant", "mtp")  # Gemma-4 assistant (MTP drafter) files carry one of these
 # Quant labels in GGUF file names: Q4_K_M, UD-Q4_K_XL, IQ4_XS, Q8_0, BF16, MXFP4_MOE ...
@@ -25,8 +27,8 @@ SPLIT_SUFFIX = re.compile(r"(?i)-\d{5}-of-\d{5}$")  # llama.cpp shards: name-000
 def data_dir(override: Optional[str | Path] = None) -> Path:
     if override:
         return Path(override).expanduser()
-    if os.environ.get("EDGEGEM_DATA_DIR"):
-        return Path(os.environ["EDGEGEM_DATA_DIR"]).expanduser()
+    if env().data_dir is not None:
+        return env().data_dir
     from platformdirs import user_data_dir
     return Path(user_data_dir("edgegem"))  # same call as app/store.py: one folder on every platform
 
@@ -35,8 +37,8 @@ def models_dir(override: Optional[str | Path] = None, data: Optional[str | Path]
     """`override` (--models-dir), else $EDGEGEM_MODELS_DIR, else <data dir>/models."""
     if override:
         return Path(override).expanduser()
-    if os.environ.get("EDGEGEM_MODELS_DIR"):
-        return Path(os.environ["EDGEGEM_MODELS_DIR"]).expanduser()
+    if env().models_dir is not None:
+        return env().models_dir
     return data_dir(data) / "models"
 
 

@@ -1,0 +1,126 @@
+"""The environment switches (kernels/env.py): each variable parses, a bad value is one line naming
+it, and kernels/env.py is the only reader of the EDGEGEM_* variables."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from kernels.env import VARIABLES, ConfigError, Env, env, reload
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = ("app", "engine", "models", "kernels", "packaging")
+
+
+def test_unset_variables_are_the_dataclass_defaults():
+    assert Env.from_environ({}) == Env()
+    assert Env.from_environ({name: "" for name in VARIABLES}) == Env()  # empty counts as unset
+
+
+@pytest.mark.parametrize("name, raw, field, want", [
+    ("EDGEGEM_CPU_KERNELS", "torch", "cpu_kernels", "torch"),
+    ("EDGEGEM_CPU_KERNELS", "AUTO", "cpu_kernels", "auto"),
+    ("EDGEGEM_CPU_ATTENTION", "torch", "cpu_attention", "torch"),
+    ("EDGEGEM_CPU_ATTENTION", "Torch", "cpu_attention", "torch"),
+    ("EDGEGEM_CPU_ATTENTION", "ggml", "cpu_attention", "ggml"),
+    ("EDGEGEM_CPU_LAYER_GRAPH", "0", "cpu_layer_graph", False),
+    ("EDGEGEM_CPU_LAYER_GRAPH", "off", "cpu_layer_graph", False),
+    ("EDGEGEM_CPU_LAYER_GRAPH", "1", "cpu_layer_graph", True),
+    ("EDGEGEM_CPU_STEP_GRAPH", "0", "cpu_step_graph", False),
+    ("EDGEGEM_CPU_STEP_GRAPH", "false", "cpu_step_graph", False),
+    ("EDGEGEM_CPU_STEP_GRAPH", "Yes", "cpu_step_graph", True),
+    ("EDGEGEM_IMAGE_PREVIEW", "blocks", "image_preview", "blocks"),
+    ("EDGEGEM_IMAGE_PREVIEW", "auto", "image_preview", "auto"),
+    ("EDGEGEM_FAILPOINTS", "forward.oom@3,kv.write@1", "failpoints", "forward.oom@3,kv.write@1"),
+    ("EDGEGEM_DATA_DIR", "edgegem-data", "data_dir", Path("edgegem-data")),
+    ("EDGEGEM_DATA_DIR", "~/chats", "data_dir", Path("~/chats").expanduser()),
+    ("EDGEGEM_MODELS_DIR", "~/gguf", "models_dir", Path("~/gguf").expanduser()),
+    ("EDGEGEM_COMPILE_CACHE", "~/cc", "compile_cache", Path("~/cc")),  # not expanded, as before
+])
+def test_each_variable_parses(name, raw, field, want):
+    parsed = Env.from_environ({name: raw})
+    assert getattr(parsed, field) == want
+    assert parsed == Env(**{field: want})  # the others keep their defaults
+
+
+@pytest.mark.parametrize("name, raw", [
+    ("EDGEGEM_CPU_KERNELS", "ggml"),
+    ("EDGEGEM_CPU_ATTENTION", "llama"),
+    ("EDGEGEM_CPU_LAYER_GRAPH", "2"),
+    ("EDGEGEM_CPU_STEP_GRAPH", "nope"),
+    ("EDGEGEM_IMAGE_PREVIEW", "sixel"),
+])
+def test_a_bad_value_is_one_line_naming_the_variable(name, raw):
+    with pytest.raises(ConfigError) as e:
+        Env.from_environ({name: raw})
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{name}={raw!r}: expected ")
+    assert isinstance(e.value, ValueError)  # the command line's one-line error path
+
+
+def test_the_command_line_says_a_bad_value_in_one_line(monkeypatch, capsys):
+    from app.cli import main
+
+    monkeypatch.setenv("EDGEGEM_CPU_ATTENTION", "llama")
+    with pytest.raises(ConfigError):
+        reload()
+    assert main(["models"]) == 2
+    err = capsys.readouterr().err
+    assert err == "edgegem: error: EDGEGEM_CPU_ATTENTION='llama': expected one of ggml, torch (default ggml)\n"
+
+
+def test_read_once_and_reread_on_reload(monkeypatch):
+    before = env()
+    assert env() is before  # cached: one parse
+    monkeypatch.setenv("EDGEGEM_CPU_ATTENTION", "torch" if before.cpu_attention == "ggml" else "ggml")
+    assert env() is before  # a change is not seen until asked for
+    after = reload()
+    assert after.cpu_attention != before.cpu_attention and env() is after
+
+
+def test_variables_lists_exactly_what_is_read():
+    class Recording(dict):
+        def get(self, key, default=None):
+            asked.append(key)
+            return super().get(key, default)
+
+    asked: list = []
+    Env.from_environ(Recording())
+    assert sorted(asked) == sorted(VARIABLES) and len(asked) == len(set(asked))
+
+
+# --- one reader ----------------------------------------------------------------------------------
+
+def _reads(name: str) -> re.Pattern:
+    """A read of `name` from the process environment: os.environ.get/[]/setdefault/pop, getenv,
+    `in os.environ`. (A child's environment built with `dict(os.environ, NAME=...)` is no read.)"""
+    q = r"""["']""" + re.escape(name) + r"""["']"""
+    return re.compile(rf"(environ(\.get|\.setdefault|\.pop)?\s*[\[(]\s*{q}|getenv\(\s*{q}|{q}\s+(not\s+)?in\s+(os\.)?environ)")
+
+
+def _readers(name: str) -> set[str]:
+    pattern = _reads(name)
+    return {str(p.relative_to(ROOT)) for top in SOURCES for p in sorted((ROOT / top).rglob("*.py"))
+            if pattern.search(p.read_text(encoding="utf-8"))}
+
+
+def test_the_read_pattern_finds_reads():
+    pattern = _reads("EDGEGEM_X")
+    for text in ('os.environ.get("EDGEGEM_X", "1")', "os.environ['EDGEGEM_X']", 'os.getenv("EDGEGEM_X")',
+                 '"EDGEGEM_X" in os.environ', 'os.environ.setdefault("EDGEGEM_X", "0")'):
+        assert pattern.search(text), text
+    assert not pattern.search('env = dict(os.environ, EDGEGEM_X="1")')
+
+
+@pytest.mark.parametrize("name", VARIABLES)
+def test_kernels_env_is_the_only_reader(name):
+    assert _readers(name) - {"kernels/env.py"} == set()  # env.py reads them by the names in VARIABLES
+
+
+def test_no_edgegem_variable_is_read_anywhere_else():
+    """Including a new one not yet in VARIABLES."""
+    stray = re.compile(r"""(environ(\.get|\.setdefault|\.pop)?\s*[\[(]|getenv\()\s*["']EDGEGEM_""")
+    found = {str(p.relative_to(ROOT)) for top in SOURCES for p in (ROOT / top).rglob("*.py")
+             if stray.search(p.read_text(encoding="utf-8"))}
+    assert found <= {"kernels/env.py"}
