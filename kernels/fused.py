@@ -30,10 +30,10 @@ float64).  ``rms_norm_rope_ref`` keeps the normalised row in fp32 between the no
 first: the two are identical for fp32 inputs and differ by one rounding for fp16/bf16.
 Triton is optional: without it this module imports and the refs work; the launchers raise.
 """
-import os
-
 import torch
 import torch.nn.functional as F
+
+from .launch import interpreting
 
 try:  # CPU-only installs have no triton: the refs below still work.
     import triton
@@ -45,11 +45,13 @@ __all__ = ["add_rms_norm", "add_rms_norm_ref", "gelu_tanh_mul", "gelu_tanh_mul_r
            "rms_norm_rope_ref", "softcap", "softcap_ref"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
-# Elements per program (rows x padded row length for the norms).  GPU: ~4096 fp32 values keeps a
-# row block in registers with 4-8 warps; interpreter: wide blocks, few programs.
-_ELEMS = 1 << 16 if _INTERPRET else 4096
 _SQRT_2_OVER_PI = 0.7978845608028654
+
+
+def _elems() -> int:
+    """Elements per program (rows x padded row length for the norms).  GPU: ~4096 fp32 values keeps
+    a row block in registers with 4-8 warps; interpreter: wide blocks, few programs."""
+    return 1 << 16 if interpreting() else 4096
 
 
 # ------------------------------------------------------------------------------------ kernels
@@ -201,7 +203,7 @@ def _norm_launch(x, weight, eps, cos, sin, fn):
         assert cos.device == x.device and sin.device == x.device, f"{fn}: cos/sin on {cos.device}, x on {x.device}"
         assert 2 * half <= D, f"{fn}: n_rot = {2 * half} > head dim {D}"
     block_d = triton.next_power_of_2(D)
-    block_r = max(1, min(_ELEMS // block_d, triton.next_power_of_2(R)))
+    block_r = max(1, min(_elems() // block_d, triton.next_power_of_2(R)))
     warps = 4 if block_d <= 1024 else (8 if block_d <= 4096 else 16)
     _rms_norm_rope_kernel[(triton.cdiv(R, block_r),)](
         x3, weight if weight is not None else x3, cos if cos is not None else x3,
@@ -249,8 +251,8 @@ def gelu_tanh_mul(gate: torch.Tensor, up=None) -> torch.Tensor:
     R = g2.shape[0]
     if R == 0 or Fd == 0:
         return out
-    block_f = min(triton.next_power_of_2(Fd), 1024 if _INTERPRET else 2048)
-    block_r = max(1, min(_ELEMS // block_f, triton.next_power_of_2(R)))
+    block_f = min(triton.next_power_of_2(Fd), 1024 if interpreting() else 2048)
+    block_r = max(1, min(_elems() // block_f, triton.next_power_of_2(R)))
     _gelu_tanh_mul_kernel[(triton.cdiv(R, block_r), triton.cdiv(Fd, block_f))](
         g2, u2, out, R, g2.stride(0), u2.stride(0), F_=Fd, BLOCK_R=block_r, BLOCK_F=block_f,
         num_warps=4 if block_r * block_f <= 2048 else 8)
@@ -267,8 +269,7 @@ def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
     N = x.numel()
     if N == 0:
         return out
-    block = 1 << 16 if _INTERPRET else 4096
-    block = min(block, triton.next_power_of_2(N))
+    block = min(_elems(), triton.next_power_of_2(N))
     _softcap_kernel[(triton.cdiv(N, block),)](x, out, N, float(cap), BLOCK=block, num_warps=4)
     return out
 
@@ -307,7 +308,7 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight, eps: float, scale=Non
     if R == 0:
         return out, normed
     block_d = triton.next_power_of_2(D)
-    block_r = max(1, min(_ELEMS // block_d, triton.next_power_of_2(R)))
+    block_r = max(1, min(_elems() // block_d, triton.next_power_of_2(R)))
     # x, y, the normed y and h live in registers at once: <= 16 fp32 values of each per thread
     # (4 warps for 16 x 256 spilled on sm_80; 8 warps for a 2560-wide E4B row spilled on sm_86).
     elems = block_r * block_d

@@ -13,6 +13,16 @@ allocations (`empty`, `view`, `slice`, ...) launch nothing and are skipped. So o
 on the meta device says how many kernels the GPU would launch for it, and the recorded Triton
 launches (kernel, grid, arguments, constexprs, num_warps) can be compiled for real GPU targets
 (`kernels/compile_check.py`) with exactly the parameters the engine uses.
+
+TRITON_INTERPRET is Triton's own variable, and `interpreting()` is the one place our code reads it.
+Triton (3.6 and 3.9 alike) reads it through `triton.knobs.runtime.interpret`, from os.environ at
+each access, in two places: `@triton.jit`, when a kernel module is imported (the interpreter's
+`InterpretedFunction` or a compiling `JITFunction`: fixed for that module from then on), and
+constexpr functions while a kernel is traced. So it is set before the kernel modules are imported
+(tests/triton_env.py, the Makefile) and left alone after; `interpreting()` reads it at each call
+like Triton does, so no module holds a copy taken at its own import, and the launchers' block
+sizes follow the same value the kernels were made with. The one writer is `triton_interpret()`
+below, a context manager that restores the value.
 """
 from __future__ import annotations
 
@@ -28,14 +38,35 @@ import torch
 from .arch import triton_supported
 
 __all__ = ["Launch", "LaunchRecord", "check_device", "interpreting", "kernels_on_cpu", "record_launches",
-           "recording", "use_kernels"]
+           "recording", "triton_interpret", "use_kernels"]
 
 _state = threading.local()  # cpu_kernels: depth of kernels_on_cpu(); record: the active LaunchRecord
+# The values Triton's getenv_bool takes as true (any case; anything else is false): the same
+# parse as triton.knobs.runtime.interpret, without importing triton on CPU-only installs.
+_TRUE = ("1", "true", "on", "yes", "y")
 
 
 def interpreting() -> bool:
-    """TRITON_INTERPRET=1: Triton kernels run on the CPU through the interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+    """TRITON_INTERPRET=1: Triton kernels run on the CPU through the interpreter (read now, as
+    Triton reads it)."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in _TRUE
+
+
+@contextlib.contextmanager
+def triton_interpret(on: bool) -> Iterator[None]:
+    """Inside: TRITON_INTERPRET is "1" or "0"; on exit it is what it was (unset if it was unset).
+    For work that must see Triton as another machine does: the compile check's workers record and
+    compile as a GPU machine (JITFunctions, the GPU block sizes) from a test process that runs the
+    interpreter. A kernel module first imported inside keeps the kind it got there."""
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
 
 
 def recording() -> Optional["LaunchRecord"]:

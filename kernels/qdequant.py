@@ -12,11 +12,9 @@ read are repacked at load (kernels/qpack.py) and go through kernels/qmatmul.py i
 ``qdequantize_ref`` is the plain-torch version, with the exact float32 op order of gguf-py /
 ``models/quant.py``.  Triton is optional: without it this module imports and the ref works.
 """
-import os
-
 import torch
 
-from .launch import check_device
+from .launch import check_device, interpreting
 from .qformats import LAYOUT, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0
 
 try:  # CPU-only installs have no triton: the refs below still work.
@@ -29,9 +27,6 @@ __all__ = ["SUPPORTED_TYPES", "qdequantize", "qdequantize_ref"]
 
 SUPPORTED_TYPES = frozenset(LAYOUT)
 
-_BLOCK_N_DEQUANT = 16
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _BLOCK_N_DEQUANT = 64  # the interpreter pays per program: wide row blocks make the tests fast
 # Each K step covers 256 values as two parts of [G, L] = 128 values: one K-quant block, or 8
 # blocks of 32.  (G, L) per type: L is the run of bytes whose nibbles form one scale group.
 _VALUES_PER_STEP = 256
@@ -209,9 +204,10 @@ def _check_triton(fn: str, device: torch.device) -> None:
 def _dequant_into(out: torch.Tensor, w_raw: torch.Tensor, t: int, n_in: int) -> torch.Tensor:
     n_rows = out.shape[0]
     g, l = _PARTS_SHAPE[t]
-    grid = (triton.cdiv(n_rows, _BLOCK_N_DEQUANT), triton.cdiv(n_in, _VALUES_PER_STEP))
+    block_n = 64 if interpreting() else 16  # the interpreter pays per program: wide row blocks make the tests fast
+    grid = (triton.cdiv(n_rows, block_n), triton.cdiv(n_in, _VALUES_PER_STEP))
     _qdequant_kernel[grid](w_raw, out, n_rows, n_in, w_raw.shape[1],
-                           GGML=t, G=g, L=l, BLOCK_N=_BLOCK_N_DEQUANT)
+                           GGML=t, G=g, L=l, BLOCK_N=block_n)
     return out
 
 

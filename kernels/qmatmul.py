@@ -28,11 +28,9 @@ most PREFILL_SCRATCH_VALUES values, so a 262k-row vocab matrix goes in row chunk
 ``qmatmul_ref`` is the plain-torch version (float32 W from ``qpack.dequantize_packed_ref``, float32
 product). Triton is optional: without it this module imports and the ref works; launchers raise.
 """
-import os
-
 import torch
 
-from .launch import check_device
+from .launch import check_device, interpreting
 from .qformats import LAYOUT, Q4_K, Q5_K, Q6_K, Q8_0
 from .qpack import PackedQuant, dequantize_packed_ref
 from .qdequant import qdequantize, qdequantize_ref  # noqa: F401 - raw GGUF rows (embedding gathers)
@@ -52,7 +50,6 @@ GEMV_MAX_M = 8             # x rows one GEMV launch takes (registers); 9..16 row
 PREFILL_SCRATCH_VALUES = 1 << 24   # 32 MiB of fp16 scratch per chunk
 _X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ONE = 0x3F800000  # fp32 1.0's bits, a run-time argument of _gemv_kernel (see _one_plus)
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
 
 
 # ------------------------------------------------------------------------------------ kernels
@@ -407,7 +404,7 @@ def gemv_config(m: int, n_out: int, device: torch.device) -> tuple[int, int, int
     warps; N = 256: 32 of 1). Under the interpreter (which pays per program and per op, not per
     element) the blocks are wide."""
     block_m = 1 if m == 1 else min(GEMV_MAX_M, triton.next_power_of_2(m))
-    if _INTERPRET and device.type == "cpu":
+    if device.type == "cpu" and interpreting():
         return block_m, 512, 4
     if block_m > 2:
         return block_m, 16, 4
@@ -514,7 +511,7 @@ def qdequantize_packed(w: PackedQuant, dtype: torch.dtype | None = None, out: to
     if n_out == 0:
         return out
     (q, h, s, d), strides = _typed_planes(w)
-    block_n = 512 if _INTERPRET and w.device.type == "cpu" else 16
+    block_n = 512 if w.device.type == "cpu" and interpreting() else 16
     _dequant_packed_kernel[(triton.cdiv(n_out, block_n), triton.cdiv(n_in, 256))](
         q, h, s, d, out, n_out, n_in, out.stride(0), *strides, FMT=w.ggml_type, BLOCK_N=block_n,
         num_warps=4)

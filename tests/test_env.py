@@ -1,13 +1,20 @@
 """The environment switches (kernels/env.py): each variable parses, a bad value is one line naming
-it, and kernels/env.py is the only reader of the EDGEGEM_* variables."""
+it, kernels/env.py is the only reader of the EDGEGEM_* variables, and launch.interpreting() reads
+TRITON_INTERPRET as Triton does."""
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from kernels.env import VARIABLES, ConfigError, Env, env, reload
+from kernels.launch import interpreting, triton_interpret
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ("app", "engine", "models", "kernels", "packaging")
@@ -124,3 +131,42 @@ def test_no_edgegem_variable_is_read_anywhere_else():
     found = {str(p.relative_to(ROOT)) for top in SOURCES for p in (ROOT / top).rglob("*.py")
              if stray.search(p.read_text(encoding="utf-8"))}
     assert found <= {"kernels/env.py"}
+
+
+# --- TRITON_INTERPRET ----------------------------------------------------------------------------
+
+TRITON_VALUES = ["1", "true", "TRUE", "on", "yes", "Y", "0", "off", "false", "no", "2", " 1", ""]
+
+
+def test_interpreting_reads_the_variable_as_triton_does(monkeypatch):
+    ours = {}
+    for raw in TRITON_VALUES:
+        monkeypatch.setenv("TRITON_INTERPRET", raw)
+        ours[raw] = interpreting()
+    assert ours == {raw: raw.lower() in ("1", "true", "on", "yes", "y") for raw in TRITON_VALUES}
+    if importlib.util.find_spec("triton") is None:
+        return
+    # Triton's own reading, in a process of its own: importing triton here would fix the kind of
+    # triton.language's helpers for every later test in this process (kernels/interpreter_compat.py).
+    script = ("import json, os, sys\nfrom triton import knobs\nout = {}\n"
+              "for v in json.loads(sys.argv[1]):\n    os.environ['TRITON_INTERPRET'] = v\n"
+              "    out[v] = knobs.runtime.interpret\nprint(json.dumps(out))")
+    run = subprocess.run([sys.executable, "-c", script, json.dumps(TRITON_VALUES)], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout) == ours
+
+
+@pytest.mark.parametrize("before", [None, "1", "0", "yes"])
+def test_triton_interpret_sets_and_restores(monkeypatch, before):
+    if before is None:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", before)
+    for on in (False, True):
+        with triton_interpret(on):
+            assert interpreting() is on and os.environ["TRITON_INTERPRET"] == ("1" if on else "0")
+        assert os.environ.get("TRITON_INTERPRET") == before
+    with pytest.raises(RuntimeError), triton_interpret(False):
+        raise RuntimeError("restored on the way out of an error too")
+    assert os.environ.get("TRITON_INTERPRET") == before

@@ -12,7 +12,9 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
 
-INTERPRET = os.environ["TRITON_INTERPRET"].lower() in ("1", "true", "on")
+from kernels.launch import interpreting  # noqa: E402  (imports no kernel: nothing is @triton.jit yet)
+
+INTERPRET = interpreting()  # Triton's parse of the variable, as the launchers read it
 DEVICE = "cpu" if INTERPRET else "cuda"
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("TRITON_INTERPRET is off and there is no CUDA device", allow_module_level=True)

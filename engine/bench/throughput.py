@@ -104,7 +104,7 @@ def gpu_bench(model=None, device="cuda", budget=None, kv_cache_dtype: str = "aut
     setting (None: its default, on for CUDA). `on_row(kind, row)`: called once with "warmup" (load
     and warm-up seconds, the device), then with "prefill" or "decode" and each row as soon as it
     is measured (`edgegem bench --rows` prints them), so a run stopped part-way keeps its rows."""
-    import os
+    from kernels.launch import interpreting
 
     from ..kv_format import resolve_format
     from ..memory_plan import PlanOptions, parse_size, plan_memory
@@ -118,7 +118,7 @@ def gpu_bench(model=None, device="cuda", budget=None, kv_cache_dtype: str = "aut
     if synthetic:
         from models.synthetic import synthetic_layout, synthetic_model
         if quantized is None:
-            quantized = dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+            quantized = dev.type == "cuda" or interpreting()
         layout = synthetic_layout(synthetic)
         lm_model = synthetic_model(synthetic, dev, seed=seed, host_embeddings=embed_weights == "host",
                                    quantized=quantized)
