@@ -40,6 +40,7 @@ import inspect
 import io
 import json
 import os
+import pickle
 import re
 import subprocess
 import tempfile
@@ -404,18 +405,38 @@ def compile_one(spec: KernelSpec, arch_name: str, cache_dir: Optional[str] = Non
 
 
 def _worker_init() -> None:
-    os.environ["TRITON_INTERPRET"] = "0"  # before any kernels module is imported in this process
     torch.set_num_threads(1)  # the workers share the machine's cores; meta-device dry runs compute nothing
+
+
+def _as_on_gpu(task: bytes):
+    """Run a pickled (fn, args, kwargs) with TRITON_INTERPRET=0, restored after. The task is
+    unpickled inside: unpickling `fn` imports its module, and with it triton and our kernel
+    modules, whose `@triton.jit` (triton.language's own helpers too) must see the 0 to make
+    JITFunctions (kernels/launch.py, kernels/interpreter_compat.py)."""
+    from .launch import triton_interpret
+
+    with triton_interpret(False):
+        fn, args, kwargs = pickle.loads(task)
+        return fn(*args, **kwargs)
+
+
+class _GpuPool(ProcessPoolExecutor):
+    """A ProcessPoolExecutor whose tasks run as on a GPU machine (`_as_on_gpu`)."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        return super().submit(_as_on_gpu, pickle.dumps((fn, args, kwargs)))
 
 
 def gpu_pool(jobs: int = 2) -> ProcessPoolExecutor:
     """Worker processes in which the kernel modules import as they do on a GPU machine
     (TRITON_INTERPRET=0: JITFunctions, and the launchers' GPU block sizes): for recording engine
-    launches and compiling them from a process that runs the interpreter (the test suite)."""
+    launches and compiling them from a process that runs the interpreter (the test suite). The
+    variable is switched off around each task in the worker (`_as_on_gpu`), not in this process,
+    whose own kernel modules and launchers keep the interpreter."""
     import multiprocessing
 
-    return ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_worker_init)
+    return _GpuPool(max_workers=max(1, jobs), mp_context=multiprocessing.get_context("spawn"),
+                    initializer=_worker_init)
 
 
 def compile_specs(specs: Iterable[KernelSpec], archs: Iterable[str] = tuple(ARCHS), jobs: int = 2,

@@ -12,8 +12,8 @@ so this installs what triton 3.9 does: `int(data.squeeze())`. The compiled path 
 
 Installed by `kernels.launch.kernels_on_cpu()` (the models' kernel path on the CPU) and by the kernel
 tests' set-up (tests/triton_env.py), never at `import kernels`: importing triton with
-TRITON_INTERPRET=1 in a process that then compiles (the compile check's workers switch it off after
-the `kernels` package is imported) makes `tl.standard`'s functions interpreted ones, and every
+TRITON_INTERPRET=1 in a process that then compiles (the compile check's workers switch it off
+around each task, before the task imports triton: `kernels.compile_check._as_on_gpu`) makes `tl.standard`'s functions interpreted ones, and every
 later `triton.compile` fails.
 """
 from __future__ import annotations

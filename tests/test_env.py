@@ -1,6 +1,6 @@
 """The environment switches (kernels/env.py): each variable parses, a bad value is one line naming
-it, kernels/env.py is the only reader of the EDGEGEM_* variables, and launch.interpreting() reads
-TRITON_INTERPRET as Triton does."""
+it, kernels/env.py is the only reader of the EDGEGEM_* variables and kernels/launch.py of
+TRITON_INTERPRET."""
 from __future__ import annotations
 
 import importlib.util
@@ -131,6 +131,10 @@ def test_no_edgegem_variable_is_read_anywhere_else():
     found = {str(p.relative_to(ROOT)) for top in SOURCES for p in (ROOT / top).rglob("*.py")
              if stray.search(p.read_text(encoding="utf-8"))}
     assert found <= {"kernels/env.py"}
+
+
+def test_triton_interpret_is_read_only_by_launch_interpreting():
+    assert _readers("TRITON_INTERPRET") == {"kernels/launch.py"}
 
 
 # --- TRITON_INTERPRET ----------------------------------------------------------------------------
