@@ -1,6 +1,6 @@
 """The environment switches (kernels/env.py): each variable parses, a bad value is one line naming
 it, kernels/env.py is the only reader of the EDGEGEM_* variables and kernels/launch.py of
-TRITON_INTERPRET."""
+TRITON_INTERPRET, and docs/configuration.md documents every one."""
 from __future__ import annotations
 
 import importlib.util
@@ -174,3 +174,13 @@ def test_triton_interpret_sets_and_restores(monkeypatch, before):
     with pytest.raises(RuntimeError), triton_interpret(False):
         raise RuntimeError("restored on the way out of an error too")
     assert os.environ.get("TRITON_INTERPRET") == before
+
+
+# --- documentation -------------------------------------------------------------------------------
+
+def test_docs_configuration_has_a_row_for_every_variable():
+    text = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
+    rows = set(re.findall(r"^\| `([A-Z_]+)` \|", text, flags=re.M))
+    assert set(VARIABLES) | {"TRITON_INTERPRET"} <= rows
+    for top in ("README.md",):
+        assert "docs/configuration.md" in (ROOT / top).read_text(encoding="utf-8")
