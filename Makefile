@@ -21,7 +21,9 @@ torch: $(VPY)
 # TEST_WORKERS pytest-xdist workers, each test module on one of them (its module fixtures built
 # once), each worker with its share of the cores (tests/conftest.py); TEST_WORKERS=0 runs in one.
 TEST_WORKERS ?= 2
-XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope)
+# A worker that dies (out of memory) ends the run at once: xdist would otherwise restart it and
+# could leave the rest of its module unscheduled, waiting for ever.
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope --max-worker-restart 0)
 test: torch
 	$(VPY) -m pip install --quiet -e ".[test,demo]"
 	$(VPY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
