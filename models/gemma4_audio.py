@@ -384,9 +384,3 @@ def load_audio_hf(folder: str | Path, dtype=torch.float32, device="cpu") -> Gemm
     cfg = Gemma4AudioConfig.from_hf(json.loads((Path(folder) / "config.json").read_text()))
     return load_audio_tower(HFCheckpoint(folder, hf_names(cfg.n_layer), {}), cfg, dtype, device)
 
-
-def audio_block(cfg_or_ids, n_tokens: int) -> list[int]:
-    """boa + N×audio + eoa: the ids a clip occupies in the prompt (§6; no newlines)."""
-    boa, aud, eoa = (cfg_or_ids.boa_id, cfg_or_ids.audio_id, cfg_or_ids.eoa_id) \
-        if hasattr(cfg_or_ids, "boa_id") else cfg_or_ids
-    return [boa] + [aud] * n_tokens + [eoa]

@@ -290,13 +290,6 @@ def load_image(source: str | Path | bytes, budget: int = DEFAULT_BUDGET, name: s
     return preprocess(open_image(source, label), budget, patch, pool, label)
 
 
-def image_block(cfg_or_ids, n_tokens: int) -> list[int]:
-    """boi + N×image + eoi: the ids an image occupies in the prompt (§4.2; no newlines)."""
-    boi, img, eoi = (cfg_or_ids.boi_id, cfg_or_ids.image_id, cfg_or_ids.eoi_id) \
-        if hasattr(cfg_or_ids, "boi_id") else cfg_or_ids
-    return [boi] + [img] * n_tokens + [eoi]
-
-
 # --- the tower (§3) and the projector (§4.1) ---------------------------------------------------
 def _gelu(x: torch.Tensor, quick: bool) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x) if quick else F.gelu(x, approximate="tanh")
