@@ -95,14 +95,13 @@ def gpu_support(capability: tuple[int, int], triton_installed: bool = True):
 
 def find_mmproj(model) -> Optional[Path]:
     """The mmproj GGUF beside a model file (its image/audio encoder, as `--mmproj` would name it), or None."""
-    from models.gemma4_vision import find_mmproj as beside
+    from models.loader import find_mmproj as beside
 
     return beside(model)
 
 
 def _mmproj_has(path: Path, mmproj: Optional[str], kind: str) -> bool:
     """Whether a GGUF model's mmproj (given, or beside it) holds a `kind` ("vision"/"audio") encoder."""
-    from models.gemma4_vision import find_mmproj
     from models.metadata import MetadataReader
 
     found = Path(mmproj) if mmproj is not None else find_mmproj(path)
