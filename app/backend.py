@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 from engine.api import (EngineOptions, ErrorKind, GenerationParams, QueueFullError, SamplingParams,
-                        audio_from_base64, audio_marker, image_marker, split_thinking)
+                        audio_from_base64, audio_marker, image_marker, load_error_kind, split_thinking)
 # structured output and tool calls for the API server (engine/constraints.py, engine/structured.py)
 from engine.constraints import ConstraintError, from_ollama_format, from_response_format
 from engine.memory_plan import fmt_size  # bytes -> "1.5 GiB": the one formatter (app and engine)
@@ -19,7 +19,8 @@ from engine.structured import check_tool_request, ollama_tool_calls
 
 __all__ = ["EngineBackend", "EngineOptions", "GenerationParams", "SamplingParams", "Session", "size", "fmt_size",
            "split_thinking", "plan_lines", "kv_pools", "exiting_on_signal", "as_image_input", "as_audio_input",
-           "image_marker", "audio_marker", "audio_from_base64", "QueueFullError", "ErrorKind", "ConstraintError",
+           "image_marker", "audio_marker", "audio_from_base64", "QueueFullError", "ErrorKind", "load_error_kind",
+           "ConstraintError",
            "from_response_format", "from_ollama_format", "check_tool_request", "ollama_tool_calls"]
 
 # progress(fraction 0..1, one-line description)

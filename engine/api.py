@@ -26,7 +26,7 @@ __all__ = ["GGUFError", "LoadedModel", "SamplingParams", "GenerationParams", "En
            "demo_model_path", "resolve_model", "open_model", "tokenize", "score", "prompt_ids", "load_images",
            "load_audio", "audio_from_base64",
            "engine_config", "engine_plan", "split_thinking", "start_client", "run_prompt", "describe",
-           "open_layout", "memory_plan", "gpu_support", "QueueFullError", "ErrorKind", "GenerationError",
+           "open_layout", "memory_plan", "gpu_support", "QueueFullError", "ErrorKind", "GenerationError", "load_error_kind",
            "image_marker", "audio_marker",
            "model_kind"]
 
@@ -76,6 +76,23 @@ def open_model(path: Path, exact: bool = True, device: str = "cpu", embed_weight
     return load_model(path, device=device, weight_dtype=None if exact else torch.float16,
                       host_embeddings=device != "cpu" and embed_weights == "host", progress=progress,
                       cpu_quant=not exact and device == "cpu", mmproj=mmproj)
+
+
+def load_error_kind(e: BaseException) -> ErrorKind:
+    """Why a model did not load (open_model, engine_plan, start_client), for front ends to pick
+    their advice without reading the message: the memory budget too small for the model and its KV
+    (CAPACITY), the device out of memory while loading (OUT_OF_MEMORY), the file or the flags
+    (BAD_INPUT: not a GGUF, truncated, an architecture edgegem does not run, a path that is not
+    there, a value it cannot read: all ValueError or OSError here), else a fault of ours (INTERNAL)."""
+    from .memory_plan import BudgetTooSmall
+
+    if isinstance(e, torch.OutOfMemoryError):
+        return ErrorKind.OUT_OF_MEMORY
+    if isinstance(e, BudgetTooSmall):
+        return ErrorKind.CAPACITY
+    if isinstance(e, (ValueError, OSError)):
+        return ErrorKind.BAD_INPUT
+    return ErrorKind.INTERNAL
 
 
 def model_kind(lm: LoadedModel) -> tuple[str, str]:

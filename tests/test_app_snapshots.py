@@ -149,8 +149,10 @@ def test_snapshot_help_screen(snap_compare, tmp_path):
 
 
 def test_snapshot_load_error_screen(snap_compare, tmp_path):
-    app = _app(tmp_path, FakeBackend(error=ValueError(
-        "gpu memory budget too small: the weights alone need 3.1 GiB of the 2.0 GiB budget")))
+    from engine.memory_plan import BudgetTooSmall  # the memory plan's refusal: a CAPACITY load error
+
+    app = _app(tmp_path, FakeBackend(error=BudgetTooSmall(
+        "gpu memory budget too small: the weights alone need 3.1 GiB of the 2.0 GiB budget", 3 << 30, 2 << 30, [])))
 
     async def run_before(pilot) -> None:
         await _until(pilot, lambda: isinstance(pilot.app.screen, LoadErrorScreen))
