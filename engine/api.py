@@ -235,7 +235,7 @@ def prompt_ids(lm: LoadedModel, prompt: str, raw: bool = False, system: Optional
 
 @dataclass
 class EngineOptions:
-    """The engine flags `run` and `chat` take (see the README's flags table)."""
+    """The engine flags `run` and `chat` take (docs/cli.md#engine-flags)."""
 
     gpu_memory_budget: Optional[str] = None
     kv_cache_dtype: str = "auto"

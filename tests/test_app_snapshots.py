@@ -186,7 +186,7 @@ def _cpu_kernels() -> str:
 
 @pytest.mark.parametrize("cpu", [_cpu_kernels()])
 def test_snapshot_demo_first_answer(snap_compare, tmp_path, gemma3_270m_path, cpu):
-    """The real demo model's first answer to the README's message at the app's defaults (seeded):
+    """The real demo model's first answer to docs/app.md's message at the app's defaults (seeded):
     continued as text, DRY on, ended at a blank line; the README screenshot is this scenario (taken
     on an AVX-512 machine)."""
     shot = _screenshot_module()
