@@ -26,7 +26,8 @@ __all__ = ["GGUFError", "LoadedModel", "SamplingParams", "GenerationParams", "En
            "demo_model_path", "resolve_model", "open_model", "tokenize", "score", "prompt_ids", "load_images",
            "load_audio", "audio_from_base64",
            "engine_config", "engine_plan", "split_thinking", "start_client", "run_prompt", "describe",
-           "open_layout", "memory_plan", "gpu_support", "QueueFullError", "ErrorKind", "GenerationError", "load_error_kind",
+           "open_layout", "memory_plan", "gpu_support", "QueueFullError", "ErrorKind", "GenerationError",
+           "load_error_kind",
            "image_marker", "audio_marker",
            "model_kind"]
 
