@@ -7,7 +7,6 @@ import json
 import os
 
 import pytest
-import torch
 
 from app.cli import main
 from engine.bench import kv_quality as kvc
