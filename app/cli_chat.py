@@ -8,7 +8,8 @@ from pathlib import Path
 COMMANDS = {"/image": "images", "/audio": "audio"}  # line command -> the message key it fills
 
 # What an answer the engine ended with an error means here, by its kind (engine.request.ErrorKind's
-# values; app/server/errors.py maps the same kinds to HTTP statuses). The engine serves on after any
+# values: `edgegem --help` imports this module, and the engine, torch with it, only comes in
+# cmd_chat; app/server/errors.py maps the same kinds to HTTP statuses). The engine serves on after any
 # of them (a failed step frees its KV), so the chat goes on: the failed turn leaves the history,
 # and the advice says whether sending it again can work.
 ERROR_ADVICE = {
