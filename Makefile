@@ -16,7 +16,8 @@ $(VPY):
 torch: $(VPY)
 	@$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install --quiet "$(TORCH_SPEC)"
 
-# The suite runs on llama.cpp's CPU kernels (the test extra has llama-cpp-python), then the CPU
+# ruff first (pyproject.toml's rules; under a second for the whole tree). The suite runs on
+# llama.cpp's CPU kernels (the test extra has llama-cpp-python), then the CPU
 # runtime's tests again on the torch formats a plain `pip install edgegem` runs (EDGEGEM_CPU_KERNELS=torch).
 # TEST_WORKERS pytest-xdist workers, each test module on one of them (its module fixtures built
 # once), each worker with its share of the cores (tests/conftest.py); TEST_WORKERS=0 runs in one.
@@ -26,6 +27,7 @@ TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope --max-worker-restart 0)
 test: torch
 	$(VPY) -m pip install --quiet -e ".[test,demo]"
+	$(VPY) -m ruff check --quiet .
 	$(VPY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 	EDGEGEM_CPU_KERNELS=torch $(VPY) -m pytest -q $(XDIST) -m "cpu_runtime and not cuda" $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-triton36

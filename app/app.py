@@ -14,7 +14,7 @@ from typing import Iterable, Optional
 from textual.app import App, SystemCommand
 from textual.screen import Screen
 
-from app.backend import exiting_on_signal
+from app.backend import exiting_on_signal, load_error_kind
 from app.messages import LoadFailed, Loaded, LoadProgress
 from app.screens.chat import ChatScreen, one_line
 from app.screens.dialogs import ConfirmScreen, LoadErrorScreen
@@ -74,7 +74,7 @@ class EdgegemApp(App[int]):
         try:
             session = self.backend.load(lambda frac, text: self.post_message(LoadProgress(frac, text)))
         except Exception as e:  # noqa: BLE001 - every load failure becomes the error screen
-            self.post_message(LoadFailed(one_line(e)))
+            self.post_message(LoadFailed(one_line(e), load_error_kind(e)))
         else:
             self.post_message(Loaded(session))
 
@@ -98,7 +98,7 @@ class EdgegemApp(App[int]):
         self.switch_screen(ChatScreen(self.session, self.store, self._resume))
 
     def on_load_failed(self, msg: LoadFailed) -> None:
-        self.switch_screen(LoadErrorScreen(msg.error))
+        self.switch_screen(LoadErrorScreen(msg.error, msg.kind))
 
     # --- reload with other engine flags --------------------------------------------------------
     def engine_flags(self) -> dict:

@@ -20,7 +20,7 @@ from urllib.parse import unquote, urlparse
 from rich.style import Style
 from rich.text import Text
 
-from app.backend import as_audio_input, as_image_input
+from app.backend import as_audio_input, as_image_input, fmt_size
 
 MAX_FILE_BYTES = 64 << 20  # what app.store keeps per image
 MAX_AUDIO_FILE_BYTES = 256 << 20  # and per clip (app.store.MAX_AUDIO_BYTES)
@@ -60,11 +60,8 @@ class Attachment:
 
 
 def human_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if n < 1024 or unit == "MiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} MiB"
+    """An attachment's size: "125 B", "3.2 KiB", "64.0 MiB" (never GiB: files are capped far below)."""
+    return fmt_size(n, ("B", "KiB", "MiB"), (0, 1, 1))
 
 
 def duration(seconds: float) -> str:

@@ -10,15 +10,17 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 from engine.api import (EngineOptions, ErrorKind, GenerationParams, QueueFullError, SamplingParams,
-                        audio_from_base64, audio_marker, image_marker, split_thinking)
+                        audio_from_base64, audio_marker, image_marker, load_error_kind, split_thinking)
 # structured output and tool calls for the API server (engine/constraints.py, engine/structured.py)
 from engine.constraints import ConstraintError, from_ollama_format, from_response_format
+from engine.memory_plan import fmt_size  # bytes -> "1.5 GiB": the one formatter (app and engine)
 from engine.media import as_audio_input, as_image_input  # path | bytes -> ImageInput / AudioInput, or a one-line ValueError
 from engine.structured import check_tool_request, ollama_tool_calls
 
-__all__ = ["EngineBackend", "EngineOptions", "GenerationParams", "SamplingParams", "Session", "size",
+__all__ = ["EngineBackend", "EngineOptions", "GenerationParams", "SamplingParams", "Session", "size", "fmt_size",
            "split_thinking", "plan_lines", "kv_pools", "exiting_on_signal", "as_image_input", "as_audio_input",
-           "image_marker", "audio_marker", "audio_from_base64", "QueueFullError", "ErrorKind", "ConstraintError",
+           "image_marker", "audio_marker", "audio_from_base64", "QueueFullError", "ErrorKind", "load_error_kind",
+           "ConstraintError",
            "from_response_format", "from_ollama_format", "check_tool_request", "ollama_tool_calls"]
 
 # progress(fraction 0..1, one-line description)
@@ -101,9 +103,8 @@ def exiting_on_signal(timeout: float = 1.0) -> None:
 
 
 def size(n: Optional[int]) -> str:
-    if n is None:
-        return "?"
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+    """The status panel's and the loading screen's sizes: "512 MiB", "1.40 GiB" ("?": not known)."""
+    return "?" if n is None else fmt_size(n, decimals=(0, 2))
 
 
 def kv_pools(status: dict) -> dict:

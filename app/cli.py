@@ -184,10 +184,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
     try:
-        from importlib.metadata import version
         return version("edgegem")
-    except Exception:
+    except PackageNotFoundError:  # run from a checkout that was never pip-installed
         return "0+unknown"
 
 

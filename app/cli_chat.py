@@ -7,6 +7,28 @@ from pathlib import Path
 
 COMMANDS = {"/image": "images", "/audio": "audio"}  # line command -> the message key it fills
 
+# What an answer the engine ended with an error means here, by its kind (engine.request.ErrorKind's
+# values: `edgegem --help` imports this module, and the engine, torch with it, only comes in
+# cmd_chat; app/server/errors.py maps the same kinds to HTTP statuses). The engine serves on after any
+# of them (a failed step frees its KV), so the chat goes on: the failed turn leaves the history,
+# and the advice says whether sending it again can work.
+ERROR_ADVICE = {
+    "bad_input": "the message was refused for its content (an attachment the model cannot take): "
+                 "fix it and send it again",
+    "capacity": "the conversation no longer fits the KV cache: send something shorter, or start again "
+                "with --context-overflow truncate (drops the oldest turns), a larger --gpu-memory-budget "
+                "or 8-bit KV (--kv-cache-dtype int8_per_token_head)",
+    "out_of_memory": "the device ran out of memory during this answer, which can pass: send the message "
+                     "again (the line above says what to lower if it repeats)",
+    "internal": "a fault in edgegem, not in your message: please report it with the line above; "
+                "you can go on chatting",
+}
+
+
+def error_advice(kind) -> str:
+    """The line under `[error: ...]` for an ErrorKind (None, an error without a kind: internal)."""
+    return ERROR_ADVICE[kind.value if kind is not None else "internal"]
+
 
 def _chat_media(lm, command: str, arg: str, budget: int) -> list:
     """`/image PATH` or `/audio PATH` in `edgegem chat`: the item (ImageInput / AudioInput) for the
@@ -77,15 +99,20 @@ def cmd_chat(a) -> int:
                 continue
             # the media stay in the history: later turns see them too
             sys.stdout.write("model> ")
-            reply = ""
+            reply, failed = "", False
             for ev in client.stream(rid):
                 reply += ev.text
                 _emit(ev.text)
                 if ev.finished and ev.error:
-                    print(f"\n[error: {ev.error}]", file=sys.stderr)
+                    failed = True
+                    print(f"\n[error: {ev.error}]\nedgegem: {error_advice(ev.error_kind)}"
+                          f"{' (attach the files again)' * attached}", file=sys.stderr)
                 if ev.finished:
                     _kv_note(ev.stats)
-            history.append({"role": "assistant", "content": reply})
+            if failed:  # neither the message nor the broken answer is replayed in later turns
+                history.pop()
+            else:
+                history.append({"role": "assistant", "content": reply})
             sys.stdout.write("\n\n")
     finally:
         client.close()

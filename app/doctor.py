@@ -223,8 +223,8 @@ def check_cpu_kernels(f: Facts) -> Check:
     if k["name"] == "ggml":
         return Check(OK, "cpu kernels", f"{k['detail']}{threads}")
     hint = "unset EDGEGEM_CPU_KERNELS" if k["reason"].startswith("EDGEGEM_CPU_KERNELS") else (
-        f"{f.executable} -m pip install 'edgegem[cpu]' (builds llama-cpp-python once, 5-15 min; the README's CPU "
-        "table has what it gains)")
+        f"{f.executable} -m pip install 'edgegem[cpu]' (builds llama-cpp-python once, 5-15 min; "
+        "docs/benchmarks.md, \"CPU: edgegem beside llama.cpp\", has what it gains)")
     return Check(WARN, "cpu kernels", f"{k['detail']}{threads}: llama.cpp's kernels not used ({k['reason']})", hint)
 
 

@@ -90,7 +90,7 @@ def _first_line(e: BaseException) -> str:
 def probe_torch(f: Facts) -> None:
     try:
         import torch
-    except Exception as e:  # a broken install raises anything from OSError (libcudart) to ImportError
+    except Exception as e:  # noqa: BLE001 - a broken install raises anything from OSError (libcudart) to ImportError
         f.torch_error = _first_line(e)
         return
     f.torch_version = torch.__version__
@@ -104,14 +104,14 @@ def probe_torch(f: Facts) -> None:
         for i in range(torch.cuda.device_count()):
             free, total = torch.cuda.mem_get_info(i)
             f.gpus.append(Gpu(torch.cuda.get_device_name(i), tuple(torch.cuda.get_device_capability(i)), free, total))
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - RuntimeError (driver), AssertionError (no CUDA build)...: reported
         f.cuda_error = _first_line(e)
         return
     if f.driver_cuda is None:  # no nvidia-smi: the driver's CUDA version through torch (private API)
         try:
             v = torch._C._cuda_getDriverVersion()  # e.g. 12080
             f.driver_cuda = f"{v // 1000}.{v % 1000 // 10}"
-        except Exception:
+        except Exception:  # noqa: BLE001 - a private API: missing or failing, the version stays unknown
             pass
 
 
@@ -137,7 +137,7 @@ def probe_triton(f: Facts) -> None:
     try:
         import triton
         f.triton_version = triton.__version__
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - as torch's import: a broken install raises anything
         f.triton_error = _first_line(e)
         return
     if f.cuda_available:
@@ -200,7 +200,7 @@ def probe_cpu_kernels(f: Facts) -> None:
     try:
         from engine.cpu_runtime import default_threads, kernels
         f.cpu_kernels, f.cpu_threads = kernels(), default_threads()
-    except Exception as e:  # a broken install must still give a report
+    except Exception as e:  # noqa: BLE001 - a broken install must still give a report
         f.cpu_kernels = {"name": "torch", "reason": str(e).splitlines()[0] if str(e) else type(e).__name__,
                          "detail": "torch formats"}
 

@@ -23,9 +23,11 @@ class Loaded(Message):
 
 
 class LoadFailed(Message):
-    def __init__(self, error: str) -> None:
+    """`kind`: the engine's ErrorKind of the failure (engine.api.load_error_kind)."""
+
+    def __init__(self, error: str, kind) -> None:
         super().__init__()
-        self.error = error
+        self.error, self.kind = error, kind
 
 
 class GenerationDone(Message):

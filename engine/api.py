@@ -27,6 +27,7 @@ __all__ = ["GGUFError", "LoadedModel", "SamplingParams", "GenerationParams", "En
            "load_audio", "audio_from_base64",
            "engine_config", "engine_plan", "split_thinking", "start_client", "run_prompt", "describe",
            "open_layout", "memory_plan", "gpu_support", "QueueFullError", "ErrorKind", "GenerationError",
+           "load_error_kind",
            "image_marker", "audio_marker",
            "model_kind"]
 
@@ -78,6 +79,23 @@ def open_model(path: Path, exact: bool = True, device: str = "cpu", embed_weight
                       cpu_quant=not exact and device == "cpu", mmproj=mmproj)
 
 
+def load_error_kind(e: BaseException) -> ErrorKind:
+    """Why a model did not load (open_model, engine_plan, start_client), for front ends to pick
+    their advice without reading the message: the memory budget too small for the model and its KV
+    (CAPACITY), the device out of memory while loading (OUT_OF_MEMORY), the file or the flags
+    (BAD_INPUT: not a GGUF, truncated, an architecture edgegem does not run, a path that is not
+    there, a value it cannot read: all ValueError or OSError here), else a fault of ours (INTERNAL)."""
+    from .memory_plan import BudgetTooSmall
+
+    if isinstance(e, torch.OutOfMemoryError):
+        return ErrorKind.OUT_OF_MEMORY
+    if isinstance(e, BudgetTooSmall):
+        return ErrorKind.CAPACITY
+    if isinstance(e, (ValueError, OSError)):
+        return ErrorKind.BAD_INPUT
+    return ErrorKind.INTERNAL
+
+
 def model_kind(lm: LoadedModel) -> tuple[str, str]:
     """("base" | "chat", why): a base model continues text (the app's continuation mode), a chat
     model answers turns (models/model_kind.py has the rule and its reasons)."""
@@ -95,14 +113,13 @@ def gpu_support(capability: tuple[int, int], triton_installed: bool = True):
 
 def find_mmproj(model) -> Optional[Path]:
     """The mmproj GGUF beside a model file (its image/audio encoder, as `--mmproj` would name it), or None."""
-    from models.gemma4_vision import find_mmproj as beside
+    from models.loader import find_mmproj as beside
 
     return beside(model)
 
 
 def _mmproj_has(path: Path, mmproj: Optional[str], kind: str) -> bool:
     """Whether a GGUF model's mmproj (given, or beside it) holds a `kind` ("vision"/"audio") encoder."""
-    from models.gemma4_vision import find_mmproj
     from models.metadata import MetadataReader
 
     found = Path(mmproj) if mmproj is not None else find_mmproj(path)
@@ -219,7 +236,7 @@ def prompt_ids(lm: LoadedModel, prompt: str, raw: bool = False, system: Optional
 
 @dataclass
 class EngineOptions:
-    """The engine flags `run` and `chat` take (see the README's flags table)."""
+    """The engine flags `run` and `chat` take (docs/cli.md#engine-flags)."""
 
     gpu_memory_budget: Optional[str] = None
     kv_cache_dtype: str = "auto"

@@ -399,13 +399,13 @@ class LocalClient(EngineClient):
         elif kind == "call":
             try:
                 cmd[2].put((True, cmd[1](self.engine)))
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 - raised again in the caller's thread (`call`)
                 cmd[2].put((False, e))
         elif kind == "rebuild":
             try:
                 self.engine.rebuild(**cmd[1])
                 cmd[2].put(None)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 - raised again in the caller's thread (`rebuild`)
                 cmd[2].put(e)
 
     def _loop(self) -> None:

@@ -1,6 +1,7 @@
 """Constrained decoding: JSON schema, any JSON object, a Lark/GBNF grammar, or a tool call, enforced by
-a per-step token mask (llguidance: see the README's "Structured output" for the measurement that
-picked it over xgrammar).
+a per-step token mask (llguidance: docs/structured-output.md#why-llguidance-and-not-xgrammar says
+why, docs/benchmarks.md#structured-output-the-token-mask-llguidance-against-xgrammar has the
+measurement that picked it over xgrammar).
 
 A `Constraint` is a checked grammar (llguidance's Lark dialect, JSON schemas inline as `%json`); `GrammarState` is one
 request's matcher: `mask(logits)` sets every token the grammar forbids to -inf before sampling,

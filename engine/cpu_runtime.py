@@ -6,7 +6,8 @@ reads it; `--threads N` overrides both). On a quiet
 machine every core helps (products are memory-bound and split by rows); on a busy one an
 OpenMP team of 2 waits at every barrier for a thread the scheduler has parked (measured on the
 2-core VM with other jobs holding both cores: a 2-thread E2B decode step took seconds where one
-thread took ~90 ms, README), so `--threads 1` is the setting for a machine shared with other work.
+thread took ~90 ms: docs/benchmarks.md#cpu-runtime-figures-quoted-in-its-design), so `--threads 1`
+is the setting for a machine shared with other work.
 """
 from __future__ import annotations
 

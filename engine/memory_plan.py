@@ -67,8 +67,18 @@ def parse_size(s) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def fmt_size(n: int) -> str:
-    return f"{n / GiB:.1f} GiB" if abs(n) >= GiB else f"{n / MiB:.1f} MiB"
+_UNIT_BYTES = {"B": 1, "KiB": 2**10, "MiB": MiB, "GiB": GiB, "TiB": 2**40}
+
+
+def fmt_size(n: float, units: tuple[str, ...] = ("MiB", "GiB"), decimals: tuple[int, ...] = (1, 1)) -> str:
+    """`n` bytes in the largest of `units` (smallest first) that |n| reaches, else the smallest, with
+    that unit's `decimals`: "3.1 GiB", "512.0 MiB". The one byte formatter of engine and app: the
+    status panel's (0, 2) gives "512 MiB" / "1.40 GiB", an attachment chip's ("B", "KiB", "MiB")
+    "125 B" / "3.2 KiB"."""
+    i = len(units) - 1
+    while i > 0 and abs(n) < _UNIT_BYTES[units[i]]:
+        i -= 1
+    return f"{n / _UNIT_BYTES[units[i]]:.{decimals[i]}f} {units[i]}"
 
 
 def _at(v, i: int) -> int:

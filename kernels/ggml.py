@@ -237,7 +237,7 @@ def _load() -> _Lib:
             lib = _Lib()
             _state["lib"] = lib
             _smoke_test()
-        except Exception as e:  # any failure (import, symbol, probe, smoke test): the torch path runs
+        except Exception as e:  # noqa: BLE001 - any failure (import, symbol, probe, smoke test): the torch path runs
             _state["lib"] = None
             _state["reason"] = str(e).splitlines()[0] if str(e) else type(e).__name__
     if _state["lib"] is None:
@@ -381,7 +381,7 @@ class Matrix:
                 lib.free(ctx)
             lib.buffer_free(self._buffer)
             lib.free(self._ctx)
-        except Exception:  # interpreter shutdown: the library may be gone already
+        except Exception:  # noqa: BLE001 - interpreter shutdown: the library may be gone already
             pass
 
 

@@ -209,7 +209,7 @@ class Graph:
             if self._galloc:
                 self.f["gallocr_free"](self._galloc)
             self.lib.free(self.ctx)
-        except Exception:  # interpreter shutdown
+        except Exception:  # noqa: BLE001 - interpreter shutdown: the library may be gone already
             pass
 
 

@@ -251,7 +251,7 @@ def dequantize_packed_ref(p: PackedQuant) -> torch.Tensor:
     GGUF bytes (so the two are bit-identical)."""
     from .qdequant import _scale_min_k4_ref
 
-    t, (n_out, n_in) = p.ggml_type, p.shape
+    t, n_in = p.ggml_type, p.shape[1]
     n = p.q.shape[0]
     if t in (Q4_K, Q5_K):
         nb = n_in // 256

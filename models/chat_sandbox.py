@@ -450,7 +450,7 @@ def render_template(tmpl: Any, ctx: Mapping[str, Any], n_items: int) -> str:
         raise _err("unsafe chat template", e) from None
     except TemplateError as e:           # raise_exception(...), undefined variables, ...
         raise _err("chat template error", e) from None
-    except Exception as e:               # TypeError, RecursionError, OverflowError from the template
+    except Exception as e:  # noqa: BLE001 - TypeError, RecursionError, OverflowError... from the template
         raise _err(f"chat template failed ({type(e).__name__})", e) from None
     finally:
         _BUDGET.reset(token)

@@ -21,12 +21,13 @@ import torch
 import torch.nn.functional as F
 
 from .audio import N_MEL, AudioError, AudioInput, log_mel
+from . import encoder
+from .encoder import EncoderTower, Trace, hf_layer_names, load_checked, plan_linears, rms
 from .metadata import ConfigError, MetadataReader
 
 # The real E2B/E4B ids (§1.2); a checkpoint's own config or vocabulary wins.
 BOA_ID, AUDIO_ID, EOA_ID = 256000, 258881, 258883
 BOA, AUDIO, EOA = "<|audio>", "<|audio|>", "<audio|>"
-CLIP_BOUNDS = ("input_min", "input_max", "output_min", "output_max")
 # GGUF name -> HF name inside `layers.i.` (§7.2); every one of these is a clippable linear
 LINEARS = {"ffn_up": "feed_forward1.ffw_layer_1", "ffn_down": "feed_forward1.ffw_layer_2",
            "ffn_up_1": "feed_forward2.ffw_layer_1", "ffn_down_1": "feed_forward2.ffw_layer_2",
@@ -37,8 +38,6 @@ NORMS = {"ffn_norm": "feed_forward1.pre_layer_norm", "ffn_post_norm": "feed_forw
          "attn_pre_norm": "norm_pre_attn", "attn_post_norm": "norm_post_attn", "ln2": "norm_out",
          "conv_norm": "lconv1d.pre_layer_norm", "norm_conv": "lconv1d.conv_norm"}  # swapped by name (§7.2)
 K_SCALE = math.log(1 + math.e) / math.log(2)  # 1.894620 on every key (§3.4)
-
-Trace = Optional[Callable[[str, int, torch.Tensor], None]]
 
 
 @dataclass(frozen=True)
@@ -140,10 +139,7 @@ class Gemma4AudioConfig:
 
 def token_ids_from_vocab(piece_to_id: Callable[[str], Optional[int]], pad_id: int = 0):
     """(boa, audio, eoa, pad) ids looked up by their strings in a vocabulary, else the real ids."""
-    ids = [piece_to_id(s) for s in (BOA, AUDIO, EOA)]
-    if any(i is None for i in ids):
-        return BOA_ID, AUDIO_ID, EOA_ID, pad_id
-    return ids[0], ids[1], ids[2], pad_id
+    return encoder.token_ids_from_vocab(piece_to_id, (BOA, AUDIO, EOA), (BOA_ID, AUDIO_ID, EOA_ID), pad_id)
 
 
 # --- weights ---------------------------------------------------------------------------------
@@ -159,11 +155,7 @@ def tensor_plan(cfg: Gemma4AudioConfig, present: set[str]) -> dict[str, tuple[in
               "conv_pw1": (2 * H, H), "conv_pw2": (H, H)}
     for i in range(cfg.n_layer):
         b = f"a.blk.{i}."
-        for name, shape in shapes.items():
-            plan[b + name + ".weight"] = shape
-            for s in CLIP_BOUNDS:
-                if b + f"{name}.{s}" in present:
-                    plan[b + f"{name}.{s}"] = (1,)
+        plan_linears(plan, b, shapes, present)
         for name in NORMS:
             plan[b + name + ".weight"] = (H,)
         plan.update({b + "attn_k_rel.weight": (H, H), b + "per_dim_scale.weight": (cfg.head_dim,),
@@ -183,12 +175,7 @@ def hf_names(n_layer: int) -> dict[str, str]:
            "embed_audio.embedding_projection.weight": "mm.a.input_projection.weight"}
     for i in range(n_layer):
         h, g = f"{t}layers.{i}.", f"a.blk.{i}."
-        for gg, hh in LINEARS.items():
-            out[h + hh + ".linear.weight"] = g + gg + ".weight"
-            for s in CLIP_BOUNDS:
-                out[h + hh + "." + s] = g + gg + "." + s
-        for gg, hh in NORMS.items():
-            out[h + hh + ".weight"] = g + gg + ".weight"
+        hf_layer_names(out, h, g, LINEARS, NORMS)
         out[h + "self_attn.relative_k_proj.weight"] = g + "attn_k_rel.weight"
         out[h + "self_attn.per_dim_scale"] = g + "per_dim_scale.weight"
         out[h + "lconv1d.depthwise_conv1d.weight"] = g + "conv_dw.weight"
@@ -200,13 +187,7 @@ def _load_one(source, name: str, shape, dtype, hf: bool) -> torch.Tensor:
         return F.softplus(source.load(name, shape, dtype=torch.float64)).to(dtype)
     if hf and name.endswith(".conv_dw.weight"):  # HF torch[H, 1, K] -> [H, K] as the converter
         return source.load(name, None, dtype=dtype).reshape(shape)
-    t = source.load(name, None, dtype=dtype)
-    if shape == (1,) and t.numel() == 1:
-        return t.reshape(1)  # HF keeps clip bounds as 0-d buffers
-    if tuple(t.shape) != tuple(shape):
-        from .gguf import TensorShapeError
-        raise TensorShapeError(source.path, f"shape {list(t.shape)} where {list(shape)} was expected", name)
-    return t
+    return load_checked(source, name, shape, dtype)
 
 
 def activation_bytes(cfg: Gemma4AudioConfig, n_frames: int = 2999, elem: int = 4) -> int:
@@ -220,12 +201,6 @@ def activation_bytes(cfg: Gemma4AudioConfig, n_frames: int = 2999, elem: int = 4
     return elem * (max(sscp, layer) + n_frames * N_MEL)
 
 
-def _rms(x: torch.Tensor, w: Optional[torch.Tensor], eps: float) -> torch.Tensor:
-    """RMSNorm in float32 at least (as HF computes every audio norm), cast back."""
-    xf = x if x.dtype in (torch.float32, torch.float64) else x.float()
-    return F.rms_norm(xf, (x.shape[-1],), None if w is None else w.to(xf.dtype), eps).to(x.dtype)
-
-
 def relative_table(width: int, window: int) -> torch.Tensor:
     """float64 [window, width]: row δ = [sin(δ·ω_i) | cos(δ·ω_i)], halves concatenated, with
     ω_i = exp(-i·ln(10⁴) / (width/2 - 1)) (§3.2). Only δ < window is ever visible."""
@@ -235,36 +210,16 @@ def relative_table(width: int, window: int) -> torch.Tensor:
     return torch.cat([ang.sin(), ang.cos()], dim=-1)
 
 
-class Gemma4Audio:
+class Gemma4Audio(EncoderTower):
     """The audio tower + projector over a weight dict keyed by mmproj GGUF names."""
 
     def __init__(self, cfg: Gemma4AudioConfig, weights: Mapping[str, torch.Tensor], dtype=torch.float32,
                  device="cpu"):
-        self.cfg, self.w, self.dtype, self.device = cfg, dict(weights), dtype, torch.device(device)
+        super().__init__(cfg, weights, dtype, device)
         self.rel = relative_table(cfg.d_model, cfg.window).to(self.device, dtype)  # [12, H]
 
-    @property
-    def n_params(self) -> int:
-        return sum(t.numel() for t in self.w.values())
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.w.values())
-
     def activation_bytes(self, n_frames: int = 2999) -> int:
-        return activation_bytes(self.cfg, n_frames, torch.tensor([], dtype=self.dtype).element_size())
-
-    def _linear(self, x: torch.Tensor, name: str, bias: bool = False) -> torch.Tensor:
-        """Clippable linear: clamp(W·clamp(x, in_min, in_max), out_min, out_max) (missing: ±inf)."""
-        w = self.w
-        lo, hi = w.get(name + ".input_min"), w.get(name + ".input_max")
-        if lo is not None or hi is not None:
-            x = x.clamp(None if lo is None else float(lo), None if hi is None else float(hi))
-        y = F.linear(x, w[name + ".weight"], w[name + ".bias"] if bias else None)
-        lo, hi = w.get(name + ".output_min"), w.get(name + ".output_max")
-        if lo is not None or hi is not None:
-            y = y.clamp(None if lo is None else float(lo), None if hi is None else float(hi))
-        return y
+        return activation_bytes(self.cfg, n_frames, self.elem_size)
 
     @torch.no_grad()
     def encode(self, clips: Sequence[AudioInput], trace: Trace = None) -> list[torch.Tensor]:
@@ -306,14 +261,14 @@ class Gemma4Audio:
         out = self._linear(h, "a.pre_encode.out", bias=True)  # [B, N, P]
         if trace:
             trace("tower_out", -1, out)
-        return F.linear(_rms(out, None, cfg.rms_eps), w["mm.a.input_projection.weight"])  # embed_audio (§4.1)
+        return F.linear(rms(out, None, cfg.rms_eps), w["mm.a.input_projection.weight"])  # embed_audio (§4.1)
 
     def _ffn(self, h: torch.Tensor, b: str, suffix: str) -> torch.Tensor:
         """h + ½·RMSNorm(CL₂(silu(CL₁(RMSNorm(h))))): no gate; the ½ after the post-norm (§3.6)."""
         eps, w = self.cfg.rms_eps, self.w
-        f = self._linear(F.silu(self._linear(_rms(h, w[f"{b}ffn_norm{suffix}.weight"], eps), f"{b}ffn_up{suffix}")),
+        f = self._linear(F.silu(self._linear(rms(h, w[f"{b}ffn_norm{suffix}.weight"], eps), f"{b}ffn_up{suffix}")),
                          f"{b}ffn_down{suffix}")
-        return h + self.cfg.residual_weight * _rms(f, w[f"{b}ffn_post_norm{suffix}.weight"], eps)
+        return h + self.cfg.residual_weight * rms(f, w[f"{b}ffn_post_norm{suffix}.weight"], eps)
 
     def _attention(self, a: torch.Tensor, b: str) -> torch.Tensor:
         """Banded causal attention with a per-distance bias (§3.4), one batched op over all tokens:
@@ -345,21 +300,21 @@ class Gemma4Audio:
         """RMSNorm -> CL H->2H -> GLU (first half value, second gate) -> causal depthwise conv
         (kernel 5, zeros before t=0) -> RMSNorm -> SiLU -> CL H->H, full residual (§3.5)."""
         cfg, w, eps = self.cfg, self.w, self.cfg.rms_eps
-        y = self._linear(_rms(h, w[b + "conv_norm.weight"], eps), b + "conv_pw1")  # GGUF conv_norm = HF pre
+        y = self._linear(rms(h, w[b + "conv_norm.weight"], eps), b + "conv_pw1")  # GGUF conv_norm = HF pre
         y = y[..., :cfg.d_model] * torch.sigmoid(y[..., cfg.d_model:])
         y = F.conv1d(F.pad(y.transpose(1, 2), (cfg.conv_kernel - 1, 0)), w[b + "conv_dw.weight"][:, None, :],
                      groups=cfg.d_model).transpose(1, 2)
-        y = F.silu(_rms(y, w[b + "norm_conv.weight"], eps))  # GGUF norm_conv = HF conv_norm
+        y = F.silu(rms(y, w[b + "norm_conv.weight"], eps))  # GGUF norm_conv = HF conv_norm
         return h + self._linear(y, b + "conv_pw2")
 
     def _layer(self, i: int, h: torch.Tensor) -> torch.Tensor:
         """One Conformer layer (§3.3): FFN₁, attention, conv module, FFN₂, RMSNorm."""
         w, b, eps = self.w, f"a.blk.{i}.", self.cfg.rms_eps
         h = self._ffn(h, b, "")
-        h = h + _rms(self._attention(_rms(h, w[b + "attn_pre_norm.weight"], eps), b), w[b + "attn_post_norm.weight"], eps)
+        h = h + rms(self._attention(rms(h, w[b + "attn_pre_norm.weight"], eps), b), w[b + "attn_post_norm.weight"], eps)
         h = self._conv_module(h, b)
         h = self._ffn(h, b, "_1")
-        return _rms(h, w[b + "ln2.weight"], eps)
+        return rms(h, w[b + "ln2.weight"], eps)
 
 
 OPTIONAL_LLAMA_CPP = ("a.conv1d.0.bias", "a.conv1d.1.bias", "a.input_projection.bias", "mm.a.soft_emb_norm.weight")
@@ -384,9 +339,3 @@ def load_audio_hf(folder: str | Path, dtype=torch.float32, device="cpu") -> Gemm
     cfg = Gemma4AudioConfig.from_hf(json.loads((Path(folder) / "config.json").read_text()))
     return load_audio_tower(HFCheckpoint(folder, hf_names(cfg.n_layer), {}), cfg, dtype, device)
 
-
-def audio_block(cfg_or_ids, n_tokens: int) -> list[int]:
-    """boa + N×audio + eoa: the ids a clip occupies in the prompt (§6; no newlines)."""
-    boa, aud, eoa = (cfg_or_ids.boa_id, cfg_or_ids.audio_id, cfg_or_ids.eoa_id) \
-        if hasattr(cfg_or_ids, "boa_id") else cfg_or_ids
-    return [boa] + [aud] * n_tokens + [eoa]

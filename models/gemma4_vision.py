@@ -20,6 +20,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from . import encoder
+from .encoder import EncoderTower, Trace, hf_layer_names, load_checked, matmul, plan_linears, rms
 from .metadata import ConfigError, MetadataReader
 
 BUDGETS = (70, 140, 280, 560, 1120)  # soft-token budgets HF accepts (§2 step 2)
@@ -27,15 +29,12 @@ DEFAULT_BUDGET = 280
 # The real E2B/E4B ids (§1.2); a checkpoint's own config or vocabulary wins.
 BOI_ID, IMAGE_ID, EOI_ID = 255999, 258880, 258882
 BOI, IMAGE, EOI = "<|image>", "<|image|>", "<image|>"
-CLIP_BOUNDS = ("input_min", "input_max", "output_min", "output_max")
 LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
            "attn_out": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
            "ffn_down": "mlp.down_proj"}
 NORMS = {"ln1": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
          "ln2": "pre_feedforward_layernorm", "ffn_post_norm": "post_feedforward_layernorm",
          "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
-
-Trace = Optional[Callable[[str, int, torch.Tensor], None]]
 
 
 class ImageError(ValueError):
@@ -128,10 +127,7 @@ class Gemma4VisionConfig:
 
 def token_ids_from_vocab(piece_to_id: Callable[[str], Optional[int]], pad_id: int = 0):
     """(boi, image, eoi, pad) ids looked up by their strings in a vocabulary, else the real ids."""
-    ids = [piece_to_id(s) for s in (BOI, IMAGE, EOI)]
-    if any(i is None for i in ids):
-        return BOI_ID, IMAGE_ID, EOI_ID, pad_id
-    return ids[0], ids[1], ids[2], pad_id
+    return encoder.token_ids_from_vocab(piece_to_id, (BOI, IMAGE, EOI), (BOI_ID, IMAGE_ID, EOI_ID), pad_id)
 
 
 # --- weights ---------------------------------------------------------------------------------
@@ -147,11 +143,7 @@ def tensor_plan(cfg: Gemma4VisionConfig, present: set[str]) -> dict[str, Optiona
               "ffn_gate": (F_, D), "ffn_up": (F_, D), "ffn_down": (D, F_)}
     for i in range(cfg.n_layer):
         b = f"v.blk.{i}."
-        for name, shape in shapes.items():
-            plan[b + name + ".weight"] = shape
-            for s in CLIP_BOUNDS:
-                if b + f"{name}.{s}" in present:
-                    plan[b + f"{name}.{s}"] = (1,)
+        plan_linears(plan, b, shapes, present)
         for name in NORMS:
             plan[b + name + ".weight"] = (hd,) if name in ("attn_q_norm", "attn_k_norm") else (D,)
     return plan
@@ -164,13 +156,7 @@ def hf_names(n_layer: int) -> dict[str, str]:
            "vision_tower.std_bias": "v.std_bias", "vision_tower.std_scale": "v.std_scale",
            "embed_vision.embedding_projection.weight": "mm.input_projection.weight"}
     for i in range(n_layer):
-        h, g = f"vision_tower.encoder.layers.{i}.", f"v.blk.{i}."
-        for gg, hh in LINEARS.items():
-            out[h + hh + ".linear.weight"] = g + gg + ".weight"
-            for s in CLIP_BOUNDS:
-                out[h + hh + "." + s] = g + gg + "." + s
-        for gg, hh in NORMS.items():
-            out[h + hh + ".weight"] = g + gg + ".weight"
+        hf_layer_names(out, f"vision_tower.encoder.layers.{i}.", f"v.blk.{i}.", LINEARS, NORMS)
     return out
 
 
@@ -182,13 +168,7 @@ def _load_one(source, name: str, shape, cfg: Gemma4VisionConfig, dtype) -> torch
         p = cfg.patch_size
         conv = source.load(name, (cfg.d_model, 3, p, p), dtype=dtype)
         return conv.permute(0, 2, 3, 1).reshape(cfg.d_model, cfg.patch_width)
-    t = source.load(name, None, dtype=dtype)
-    if shape == (1,) and t.numel() == 1:
-        return t.reshape(1)  # HF keeps clip bounds as 0-d buffers
-    if tuple(t.shape) != tuple(shape):
-        from .gguf import TensorShapeError
-        raise TensorShapeError(source.path, f"shape {list(t.shape)} where {list(shape)} was expected", name)
-    return t
+    return load_checked(source, name, shape, dtype)
 
 
 def activation_bytes(d_model: int, ffn_width: int, n_head: int, n_patches: int, elem: int = 4) -> int:
@@ -290,22 +270,9 @@ def load_image(source: str | Path | bytes, budget: int = DEFAULT_BUDGET, name: s
     return preprocess(open_image(source, label), budget, patch, pool, label)
 
 
-def image_block(cfg_or_ids, n_tokens: int) -> list[int]:
-    """boi + N×image + eoi: the ids an image occupies in the prompt (§4.2; no newlines)."""
-    boi, img, eoi = (cfg_or_ids.boi_id, cfg_or_ids.image_id, cfg_or_ids.eoi_id) \
-        if hasattr(cfg_or_ids, "boi_id") else cfg_or_ids
-    return [boi] + [img] * n_tokens + [eoi]
-
-
 # --- the tower (§3) and the projector (§4.1) ---------------------------------------------------
 def _gelu(x: torch.Tensor, quick: bool) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x) if quick else F.gelu(x, approximate="tanh")
-
-
-def _rms(x: torch.Tensor, w: Optional[torch.Tensor], eps: float) -> torch.Tensor:
-    """RMSNorm in float32 at least (as HF computes every norm), cast back."""
-    xf = x if x.dtype in (torch.float32, torch.float64) else x.float()
-    return F.rms_norm(xf, (x.shape[-1],), None if w is None else w.to(xf.dtype), eps).to(x.dtype)
 
 
 def _rope_2d(u: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -320,38 +287,17 @@ def _rope_2d(u: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     return torch.cat(out, dim=-1)
 
 
-class Gemma4Vision:
+class Gemma4Vision(EncoderTower):
     """The vision tower + projector over a weight dict keyed by mmproj GGUF names."""
 
     def __init__(self, cfg: Gemma4VisionConfig, weights: Mapping[str, torch.Tensor], dtype=torch.float32,
                  device="cpu"):
-        self.cfg, self.w, self.dtype, self.device = cfg, dict(weights), dtype, torch.device(device)
+        super().__init__(cfg, weights, dtype, device)
         q = cfg.head_dim // 4  # frequencies per axis: ω_j = θ^(-2j / (hd/2)), j < hd/4
         self.inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(q, dtype=torch.float64) * 2 / (cfg.head_dim // 2))
 
-    @property
-    def n_params(self) -> int:
-        return sum(t.numel() for t in self.w.values())
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() if isinstance(t, torch.Tensor) else t.nbytes for t in self.w.values())
-
     def activation_bytes(self, n_patches: int) -> int:
-        return activation_bytes(self.cfg.d_model, self.cfg.ffn_width, self.cfg.n_head, n_patches,
-                                torch.tensor([], dtype=self.dtype).element_size())
-
-    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        """Clippable linear: clamp(W·clamp(x, in_min, in_max), out_min, out_max) (§3 step 4)."""
-        w = self.w
-        lo, hi = w.get(name + ".input_min"), w.get(name + ".input_max")
-        if lo is not None or hi is not None:
-            x = x.clamp(None if lo is None else float(lo), None if hi is None else float(hi))
-        y = _matmul(x, w[name + ".weight"])
-        lo, hi = w.get(name + ".output_min"), w.get(name + ".output_max")
-        if lo is not None or hi is not None:
-            y = y.clamp(None if lo is None else float(lo), None if hi is None else float(hi))
-        return y
+        return activation_bytes(self.cfg.d_model, self.cfg.ffn_width, self.cfg.n_head, n_patches, self.elem_size)
 
     @torch.no_grad()
     def encode(self, images: Sequence[ImageInput], trace: Trace = None) -> list[torch.Tensor]:
@@ -399,7 +345,7 @@ class Gemma4Vision:
                 trace("pooled", b, s)
             if cfg.standardize:
                 s = (s - w["v.std_bias"]) * w["v.std_scale"]
-            e = _matmul(_rms(s, None, cfg.rms_eps), w["mm.input_projection.weight"])
+            e = matmul(rms(s, None, cfg.rms_eps), w["mm.input_projection.weight"])
             if trace:
                 trace("projected", b, e)
             out.append(e)
@@ -408,22 +354,22 @@ class Gemma4Vision:
     def _layer(self, i: int, x, cos, sin, trace: Trace):
         cfg, w, b, eps = self.cfg, self.w, f"v.blk.{i}.", self.cfg.rms_eps
         B, Np, H, hd = x.shape[0], x.shape[1], cfg.n_head, cfg.head_dim
-        a = _rms(x, w[b + "ln1.weight"], eps)
-        q = _rope_2d(_rms(self._linear(a, b + "attn_q").view(B, Np, H, hd), w[b + "attn_q_norm.weight"], eps),
+        a = rms(x, w[b + "ln1.weight"], eps)
+        q = _rope_2d(rms(self._linear(a, b + "attn_q").view(B, Np, H, hd), w[b + "attn_q_norm.weight"], eps),
                      cos, sin)
-        k = _rope_2d(_rms(self._linear(a, b + "attn_k").view(B, Np, H, hd), w[b + "attn_k_norm.weight"], eps),
+        k = _rope_2d(rms(self._linear(a, b + "attn_k").view(B, Np, H, hd), w[b + "attn_k_norm.weight"], eps),
                      cos, sin)
-        v = _rms(self._linear(a, b + "attn_v").view(B, Np, H, hd), None, eps)
+        v = rms(self._linear(a, b + "attn_v").view(B, Np, H, hd), None, eps)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            scale=1.0)  # bidirectional, scale 1 (§3)
         o = o.transpose(1, 2).reshape(B, Np, cfg.d_model)
         if trace:
             trace("attn_out", i, o)
-        x = x + _rms(self._linear(o, b + "attn_out"), w[b + "attn_post_norm.weight"], eps)
-        m = _rms(x, w[b + "ln2.weight"], eps)
+        x = x + rms(self._linear(o, b + "attn_out"), w[b + "attn_post_norm.weight"], eps)
+        m = rms(x, w[b + "ln2.weight"], eps)
         f = self._linear(_gelu(self._linear(m, b + "ffn_gate"), cfg.gelu_quick) * self._linear(m, b + "ffn_up"),
                          b + "ffn_down")
-        x = x + _rms(f, w[b + "ffn_post_norm.weight"], eps)
+        x = x + rms(f, w[b + "ffn_post_norm.weight"], eps)
         if trace:
             trace("layer_out", i, x)
         return x
@@ -447,10 +393,6 @@ def _ggml_matrix(source, name: str, shape, device):
     if type_name(info.ggml_type) in ("F32", "F16", "BF16"):
         return None  # dense: float32 through torch as before
     return GGMLWeight(torch.from_numpy(info.read()).reshape(shape[0], -1), info.ggml_type, shape)
-
-
-def _matmul(x: torch.Tensor, w) -> torch.Tensor:
-    return F.linear(x, w) if isinstance(w, torch.Tensor) else w.linear(x)
 
 
 def load_vision(source, cfg: Gemma4VisionConfig, dtype=torch.float32, device="cpu") -> Gemma4Vision:
@@ -488,15 +430,6 @@ def load_vision_gguf(path, token_ids=None, dtype=torch.float32, device="cpu") ->
     except ConfigError as e:
         raise GGUFError(f.path, str(e)) from None
     return load_vision(f, cfg, dtype, device)
-
-
-def find_mmproj(model_path: str | Path) -> Optional[Path]:
-    """An `mmproj*.gguf` beside a GGUF model (the first by name), else None."""
-    p = Path(model_path)
-    if p.is_dir():
-        return None
-    found = sorted(p.parent.glob("mmproj*.gguf"))
-    return found[0] if found else None
 
 
 def image_rows(tokens: Sequence[int] | torch.Tensor, embeds: Sequence[torch.Tensor], cfg: Gemma4VisionConfig):

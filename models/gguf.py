@@ -200,11 +200,6 @@ class TensorTable:
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
 
-    def require(self, key: str) -> Any:
-        if key not in self.metadata:
-            raise MalformedGGUFError(self.path, f"missing metadata key {key}")
-        return self.metadata[key]
-
     def check_architecture(self, supported: tuple[str, ...]) -> str:
         arch = self.architecture
         if arch not in supported:

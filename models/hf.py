@@ -43,7 +43,7 @@ class HFCheckpoint:
         for shard in shards:
             try:
                 h = safe_open(str(shard), framework="pt")
-            except Exception as e:  # safetensors raises its own error types for bad headers
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for bad headers
                 raise GGUFError(shard, f"unreadable safetensors file: {e}") from None
             self._handles.append(h)
             for hf_name in h.keys():

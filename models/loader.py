@@ -41,6 +41,16 @@ def open_gguf(path: str | Path) -> GGUFFile:
     return f
 
 
+def find_mmproj(model_path: str | Path) -> Optional[Path]:
+    """An `mmproj*.gguf` beside a GGUF model (the first by name: llama.cpp's image/audio encoder
+    files), else None. An HF folder carries its towers in its own safetensors: None."""
+    p = Path(model_path)
+    if p.is_dir():
+        return None
+    found = sorted(p.parent.glob("mmproj*.gguf"))
+    return found[0] if found else None
+
+
 def load_model(path: str | Path, dtype=torch.float32, device="cpu", with_tokenizer: bool = True,
                weight_dtype: Optional[torch.dtype] = None, quantized: bool = False,
                host_embeddings: bool = False, progress=None, cpu_quant: bool = False,
@@ -89,7 +99,6 @@ def load_model(path: str | Path, dtype=torch.float32, device="cpu", with_tokeniz
             raise GGUFError(path, str(e)) from None
     loaded = LoadedModel(model, f.architecture, path, tok, chat, f)
     if vision and f.architecture == "gemma4":
-        from .gemma4_vision import find_mmproj
         found = Path(mmproj) if mmproj is not None else find_mmproj(path)
         if found is not None:
             loaded.vision, loaded.audio = _gguf_encoders(found, tok, dtype, device, model.cfg.d_model)

@@ -107,7 +107,7 @@ INFO = {"model": "Fake Gemma 4", "file": "fake-q4_k_m.gguf", "path": "/models/fa
                  "max context: 4096 tokens"]}
 
 
-# what engine/bench/kv_quality.py returns (the figures of the README's 270M table)
+# what engine/bench/kv_quality.py returns (the figures of docs/benchmarks.md#the-8-bit-formats-in-the-test)
 KV_RESULT = {"reference": "fp32", "reference_bytes_per_token": 6144, "device": "cpu", "tokens": 1024, "chunk": 64,
              "sliding_window": 512, "activations": "float32", "seconds": 95.0, "skipped": {},
              "text": "Pride and Prejudice, ch. I-III (built in)", "measured": "2026-12-01 10:00",

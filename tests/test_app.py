@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from app.app import EdgegemApp
 from app.backend import EngineBackend
@@ -20,8 +21,9 @@ from app.store import Store
 from app.widgets.message_view import MessageView, code_blocks
 from app.widgets.sidebar import ConversationItem
 from app.widgets.status_panel import StatusPanel
-from engine.api import (EngineOptions, GenerationParams, SamplingParams, open_model, run_prompt, split_thinking,
-                        start_client)
+from engine.api import (EngineOptions, ErrorKind, GenerationParams, SamplingParams, open_model, run_prompt,
+                        split_thinking, start_client)
+from engine.memory_plan import BudgetTooSmall
 from models.gguf import GGUFError
 from tests.app_fakes import FakeBackend, FakeClient
 from tests.tiny_models import TinySpec, write_tiny_assistant, write_tiny_gemma4
@@ -324,6 +326,27 @@ async def test_load_error_shows_a_readable_screen(tmp_path):
         await on_screen(pilot, LoadErrorScreen)
         text = str(app.screen.query_one("#error-text").render())
         assert "truncated" in text and "Traceback" not in text and "\n" not in text.strip()
+        assert app.screen.kind is ErrorKind.BAD_INPUT
+
+
+@pytest.mark.parametrize("error, kind", [
+    (GGUFError(Path("/m/x.gguf"), "unsupported architecture 'llama'"), ErrorKind.BAD_INPUT),
+    (FileNotFoundError("/m/gone.gguf"), ErrorKind.BAD_INPUT),
+    (BudgetTooSmall("budget 1.0 GiB is 2.0 GiB short", 3 << 30, 1 << 30, []), ErrorKind.CAPACITY),
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), ErrorKind.OUT_OF_MEMORY),
+    (RuntimeError("budget: an internal error whose text mentions a budget"), ErrorKind.INTERNAL),
+], ids=["architecture", "missing", "budget", "oom", "internal"])
+async def test_load_error_hint_follows_the_error_kind_not_the_text(tmp_path, error, kind):
+    """The advice under a load error is picked by the engine's ErrorKind of the exception
+    (engine.api.load_error_kind), never by words in its message."""
+    app = make_app(tmp_path, FakeBackend(error=error))
+    async with app.run_test(size=SIZE) as pilot:
+        await on_screen(pilot, LoadErrorScreen)
+        hint = str(app.screen.query_one(".hint").render())
+        assert app.screen.kind is kind
+        assert ("--gpu-memory-budget" in hint) == (kind in (ErrorKind.CAPACITY, ErrorKind.OUT_OF_MEMORY))
+        assert ("--model path" in hint) == (kind is ErrorKind.BAD_INPUT)
+        assert ("fault in edgegem" in hint) == (kind is ErrorKind.INTERNAL)
 
 
 @pytest.mark.parametrize("case", ["not-a-gguf", "truncated", "budget-too-small"])
@@ -343,6 +366,7 @@ async def test_real_load_failures_end_on_the_error_screen(tmp_path, tiny_path, c
         text = str(app.screen.query_one("#error-text").render())
         assert text.strip() and "Traceback" not in text and "\n" not in text.strip()
         assert {"not-a-gguf": "GGUF", "truncated": "truncated", "budget-too-small": "budget"}[case] in text
+        assert app.screen.kind is (ErrorKind.CAPACITY if case == "budget-too-small" else ErrorKind.BAD_INPUT)
 
 
 async def test_draft_off_is_said_out_loud_for_gemma4(tmp_path):

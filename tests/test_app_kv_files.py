@@ -95,7 +95,7 @@ async def test_settings_show_the_disk_use_and_clear_it(tmp_path, tiny_path):
     data = tmp_path / "data"
     app = _app(data, tiny_path)
     async with app.run_test(size=SIZE) as pilot:
-        chat = await open_chat(pilot)
+        await open_chat(pilot)
         await say(pilot, "the cat")
         _save_now(app)
         await pilot.press("ctrl+s")

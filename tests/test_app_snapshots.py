@@ -149,8 +149,10 @@ def test_snapshot_help_screen(snap_compare, tmp_path):
 
 
 def test_snapshot_load_error_screen(snap_compare, tmp_path):
-    app = _app(tmp_path, FakeBackend(error=ValueError(
-        "gpu memory budget too small: the weights alone need 3.1 GiB of the 2.0 GiB budget")))
+    from engine.memory_plan import BudgetTooSmall  # the memory plan's refusal: a CAPACITY load error
+
+    app = _app(tmp_path, FakeBackend(error=BudgetTooSmall(
+        "gpu memory budget too small: the weights alone need 3.1 GiB of the 2.0 GiB budget", 3 << 30, 2 << 30, [])))
 
     async def run_before(pilot) -> None:
         await _until(pilot, lambda: isinstance(pilot.app.screen, LoadErrorScreen))
@@ -184,7 +186,7 @@ def _cpu_kernels() -> str:
 
 @pytest.mark.parametrize("cpu", [_cpu_kernels()])
 def test_snapshot_demo_first_answer(snap_compare, tmp_path, gemma3_270m_path, cpu):
-    """The real demo model's first answer to the README's message at the app's defaults (seeded):
+    """The real demo model's first answer to docs/app.md's message at the app's defaults (seeded):
     continued as text, DRY on, ended at a blank line; the README screenshot is this scenario (taken
     on an AVX-512 machine)."""
     shot = _screenshot_module()

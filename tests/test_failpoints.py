@@ -123,17 +123,50 @@ def test_kv_write_failpoint_loses_only_the_file(tiny, tmp_path):
         client.close()
 
 
-def test_chat_prints_the_error_and_answers_the_next_prompt(tiny_path):
-    """`edgegem chat` with two prompts on stdin and forward.oom@3: the first answer ends in the
-    error line, the second is a normal answer, exit status 0."""
-    env = {**os.environ, "EDGEGEM_FAILPOINTS": "forward.oom@3"}
-    r = subprocess.run([sys.executable, "-m", "app.cli", "chat", "--model", str(tiny_path), "--temperature", "0",
-                        "--max-tokens", "6", "--device", "cpu"], input="the cat\na dog\n", capture_output=True,
-                       text=True, env=env, timeout=300)
+def _chat(tiny_path, lines: str, failpoints: str = ""):
+    env = {**os.environ, "EDGEGEM_FAILPOINTS": failpoints}
+    return subprocess.run([sys.executable, "-m", "app.cli", "chat", "--model", str(tiny_path), "--temperature", "0",
+                           "--max-tokens", "6", "--device", "cpu"], input=lines, capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def dog_alone(tiny_path):
+    """The greedy answer to "a dog" as the first message of a chat."""
+    r = _chat(tiny_path, "a dog\n")
     assert r.returncode == 0, r.stderr
-    assert r.stderr.count("[error: out of memory in a model forward") == 1
+    return r.stdout.split("model> ")[1]
+
+
+@pytest.mark.parametrize("spec, error, advice", [
+    ("forward.oom@3", "[error: out of memory in a model forward", "edgegem: the device ran out of memory during "
+     "this answer, which can pass: send the message again"),
+    ("step.error@3", "[error: RuntimeError: ", "edgegem: a fault in edgegem, not in your message: please report it"),
+], ids=["oom", "internal"])
+def test_chat_prints_the_error_and_answers_the_next_prompt(tiny_path, dog_alone, spec, error, advice):
+    """`edgegem chat` with two prompts on stdin and a failpoint: the first answer ends in the
+    error line and the line saying what its kind means, the second is a normal answer (the same as
+    with the failed turn never sent: it left the history), exit status 0."""
+    r = _chat(tiny_path, "the cat\na dog\n", spec)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count(error) == 1
+    assert r.stderr.count(advice) == 1 and r.stderr.index(error) < r.stderr.index(advice), r.stderr
     answers = r.stdout.split("model> ")[1:]
-    assert len(answers) == 2 and answers[1].strip()
+    assert len(answers) == 2 and answers[1].strip() and answers[1] == dog_alone
+
+
+def test_chat_advice_names_every_error_kind():
+    """Each ErrorKind the engine sends has its own line in `edgegem chat`, and an error without a
+    kind reads as internal (as the API server treats it)."""
+    from app.cli_chat import error_advice
+    from engine.api import ErrorKind
+
+    lines = {kind: error_advice(kind) for kind in ErrorKind}
+    assert len(set(lines.values())) == len(ErrorKind)
+    assert "fix it and send it again" in lines[ErrorKind.BAD_INPUT]
+    assert "--context-overflow truncate" in lines[ErrorKind.CAPACITY]
+    assert "send the message again" in lines[ErrorKind.OUT_OF_MEMORY]
+    assert "a fault in edgegem" in lines[ErrorKind.INTERNAL] and error_advice(None) == lines[ErrorKind.INTERNAL]
 
 
 @pytest.mark.parametrize("spec, code", [("forward.oom@1", 1), ("step.error@2", 1)], ids=["oom", "internal"])

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from engine import kv_file
-from engine.kv_file import KVFileError
 from engine.kv_sessions import KVDisk
 from engine.sampler import SamplingParams
 from engine.scheduler import Engine, EngineConfig

@@ -1,7 +1,8 @@
 """Load and soak through the client: many requests against a small pool, and hundreds of turns over
 many conversations with stops, regenerates, edits and injected failures. After every turn, once
 idle: every KV slot is free or held by the prefix cache exactly once (Engine.check), nothing
-escaped, nothing hangs. Figures are printed (`pytest -s`) and quoted in the README."""
+escaped, nothing hangs. Figures are printed (`pytest -s`) and quoted in
+docs/benchmarks.md#reliability-failpoints-load-soak-signals."""
 from __future__ import annotations
 
 import os
@@ -15,7 +16,7 @@ from engine import failpoints
 from engine.api import EngineOptions, GenerationParams, SamplingParams, open_model, start_client
 from tiny_models import TinySpec, write_tiny_gemma4
 
-# `make test` runs a short soak; EDGEGEM_SOAK_TURNS=300 (or more) is the long one the README quotes.
+# `make test` runs a short soak; EDGEGEM_SOAK_TURNS=300 (or more) is the long one docs/benchmarks.md quotes.
 SOAK_TURNS = int(os.environ.get("EDGEGEM_SOAK_TURNS", "100"))
 
 

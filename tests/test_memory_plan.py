@@ -149,6 +149,19 @@ def test_parse_size():
             parse_size(bad)
 
 
+def test_fmt_size_is_the_one_byte_formatter():
+    """The default (plans, `info`, errors) and the app's two styles on top of it: the status
+    panel's (app.backend.size) and an attachment chip's (app.attachments.human_bytes)."""
+    from app.attachments import human_bytes
+    from app.backend import size
+
+    assert (fmt_size(int(3.1 * GiB)), fmt_size(512 * MiB), fmt_size(-2 * GiB)) == ("3.1 GiB", "512.0 MiB", "-2.0 GiB")
+    assert (size(8 * GiB), size(6 * MiB), size(int(1.4 * GiB)), size(None)) == ("8.00 GiB", "6 MiB", "1.40 GiB", "?")
+    assert [human_bytes(n) for n in (125, 1023, 3300, 64 * MiB, 3 * GiB)] == \
+        ["125 B", "1023 B", "3.2 KiB", "64.0 MiB", "3072.0 MiB"]
+    assert fmt_size(4 * GiB, ("GiB",)) == "4.0 GiB" and fmt_size(0, ("MiB",)) == "0.0 MiB"
+
+
 def edgegem(capsys, *args):
     """The CLI in-process (a subprocess would spend seconds importing torch again)."""
     from app.cli import main

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
-import os
 import re
 import socket
 from pathlib import Path

@@ -6,6 +6,8 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, Footer, Input, Label, Markdown, Static
 
+from app.backend import ErrorKind
+
 
 class ConfirmScreen(ModalScreen[bool]):
     BINDINGS = [("escape", "dismiss(False)", "Cancel")]
@@ -88,19 +90,20 @@ class HelpScreen(ModalScreen[None]):
 
 
 class LoadErrorScreen(Screen[None]):
-    """A model that did not load: the one-line reason and what to try, never a traceback."""
+    """A model that did not load: the one-line reason and what to try (by the failure's ErrorKind,
+    engine.api.load_error_kind), never a traceback."""
 
     BINDINGS = [("q,escape", "app.quit", "Quit")]
 
-    def __init__(self, error: str) -> None:
+    def __init__(self, error: str, kind: ErrorKind = ErrorKind.INTERNAL) -> None:
         super().__init__()
-        self.error = error
+        self.error, self.kind = error, kind
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog error"):
             yield Label("The model could not be loaded", classes="heading")
             yield Static(self.error, id="error-text", markup=False)
-            yield Static(_hint(self.error), classes="hint", markup=False)
+            yield Static(LOAD_HINTS[self.kind], classes="hint", markup=False)
             yield Button("Quit", variant="error", id="quit")
         yield Footer()
 
@@ -108,12 +111,15 @@ class LoadErrorScreen(Screen[None]):
         self.app.exit(return_code=2)
 
 
-def _hint(error: str) -> str:
-    e = error.lower()
-    if "budget" in e or "out of memory" in e:
-        return ("Try a larger --gpu-memory-budget, 8-bit KV (--kv-cache-dtype int8_per_token_head), "
+_MEMORY_HINT = ("Try a larger --gpu-memory-budget, 8-bit KV (--kv-cache-dtype int8_per_token_head), "
                 "--embed-weights host, or a smaller model (E2B instead of E4B). `edgegem info MODEL "
                 "--gpu-memory-budget SIZE` shows the plan.")
-    if "architecture" in e:
-        return "edgegem runs Gemma-4 (gemma4) and Gemma 3 GGUF files."
-    return "Check the --model path (a .gguf file or an HF folder); `edgegem info FILE` shows what it contains."
+# What to try, by why the load failed: the budget or the device's memory, the file or a flag, or us.
+LOAD_HINTS = {
+    ErrorKind.CAPACITY: _MEMORY_HINT,
+    ErrorKind.OUT_OF_MEMORY: _MEMORY_HINT,
+    ErrorKind.BAD_INPUT: ("Check the --model path (a .gguf file or an HF folder; edgegem runs Gemma-4 (gemma4) "
+                          "and Gemma 3) and the flags; `edgegem info FILE` shows what a file contains."),
+    ErrorKind.INTERNAL: ("This is a fault in edgegem, not in the file: please report it with the line above "
+                         "(`edgegem doctor` shows the setup it ran on)."),
+}

@@ -11,7 +11,7 @@ from textual.containers import Grid, Horizontal, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, Static, Switch, TextArea
 
-from app.backend import SamplingParams
+from app.backend import SamplingParams, fmt_size
 from app.screens.kv_check import figure_lines
 
 # Per-conversation defaults: llama.cpp-like chat sampling (DRY and XTC off, as llama.cpp has them).
@@ -82,10 +82,9 @@ def parse_breakers(text) -> list[str]:
 
 
 def kv_disk_line(d: dict) -> str:
-    mib = d.get("bytes", 0) / 2**20
     budget = d.get("budget")
-    cap = f" of {budget / 2**30:.1f} GiB" if budget else ""
-    return f"{d.get('files', 0)} conversations, {mib:.1f} MiB{cap}"
+    cap = f" of {fmt_size(budget, ('GiB',))}" if budget else ""
+    return f"{d.get('files', 0)} conversations, {fmt_size(d.get('bytes', 0), ('MiB',))}{cap}"
 
 
 class SettingsScreen(ModalScreen["SettingsResult | None"]):

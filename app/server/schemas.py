@@ -101,7 +101,7 @@ class ChatCompletionRequest(_Sampling):
     # checks give the one-line 400s: a tool that is not a function, a schema llguidance refuses)
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
-    parallel_tool_calls: Optional[StrictBool] = None  # accepted, not enforced (README)
+    parallel_tool_calls: Optional[StrictBool] = None  # accepted, not enforced (docs/server.md)
     response_format: Optional[dict[str, Any]] = None
 
 

@@ -81,7 +81,6 @@ def decode_step(model, batch: int = 1, rows: int = 1, context: int = 4096, kv: s
     pools = _pools(model, context, 2 * rows, batch, kv, swa_kv)
     kvs = _sequences(model, pools, backend, batch, context)
     dec = BatchDecoder(model, pools, backend=backend, graphs=False)
-    record = None
     for step in range(2):
         start = context + step * rows
         for s in kvs:

@@ -95,7 +95,7 @@ def gemv_sweep(variants=("e2b", "e4b"), formats=None, device="cuda", iters: int 
                 row = {"variant": variant, "matrix": name}
                 try:
                     row.update(gemv_bandwidth(fmt, n_out, n_in, device, iters=iters, peak_gbps=peak_gbps))
-                except Exception as e:  # one format failing must not hide the others' figures
+                except Exception as e:  # noqa: BLE001 - one format failing must not hide the others' figures
                     row.update(format=fmt, n_out=n_out, n_in=n_in, error=f"{type(e).__name__}: {e}")
                 rows.append(row)
                 if on_row is not None:

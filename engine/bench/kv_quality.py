@@ -1,11 +1,12 @@
 """`edgegem kv-check`: what each KV cache format costs on one model, as next-token KL divergence.
 
-The method of the README's 270M table (tests/test_kv_formats.py): a text longer than the sliding
-window goes through the model in 64-token chunks, once per KV format, each format in its own
-pools, so every chunk after the first attends over KV that earlier chunks stored (and rounded)
-the way decode does. Each chunk's next-token distributions are compared with the reference
-format's (fp32 on the CPU: exact; bf16 on CUDA: the engine's default there): KL(p_ref || p_fmt)
-per position in float64, its mean / p99 / max, and how often the top-1 token agrees.
+The method of the 270M table in docs/benchmarks.md#the-8-bit-formats-in-the-test
+(tests/test_kv_formats.py): a text longer than the sliding window goes through the model in
+64-token chunks, once per KV format, each format in its own pools, so every chunk after the
+first attends over KV that earlier chunks stored (and rounded) the way decode does. Each chunk's
+next-token distributions are compared with the reference format's (fp32 on the CPU: exact; bf16
+on CUDA: the engine's default there): KL(p_ref || p_fmt) per position in float64, its mean / p99
+/ max, and how often the top-1 token agrees.
 
 Results are cached per model file and device under <data dir>/kv-check/ (the app's settings
 screen shows them next to the KV format choice).
