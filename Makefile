@@ -33,7 +33,7 @@ test: torch
 	$(MAKE) --no-print-directory test-triton36
 
 # The kernel tests again under triton 3.6, the version GPU machines carry (with numpy >= 2.3, as
-# pip picks it), so the code the GPU compiles is the code the CPU tests (issue 21 item 6). A second,
+# pip picks it), so the code the GPU compiles is the code the CPU tests. A second,
 # small venv, made after .venv (so llama-cpp-python comes from the wheel pip built for it): the CPU
 # torch as above, triton 3.6 and what the kernel tests import. ~30 s to make, ~2 min to run.
 T36 := .venv-triton36
