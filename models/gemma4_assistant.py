@@ -388,7 +388,7 @@ def load_gemma4_assistant(gguf, dtype=torch.float32, device="cpu", weight_dtype=
     ordering = _load_ordering(gguf) if cfg.n_centroids else None
     draft = Gemma4Assistant(cfg, weights, dtype=dtype, device=device, ordering=ordering)
     if cpu_quant:
-        from .cpu_ggml import GGMLWeight
+        from .formats import GGMLWeight
 
         draft.cpu_chains = any(isinstance(w, GGMLWeight) for w in draft.w.values())
     return draft

@@ -48,7 +48,7 @@ def load_model(path: str | Path, dtype=torch.float32, device="cpu", with_tokeniz
     """`weight_dtype=torch.float16`: the fast CPU runtime format (models/weights.py); None: exact.
     `quantized`: GGUF matrices stay in their quantized bytes for the Triton kernels.
     `host_embeddings`: embedding lookup tables stay in host memory (`--embed-weights host`).
-    `cpu_quant`: the CPU runtime format: with llama.cpp's kernels (models/cpu_ggml.py) the GGUF
+    `cpu_quant`: the CPU runtime format: with llama.cpp's kernels (models/formats/ggml.py) the GGUF
     matrices as they are, multiplied by ggml, and the elementwise chains as ggml graphs
     (`model.cpu_chains`, models.ops.cpu_chains); without them the torch formats of
     models/cpu_quant.py (other matrices as `weight_dtype`).
@@ -75,7 +75,7 @@ def load_model(path: str | Path, dtype=torch.float32, device="cpu", with_tokeniz
     except ConfigError as e:
         raise GGUFError(path, str(e)) from None
     if cpu_quant:  # llama.cpp's kernels took the matrices: the elementwise chains go to ggml too
-        from .cpu_ggml import GGMLWeight
+        from .formats import GGMLWeight
 
         model.cpu_chains = any(isinstance(w, GGMLWeight) for w in model.w.values())
     tok = chat = None

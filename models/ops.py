@@ -26,7 +26,7 @@ _CPU_CHAINS: contextvars.ContextVar = contextvars.ContextVar("edgegem_cpu_chains
 @contextlib.contextmanager
 def cpu_chains(model):
     """Inside, for a model on llama.cpp's CPU kernels (`model.cpu_chains`: its matrices are
-    models.cpu_ggml.GGMLWeight), the ops below run their elementwise chains as ggml graphs
+    models.formats.GGMLWeight), the ops below run their elementwise chains as ggml graphs
     (kernels/ggml_ops.py: one call where torch runs several ops, products inside where the chain
     has them) for CPU float32 tensors. Other models, and the exact path, keep the torch ops."""
     if not getattr(model, "cpu_chains", False) or _CPU_CHAINS.get() is not None:

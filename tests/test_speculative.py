@@ -174,10 +174,11 @@ def test_greedy_with_draft_on_llama_cpp_kernels_equals_greedy_without(tmp_path):
     """Target and draft on the CPU runtime (a Q4_K_M target on llama.cpp's kernels, the draft's
     matrices too): the verify's 1 + k rows take the decode's layout, so greedy output is unchanged."""
     from engine.api import load_draft, open_model
-    from models.cpu_ggml import GGMLWeight, enabled
+    from models.formats import GGMLWeight
+    from models.runtime import ggml_available
     from tiny_models import quantize_gguf
 
-    if not enabled():
+    if not ggml_available():
         pytest.skip("llama.cpp's kernels are not available here")
     t = quantize_gguf(write_tiny_gemma4(tmp_path / "t.gguf", SPEC, seed=31), tmp_path / "t-q4km.gguf")
     target = open_model(t, exact=False)
