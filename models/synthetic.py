@@ -335,8 +335,12 @@ def synthetic_model(variant: str, device="cpu", seed: int = 0, dtype=None, host_
     device = torch.device(device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     cfg = Gemma4Config.from_gguf(synthetic_layout(variant))
+    from models.runtime import runtime_of_flags
+
     w = synthetic_weights(variant, device, seed, dtype, host_embeddings, quantized, fill)
-    return Gemma4Model(cfg, w, dtype=dtype, device=device)
+    model = Gemma4Model(cfg, w, dtype=dtype, device=device)
+    model.runtime = runtime_of_flags(device, quantized=quantized)
+    return model
 
 
 def weight_bytes(weights: dict, device=None) -> dict[str, int]:
