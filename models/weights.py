@@ -51,7 +51,8 @@ def _gguf_rows(source, name: str, shape, mapped: bool) -> QuantWeight | None:
     if shape is None or len(shape) != 2 or not hasattr(source, "raw"):
         return None
     info = source.raw(name, shape)
-    if not (repackable(info.ggml_type, shape) or (runtime.ggml_available() and ggml_format.takes(info.ggml_type, shape))):
+    if not (repackable(info.ggml_type, shape)
+            or (runtime.ggml_available() and ggml_format.takes(info.ggml_type, shape))):
         return None
     if mapped:
         import warnings
