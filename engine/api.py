@@ -29,7 +29,7 @@ __all__ = ["GGUFError", "LoadedModel", "SamplingParams", "GenerationParams", "En
            "engine_config", "engine_plan", "split_thinking", "start_client", "run_prompt", "describe",
            "open_layout", "memory_plan", "gpu_support", "QueueFullError", "ErrorKind", "GenerationError",
            "image_marker", "audio_marker",
-           "model_kind"]
+           "model_kind", "runtime_info"]
 
 
 def demo_model_path() -> Optional[Path]:
@@ -75,6 +75,14 @@ def open_model(path: Path, exact: bool = True, device: str = "cpu", embed_weight
     host = embed_weights == "host" and device != "cpu"  # host tables on a GPU; the CPU holds them anyway
     return load_model(path, device=device, host_embeddings=host, progress=progress, mmproj=mmproj, runtime=runtime,
                       **runtime.load_flags(exact))
+
+
+def runtime_info(device: str = "cpu", exact: bool = False, path: Optional[Path] = None) -> dict:
+    """{"name", "detail"} of the runtime `open_model` would load with on `device`
+    (models/runtime.py: the rules; `path` an HF folder: no ggml) for `edgegem info` and `doctor`;
+    a loaded model's own is `lm.runtime` (in `LocalClient.model_info`)."""
+    rt = choose_runtime(device, exact, gguf=path is None or not Path(path).is_dir())
+    return {"name": rt.value, "detail": rt.detail}
 
 
 def model_kind(lm: LoadedModel) -> tuple[str, str]:

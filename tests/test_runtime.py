@@ -1,11 +1,17 @@
 """The runtime (models/runtime.py): which of the five is chosen for every combination of device,
 `--exact`, Triton support and ggml availability (the probes monkeypatched: the rules, not this
-machine), that the load flags it gives read back to it, and that a loaded model carries it."""
+machine), that the load flags it gives read back to it, that a loaded model carries it, and that
+`info`, `doctor` and the engine's model info print it."""
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 
+from app import doctor
+from app.cli import main
+from app.doctor_probes import Facts, probe_runtimes
 from models import runtime
 from models.runtime import Runtime, choose_runtime, runtime_of_flags
 from tiny_models import TinySpec, quantize_gguf, write_tiny_gemma4
@@ -75,6 +81,12 @@ def test_open_model_stores_the_runtime(tiny_q4km, exact, ggml, expected, monkeyp
     assert lm.runtime is expected and lm.model.runtime is expected
     gate_up = lm.model.w["blk.0.ffn_gate_up.weight"] if not exact else lm.model.w["blk.0.ffn_gate.weight"]
     assert isinstance(gate_up, {R.REFERENCE: torch.Tensor, R.CPU_TORCH: Int4Weight, R.GGML: GGMLWeight}[expected])
+    client = api.start_client(lm, api.EngineOptions())
+    try:
+        info = client.model_info()
+    finally:
+        client.close()
+    assert info["runtime"] == expected.value and info["runtime_detail"] == expected.detail
 
 
 def test_load_model_with_flags_labels_the_model(tiny_q4km, monkeypatch):
@@ -85,3 +97,29 @@ def test_load_model_with_flags_labels_the_model(tiny_q4km, monkeypatch):
     assert load_model(tiny_q4km, with_tokenizer=False, weight_dtype=torch.float16).runtime is R.CPU_TORCH
     fast = load_model(tiny_q4km, with_tokenizer=False, weight_dtype=torch.float16, cpu_quant=True)
     assert fast.runtime is R.CPU_TORCH and fast.model.runtime is R.CPU_TORCH
+
+
+@pytest.mark.parametrize("ggml,expected", [(True, R.GGML), (False, R.CPU_TORCH)])
+def test_info_prints_the_runtime(tiny_q4km, ggml, expected, monkeypatch, capsys):
+    monkeypatch.setattr(runtime, "ggml_available", lambda: ggml)
+    assert main(["info", str(tiny_q4km), "--device", "cpu"]) == 0
+    assert f"runtime on cpu: {expected.value} ({expected.detail})" in capsys.readouterr().out
+    assert main(["info", str(tiny_q4km), "--device", "cpu", "--exact", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["runtime"] == {"name": "reference", "detail": R.REFERENCE.detail}
+
+
+def test_doctor_prints_the_runtime_per_device(monkeypatch):
+    monkeypatch.setattr(runtime, "ggml_available", lambda: True)
+    monkeypatch.setattr(runtime, "triton_available", lambda d: True)
+    f = Facts(python=(3, 11, 0), executable="/opt/venv/bin/python", torch_version="2.9.0", cuda_available=True)
+    probe_runtimes(f)
+    assert f.runtimes == {"cpu": {"name": "ggml", "detail": R.GGML.detail},
+                          "cuda": {"name": "triton", "detail": R.TRITON.detail}}
+    c = doctor.check_runtime(f)
+    assert c.status == doctor.OK and c.finding == f"cpu: ggml ({R.GGML.detail}); cuda: triton ({R.TRITON.detail})"
+    assert "runtime" in doctor.report(doctor.evaluate(f))
+    monkeypatch.setattr(runtime, "ggml_available", lambda: False)
+    f = Facts(python=(3, 11, 0), executable="/opt/venv/bin/python", torch_version="2.9.0")
+    probe_runtimes(f)
+    assert doctor.check_runtime(f).finding == f"cpu: cpu_torch ({R.CPU_TORCH.detail})"
+    assert doctor.check_runtime(Facts(python=(3, 11, 0), executable="x")).status == doctor.WARN
