@@ -111,7 +111,7 @@ def test_info_prints_the_runtime(tiny_q4km, ggml, expected, monkeypatch, capsys)
 def test_doctor_prints_the_runtime_per_device(monkeypatch):
     monkeypatch.setattr(runtime, "ggml_available", lambda: True)
     monkeypatch.setattr(runtime, "triton_available", lambda d: True)
-    f = Facts(python=(3, 11, 0), executable="/opt/venv/bin/python", torch_version="2.9.0", cuda_available=True)
+    f = Facts(python=(3, 11, 0), executable="python", torch_version="2.9.0", cuda_available=True)
     probe_runtimes(f)
     assert f.runtimes == {"cpu": {"name": "ggml", "detail": R.GGML.detail},
                           "cuda": {"name": "triton", "detail": R.TRITON.detail}}
@@ -119,7 +119,7 @@ def test_doctor_prints_the_runtime_per_device(monkeypatch):
     assert c.status == doctor.OK and c.finding == f"cpu: ggml ({R.GGML.detail}); cuda: triton ({R.TRITON.detail})"
     assert "runtime" in doctor.report(doctor.evaluate(f))
     monkeypatch.setattr(runtime, "ggml_available", lambda: False)
-    f = Facts(python=(3, 11, 0), executable="/opt/venv/bin/python", torch_version="2.9.0")
+    f = Facts(python=(3, 11, 0), executable="python", torch_version="2.9.0")
     probe_runtimes(f)
     assert doctor.check_runtime(f).finding == f"cpu: cpu_torch ({R.CPU_TORCH.detail})"
     assert doctor.check_runtime(Facts(python=(3, 11, 0), executable="x")).status == doctor.WARN
