@@ -32,7 +32,7 @@ class Session:
     """A loaded model: its client (engine.client.EngineClient) and what the status panel shows."""
 
     client: Any
-    # model, path, arch, device, demo, plan (bytes), context_limit, kind ("base" | "chat"), kind_reason
+    # model, path, arch, device, runtime, demo, plan (bytes), context_limit, kind ("base" | "chat"), kind_reason
     info: dict = field(default_factory=dict)
 
 
@@ -72,6 +72,7 @@ class EngineBackend:
                 "kv_dir": self.options.kv_dir, "kv_disk_budget": self.options.kv_disk_budget,
                 "budget_bytes": plan.budget if plan is not None else None,
                 "plan": plan_lines(plan, status)}
+        info["runtime"] = client.model_info()["runtime"]  # models/runtime.py, decided at load
         info["model"] = info["model"] or path.stem
         # base models open in the text-continuation mode (models/model_kind.py: the rule)
         info["kind"], info["kind_reason"] = api.model_kind(lm)

@@ -99,6 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--mmproj", metavar="FILE",
                    help="image/audio encoders to plan for (default: an mmproj*.gguf beside the model)")
     i.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="target of the plan")
+    i.add_argument("--exact", action="store_true", help="name the runtime a load with --exact would use")
     i.add_argument("--json", action="store_true")
 
     b = sub.add_parser("bench", help="prefill and decode tokens/s (CPU: ours beside llama.cpp's; "

@@ -23,12 +23,14 @@ def cmd_info(a) -> int:
         mmproj = a.mmproj or api.find_mmproj(model)
         opt = replace(opt, mmproj=Path(mmproj) if mmproj else None)
     d = api.describe(api.open_layout(model, a.synthetic), plan=opt)
+    d["runtime"] = api.runtime_info(a.device, a.exact, Path(model) if model else None)
     if a.json:
         print(json.dumps(d, indent=1))
         return 0
     print(f"{d['file']}\n  architecture {d['architecture']}  name {d['name']}")
     print(f"  {d['n_layer']} layers, d_model {d['d_model']}, vocab {d['vocab_size']}, "
           f"context {d['context_length']}, sliding window {d['sliding_window']}")
+    print(f"  runtime on {a.device}{' --exact' if a.exact else ''}: {d['runtime']['name']} ({d['runtime']['detail']})")
     for k in ("ple_width", "kv_shared_layers", "final_softcap", "n_expert"):
         if k in d:
             print(f"  {k}: {d[k]}")

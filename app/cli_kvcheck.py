@@ -55,7 +55,8 @@ def _cuda() -> bool:
 
 def table(r: dict) -> str:
     m = r["model"]
-    lines = [f"kv-check: {m['file']} ({m['name']}, {m['arch']}) on {r['device']}, {r['activations']} activations",
+    lines = [f"kv-check: {m['file']} ({m['name']}, {m['arch']}) on {r['device']}"
+             + (f" ({r['runtime']})" if r.get("runtime") else "") + f", {r['activations']} activations",
              f"  {r['tokens']} tokens of {r['text']} in {r['chunk']}-token chunks (sliding window "
              f"{r['sliding_window']}), {r['seconds']:.0f} s",
              f"  next-token KL(p_{r['reference']} || p_format) per position, top-1: same argmax as the reference",

@@ -228,6 +228,16 @@ def check_cpu_kernels(f: Facts) -> Check:
     return Check(WARN, "cpu kernels", f"{k['detail']}{threads}: llama.cpp's kernels not used ({k['reason']})", hint)
 
 
+def check_runtime(f: Facts) -> Check:
+    """The runtime a model loads with here, per device (models/runtime.py names five): the line a
+    bug report needs first."""
+    if not f.runtimes:
+        return Check(WARN, "runtime", "not probed" if f.torch_version is not None else "unknown: torch does not import")
+    if "error" in f.runtimes:
+        return Check(WARN, "runtime", f"unknown: {f.runtimes['error']['detail']}")
+    return Check(OK, "runtime", "; ".join(f"{dev}: {r['name']} ({r['detail']})" for dev, r in f.runtimes.items()))
+
+
 def check_memory(f: Facts) -> Check:
     if f.mem_total is None:
         return Check(WARN, "host ram", "unknown (no /proc/meminfo)")
@@ -259,7 +269,8 @@ def check_models_dir(f: Facts) -> Check:
 
 def evaluate(f: Facts) -> list[Check]:
     return [check_python(f), check_torch(f), check_cuda(f), *check_gpu(f), check_driver(f), check_triton(f),
-            *check_kernels(f), check_cpu_kernels(f), check_memory(f), check_data_dir(f), check_models_dir(f)]
+            *check_kernels(f), check_cpu_kernels(f), check_runtime(f), check_memory(f), check_data_dir(f),
+            check_models_dir(f)]
 
 
 def report(checks: list[Check], as_json: bool = False) -> str:

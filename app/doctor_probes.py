@@ -79,6 +79,8 @@ class Facts:
     disk_free: Optional[int] = None
     cpu_kernels: Optional[dict] = None  # engine.cpu_runtime.kernels(): ggml or the torch formats, and why
     cpu_threads: int = 0
+    # device -> engine.api.runtime_info(device): the runtime `edgegem run` loads with there (cpu; cuda with a GPU)
+    runtimes: dict = field(default_factory=dict)
 
 
 
@@ -205,12 +207,26 @@ def probe_cpu_kernels(f: Facts) -> None:
                          "detail": "torch formats"}
 
 
+def probe_runtimes(f: Facts) -> None:
+    """The runtime a model loads with on the CPU and, with a GPU, on CUDA (models/runtime.py's
+    rules, through engine.api.runtime_info)."""
+    if f.torch_version is None:
+        return
+    try:
+        from engine.api import runtime_info
+        for device in ("cpu", "cuda") if f.cuda_available else ("cpu",):
+            f.runtimes[device] = runtime_info(device)
+    except Exception as e:  # noqa: BLE001 - a broken install must still give a report
+        f.runtimes = {"error": {"name": "unknown", "detail": _first_line(e)}}
+
+
 def gather(data_dir: Optional[str] = None, models_dir: Optional[str] = None) -> Facts:
     f = Facts(python=tuple(sys.version_info[:3]), executable=sys.executable)
     probe_nvidia_smi(f)
     probe_torch(f)
     probe_triton(f)
     probe_cpu_kernels(f)
+    probe_runtimes(f)
     probe_memory(f)
     probe_dirs(f, data_dir, models_dir)
     return f

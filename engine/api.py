@@ -12,10 +12,11 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from kernels.arch import support, triton_supported
+from kernels.arch import support
 from models.chat import split_thinking
 from models.gguf import GGUFError, GGUFFile
 from models.loader import LoadedModel, load_model, open_gguf
+from models.runtime import Runtime, choose_runtime
 
 from .client import GenerationError, GenerationParams, LocalClient, QueueFullError, audio_marker, image_marker
 from .request import ErrorKind
@@ -29,7 +30,7 @@ __all__ = ["GGUFError", "LoadedModel", "SamplingParams", "GenerationParams", "En
            "open_layout", "memory_plan", "gpu_support", "QueueFullError", "ErrorKind", "GenerationError",
            "load_error_kind",
            "image_marker", "audio_marker",
-           "model_kind"]
+           "model_kind", "runtime_info"]
 
 
 def demo_model_path() -> Optional[Path]:
@@ -65,18 +66,24 @@ def default_device() -> str:
 def open_model(path: Path, exact: bool = True, device: str = "cpu", embed_weights: str = "host",
                progress: Optional[Callable[[int, int, int, int], None]] = None,
                mmproj: Optional[str] = None) -> LoadedModel:
-    """CPU: `exact` float32 weights (the reference), else the CPU runtime format: GGUF matrices
-    repacked for torch's int4 CPU matmul, lookup tables in the file's bytes (models/cpu_quant.py;
-    RAM about the file's size), other matrices float16 (models/weights.py). CUDA: bf16 activations, GGUF matrices
-    kept quantized for the Triton kernels (`exact`: float32 activations). A GPU the Triton kernels
-    do not run on (older than sm_75: `gpu_support`) gets the CPU's layout on the device: float32
-    activations over float16 matrices (`exact`: float32), the torch path throughout."""
-    if device == "cuda" and triton_supported(device)[0]:
-        return load_model(path, dtype=torch.float32 if exact else torch.bfloat16, device=device, quantized=True,
-                          host_embeddings=embed_weights == "host", progress=progress, mmproj=mmproj)
-    return load_model(path, device=device, weight_dtype=None if exact else torch.float16,
-                      host_embeddings=device != "cpu" and embed_weights == "host", progress=progress,
-                      cpu_quant=not exact and device == "cpu", mmproj=mmproj)
+    """The model at `path` on the runtime `models.runtime.choose_runtime` picks (its table: CPU
+    `exact` float32 weights, the reference, else llama.cpp's ggml on the file's bytes or torch's CPU
+    formats, lookup tables in the file's bytes, RAM about the file's size; CUDA: bf16 activations,
+    GGUF matrices kept quantized for the Triton kernels, `exact`: float32 activations; a GPU the
+    Triton kernels do not run on, older than sm_75 (`gpu_support`): float32 activations over
+    float16 matrices, `exact`: float32, the torch path throughout). `lm.runtime` says which."""
+    runtime = choose_runtime(device, exact, gguf=not Path(path).is_dir())
+    host = embed_weights == "host" and device != "cpu"  # host tables on a GPU; the CPU holds them anyway
+    return load_model(path, device=device, host_embeddings=host, progress=progress, mmproj=mmproj, runtime=runtime,
+                      **runtime.load_flags(exact))
+
+
+def runtime_info(device: str = "cpu", exact: bool = False, path: Optional[Path] = None) -> dict:
+    """{"name", "detail"} of the runtime `open_model` would load with on `device`
+    (models/runtime.py: the rules; `path` an HF folder: no ggml) for `edgegem info` and `doctor`;
+    a loaded model's own is `lm.runtime` (in `LocalClient.model_info`)."""
+    rt = choose_runtime(device, exact, gguf=path is None or not Path(path).is_dir())
+    return {"name": rt.value, "detail": rt.detail}
 
 
 def load_error_kind(e: BaseException) -> ErrorKind:
@@ -315,7 +322,7 @@ def load_draft(path: str, lm: LoadedModel, spec_tokens: int = 2, p_min: float = 
     f.check_architecture(("gemma4-assistant",))
     # the target's CPU runtime (llama.cpp's kernels) for the draft too; an exact target keeps an exact draft
     draft = load_gemma4_assistant(f, dtype=lm.model.dtype, device=lm.model.device,
-                                  cpu_quant=bool(getattr(lm.model, "cpu_chains", False)))
+                                  cpu_quant=lm.runtime is Runtime.GGML)
     check_draft(draft, lm.config)
     if spec_tokens < 1:
         raise ValueError("--spec-tokens must be at least 1")

@@ -288,7 +288,9 @@ class LocalClient(EngineClient):
                 "size_bytes": path.stat().st_size if path.is_file() else None, "parameters": params,
                 "quantization": quant, "context_length": self.engine.context_limit,
                 "vocab_size": lm.config.vocab_size, "vision": self.engine.vision is not None,
-                "audio": self.engine.audio is not None}
+                "audio": self.engine.audio is not None,
+                # the runtime chosen at load (models/runtime.py): doctor, info and the app print it
+                "runtime": lm.runtime.value, "runtime_detail": lm.runtime.detail}
 
     def warm_up_constraints(self):
         """Build the tokenizer the constrained decoder needs in a background thread (seconds for the

@@ -1,7 +1,7 @@
 """The CPU runtime's machine-level settings: thread count, and which kernels run the products.
 
 Threads: one count for torch's intra-op pool and ggml's CPU backend (they share torch's libgomp,
-models/cpu_ggml.py), the physical cores by default, or $OMP_NUM_THREADS where it is set (as torch
+models/formats/ggml.py), the physical cores by default, or $OMP_NUM_THREADS where it is set (as torch
 reads it; `--threads N` overrides both). On a quiet
 machine every core helps (products are memory-bound and split by rows); on a busy one an
 OpenMP team of 2 waits at every barrier for a thread the scheduler has parked (measured on the
@@ -94,9 +94,9 @@ def set_threads(n: Optional[int] = None) -> int:
     if n < 1:
         raise ValueError(f"--threads {n}: needs at least 1")
     torch.set_num_threads(n)
-    from models.cpu_ggml import enabled
+    from models.runtime import ggml_available
 
-    if enabled():
+    if ggml_available():
         from kernels import ggml
 
         ggml.set_threads(n)
@@ -115,9 +115,9 @@ def kernels() -> dict:
     """Which kernels the CPU runtime multiplies with: {"name": "ggml" | "torch", "detail": one line,
     "reason": why not ggml ('' when it is), "features": ggml's CPU features}."""
     from kernels import ggml
-    from models.cpu_ggml import enabled
+    from models.runtime import ggml_available
 
-    if enabled():
+    if ggml_available():
         feats = ggml.cpu_features()
         names = [n.upper().replace("_", "-") for n in ("avx2", "avx512", "avx512_vnni", "avx512_bf16", "avx_vnni")
                  if feats.get(n)]

@@ -9,6 +9,7 @@ import torch
 
 from .kv_cache import DenseKVCache, KVStore
 from .ops import cpu_chains, rms_norm, rope_cos_sin
+from .runtime import Runtime
 
 Trace = Optional[Callable[[str, int, torch.Tensor], None]]  # trace(name, layer, tensor); layer -1 = none
 
@@ -62,7 +63,7 @@ class DecoderModel:
 
     cfg: object
     device: torch.device
-    cpu_chains: bool = False  # matrices on llama.cpp's kernels: ops run ggml chains (models.ops.cpu_chains)
+    runtime: Runtime = Runtime.REFERENCE  # set at load (models/runtime.py); on ggml the ops run ggml chains
     inv_freq: list  # [n_layer] inverse-frequency tensors on the device (one object per distinct set)
     inv_freq_host: list  # the same on the CPU (float64): host-side tables for the batched decoder
     pos_scale: Optional[list] = None  # [n_layer] position multipliers (linear RoPE scaling)

@@ -35,6 +35,7 @@ from .ops import (
     rope_inv_freq,
     rows_to_device,
 )
+from .runtime import Runtime, runtime_of_flags
 from .weights import load_weights
 
 ARCH = "gemma4-assistant"
@@ -258,7 +259,7 @@ def draft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: to
 class Gemma4Assistant:
     """The draft step of §4.3 over a weight dict keyed by GGUF names."""
 
-    cpu_chains = False  # matrices on llama.cpp's kernels: ops run ggml chains (models.ops.cpu_chains)
+    runtime = Runtime.REFERENCE  # set at load (models/runtime.py); on ggml the ops run ggml chains
 
     def __init__(self, cfg: Gemma4AssistantConfig, weights: Mapping[str, Any], dtype=torch.float32,
                  device="cpu", ordering: Optional[torch.Tensor] = None):
@@ -387,10 +388,7 @@ def load_gemma4_assistant(gguf, dtype=torch.float32, device="cpu", weight_dtype=
                            cpu_quant=cpu_quant and torch.device(device).type == "cpu")
     ordering = _load_ordering(gguf) if cfg.n_centroids else None
     draft = Gemma4Assistant(cfg, weights, dtype=dtype, device=device, ordering=ordering)
-    if cpu_quant:
-        from .cpu_ggml import GGMLWeight
-
-        draft.cpu_chains = any(isinstance(w, GGMLWeight) for w in draft.w.values())
+    draft.runtime = runtime_of_flags(device, weight_dtype, cpu_quant=cpu_quant)
     return draft
 
 

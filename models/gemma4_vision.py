@@ -380,14 +380,15 @@ _GGML_MATRICES = (".attn_q.weight", ".attn_k.weight", ".attn_v.weight", ".attn_o
 
 
 def _ggml_matrix(source, name: str, shape, device):
-    """A quantized mmproj matrix on llama.cpp's CPU kernels (models/cpu_ggml.GGMLWeight: the file's
+    """A quantized mmproj matrix on llama.cpp's CPU kernels (models/formats/ggml.GGMLWeight: the file's
     bytes, not a float32 copy), when they are there and the tower runs on the CPU; else None."""
-    from .cpu_ggml import GGMLWeight, enabled
+    from .formats import GGMLWeight
+    from .runtime import ggml_available
     from .gguf import GGUFFile
     from .quant import type_name
 
     if not (isinstance(source, GGUFFile) and torch.device(device).type == "cpu" and name.endswith(_GGML_MATRICES)
-            and shape is not None and len(shape) == 2 and enabled()):
+            and shape is not None and len(shape) == 2 and ggml_available()):
         return None
     info = source.raw(name, shape)
     if type_name(info.ggml_type) in ("F32", "F16", "BF16"):

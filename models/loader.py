@@ -13,6 +13,7 @@ import torch
 
 from .metadata import ConfigError, MetadataReader
 from .gguf import GGUFError, GGUFFile, UnsupportedArchitectureError
+from .runtime import Runtime, runtime_of_flags
 
 SUPPORTED_ARCHITECTURES = ("gemma4", "gemma3")
 
@@ -32,6 +33,11 @@ class LoadedModel:
     @property
     def config(self):
         return self.model.cfg
+
+    @property
+    def runtime(self) -> Runtime:
+        """The runtime the model computes with (models/runtime.py), decided at load."""
+        return self.model.runtime
 
 
 def open_gguf(path: str | Path) -> GGUFFile:
@@ -54,20 +60,26 @@ def find_mmproj(model_path: str | Path) -> Optional[Path]:
 def load_model(path: str | Path, dtype=torch.float32, device="cpu", with_tokenizer: bool = True,
                weight_dtype: Optional[torch.dtype] = None, quantized: bool = False,
                host_embeddings: bool = False, progress=None, cpu_quant: bool = False,
-               mmproj: Optional[str | Path] = None, vision: bool = True) -> LoadedModel:
+               mmproj: Optional[str | Path] = None, vision: bool = True,
+               runtime: Optional[Runtime] = None) -> LoadedModel:
     """`weight_dtype=torch.float16`: the fast CPU runtime format (models/weights.py); None: exact.
     `quantized`: GGUF matrices stay in their quantized bytes for the Triton kernels.
     `host_embeddings`: embedding lookup tables stay in host memory (`--embed-weights host`).
-    `cpu_quant`: the CPU runtime format: with llama.cpp's kernels (models/cpu_ggml.py) the GGUF
-    matrices as they are, multiplied by ggml, and the elementwise chains as ggml graphs
-    (`model.cpu_chains`, models.ops.cpu_chains); without them the torch formats of
-    models/cpu_quant.py (other matrices as `weight_dtype`).
+    `cpu_quant`: the CPU runtime format: with llama.cpp's kernels (the ggml runtime) the GGUF
+    matrices as they are (models/formats/ggml.py), multiplied by ggml, and the elementwise chains
+    as ggml graphs (models.ops.cpu_chains); without them the torch formats of models/cpu_quant.py
+    (other matrices as `weight_dtype`).
+    `runtime`: the runtime these flags were made for (`Runtime.load_flags`, as engine.api.open_model
+    does); None reads it from the flags (`runtime_of_flags`). It is stored as `model.runtime`.
     `progress(done, total, bytes_done, bytes_total)`: called after each tensor (GGUF files).
     `mmproj`: the image and audio encoders of a GGUF model (default: an `mmproj*.gguf` beside it;
     one file may hold either or both); HF folders carry theirs. `vision=False`: never load them."""
     path = Path(path)
+    if runtime is None:
+        runtime = runtime_of_flags(device, weight_dtype, quantized, cpu_quant, gguf=not path.is_dir())
     if path.is_dir():
         loaded = _load_hf(path, dtype, device, weight_dtype)
+        loaded.model.runtime = runtime
         if vision:
             loaded.vision = _hf_vision(path, loaded.source, dtype, device)
             loaded.audio = _hf_audio(path, loaded.source, dtype, device)
@@ -84,10 +96,7 @@ def load_model(path: str | Path, dtype=torch.float32, device="cpu", with_tokeniz
                                 host_embeddings=host_embeddings, progress=progress, cpu_quant=cpu_quant)
     except ConfigError as e:
         raise GGUFError(path, str(e)) from None
-    if cpu_quant:  # llama.cpp's kernels took the matrices: the elementwise chains go to ggml too
-        from .cpu_ggml import GGMLWeight
-
-        model.cpu_chains = any(isinstance(w, GGMLWeight) for w in model.w.values())
+    model.runtime = runtime  # on ggml the elementwise chains go to ggml too (models.ops.cpu_chains)
     tok = chat = None
     if with_tokenizer and "tokenizer.ggml.tokens" in f.metadata:
         from .chat import ChatFormat, ChatTemplateError

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 from kernels.env import env
 
+from .runtime import Runtime
+
 
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _modules: dict = {}  # kernels module name -> the module, or None without triton (imported once)
@@ -26,11 +28,11 @@ _CPU_CHAINS: contextvars.ContextVar = contextvars.ContextVar("edgegem_cpu_chains
 
 @contextlib.contextmanager
 def cpu_chains(model):
-    """Inside, for a model on llama.cpp's CPU kernels (`model.cpu_chains`: its matrices are
-    models.cpu_ggml.GGMLWeight), the ops below run their elementwise chains as ggml graphs
+    """Inside, for a model of the ggml runtime (`model.runtime`, models/runtime.py: its matrices are
+    models.formats.GGMLWeight), the ops below run their elementwise chains as ggml graphs
     (kernels/ggml_ops.py: one call where torch runs several ops, products inside where the chain
-    has them) for CPU float32 tensors. Other models, and the exact path, keep the torch ops."""
-    if not getattr(model, "cpu_chains", False) or _CPU_CHAINS.get() is not None:
+    has them) for CPU float32 tensors. Other runtimes keep the torch ops."""
+    if getattr(model, "runtime", None) is not Runtime.GGML or _CPU_CHAINS.get() is not None:
         yield
         return
     from kernels import ggml_ops

@@ -236,7 +236,7 @@ def synthetic_specs(variant: str) -> list[dict]:
     ("quant": QuantWeight of the GGUF bytes, "dense": a torch matrix, "vector": 1-D float32) and
     its bytes (`n_bytes`, the GGUF size for quant and BF16/F32 tensors)."""
     from models.gemma4 import Gemma4Config, tensor_plan
-    from models.weights import QuantWeight
+    from models.formats import QuantWeight
 
     layout = synthetic_layout(variant)
     cfg = Gemma4Config.from_gguf(layout)
@@ -266,7 +266,8 @@ def synthetic_weights(variant: str, device="cpu", seed: int = 0, dtype=None,
     computed, and the multi-gigabyte host tables cost no RAM until read)."""
     import torch
 
-    from models.weights import QuantWeight, fuse_projections
+    from models.formats import QuantWeight
+    from models.weights import fuse_projections
 
     if fill not in ("random", "empty"):
         raise ValueError(f"fill must be 'random' or 'empty', got {fill!r}")
@@ -334,15 +335,20 @@ def synthetic_model(variant: str, device="cpu", seed: int = 0, dtype=None, host_
     device = torch.device(device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     cfg = Gemma4Config.from_gguf(synthetic_layout(variant))
+    from models.runtime import runtime_of_flags
+
     w = synthetic_weights(variant, device, seed, dtype, host_embeddings, quantized, fill)
-    return Gemma4Model(cfg, w, dtype=dtype, device=device)
+    model = Gemma4Model(cfg, w, dtype=dtype, device=device)
+    model.runtime = runtime_of_flags(device, quantized=quantized)
+    return model
 
 
 def weight_bytes(weights: dict, device=None) -> dict[str, int]:
     """Bytes of a weight dict by kind ("quant", "dense", "vector"), only tensors on `device` if given."""
     import torch
 
-    from models.weights import QuantWeight, weight_tensors
+    from models.formats import QuantWeight
+    from models.weights import weight_tensors
 
     out = {"quant": 0, "dense": 0, "vector": 0}
     for w in weights.values():

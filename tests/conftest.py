@@ -49,11 +49,11 @@ def _fresh_env_switches():
 
 @pytest.fixture
 def torch_cpu_formats(monkeypatch):
-    """The CPU runtime's torch formats (models/cpu_quant.py) even where llama.cpp's kernels are
+    """The cpu_torch runtime's formats (models/cpu_quant.py) even where llama.cpp's kernels are
     there: tests of those formats force them (EDGEGEM_CPU_KERNELS=torch does it process-wide)."""
-    from models import cpu_ggml
+    from models import runtime
 
-    monkeypatch.setattr(cpu_ggml, "enabled", lambda: False)
+    monkeypatch.setattr(runtime, "ggml_available", lambda: False)
 
 
 def pytest_configure(config):

@@ -1,4 +1,4 @@
-"""The CPU runtime on llama.cpp's kernels (models/cpu_ggml.py, kernels/ggml_ops.py): every matrix
+"""The CPU runtime on llama.cpp's kernels (models/formats/ggml.py, kernels/ggml_ops.py): every matrix
 of a tiny Q4_K_M Gemma-4 multiplied by ggml, the elementwise chains run as ggml graphs, and the
 whole model's greedy tokens equal to llama.cpp's.
 
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from kernels import ggml
-from models import cpu_ggml
-from models.cpu_ggml import GGMLWeight
+from models.formats import GGMLWeight
+from models.formats import ggml as ggml_format
 from tiny_models import TinySpec, llama_cpp_greedy, llama_cpp_logits, quantize_gguf, write_tiny_gemma4
 
 pytestmark = [pytest.mark.skipif(not ggml.available(), reason=f"ggml binding unavailable: {ggml.reason()}")]
@@ -65,7 +65,7 @@ def test_every_matrix_is_a_ggml_product(fast, tiny_q4km):
     """Quantized and dense (the F32 per_layer_model_proj) matrices, the fused q/k(/v) and gate/up,
     the tied Q6_K head: all GGUF bytes multiplied by ggml; the lookup tables stay pread rows."""
     from models.gguf import GGUFFile
-    from models.weights import QuantWeight
+    from models.formats import QuantWeight
 
     w = fast.w
     matrices = {n: v for n, v in w.items() if getattr(v, "shape", None) is not None and len(v.shape) == 2
@@ -83,7 +83,7 @@ def test_every_matrix_is_a_ggml_product(fast, tiny_q4km):
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_tokens_equal_llama_cpps(fast, tiny_q4km, prompt, monkeypatch):
-    monkeypatch.setattr(cpu_ggml, "PACKED_ROWS", 1 << 20)  # llama.cpp's placement for the prompt rows too
+    monkeypatch.setattr(ggml_format, "PACKED_ROWS", 1 << 20)  # llama.cpp's placement for the prompt rows too
     ref = _llama_cpp_until_near_tie(tiny_q4km, list(prompt), 24)
     assert len(ref) >= 8 and _greedy(fast, list(prompt), 24)[:len(ref)] == ref
 
@@ -95,7 +95,7 @@ def test_engine_greedy_tokens_equal_llama_cpps(tiny_q4km, monkeypatch):
     from engine.sampler import SamplingParams
     from engine.scheduler import Engine, EngineConfig
 
-    monkeypatch.setattr(cpu_ggml, "PACKED_ROWS", 1 << 20)
+    monkeypatch.setattr(ggml_format, "PACKED_ROWS", 1 << 20)
     lm = open_model(tiny_q4km, exact=False)
     engine = Engine(lm.model, config=EngineConfig(full_tokens=256, prefill_chunk=512, fast_prefill=False))
     reqs = [engine.add(list(p), SamplingParams(temperature=0.0, max_tokens=16)) for p in PROMPTS]

@@ -1,11 +1,11 @@
-"""The CPU runtime format (models/cpu_quant.py): every GGUF type's int4 repack against the float32
+"""The CPU runtime format (models/cpu_quant.py, models/formats/int4.py): every GGUF type's int4 repack against the float32
 reference dequantization + matmul, on odd shapes; a quantized tiny Gemma-4 keeps its greedy tokens
 on it; a non-finite activation is one error naming the layer (models/decoder.py FiniteWatch).
 
 Bounds (relative Frobenius error against models.quant.dequantize, float32): the only rounding of
 the repack is each group's scale and zero to bf16 (2^-9 relative), so the weights are within 5e-3;
 the int4pack GEMV also rounds the activations to bf16 (another ~2^-9 per element): 8e-3. The
-prefill GEMM runs in the dtype `cpu_quant.gemm_dtype()` picks for this CPU, and both dtypes are
+prefill GEMM runs in the dtype `formats.int4.gemm_dtype()` picks for this CPU, and both dtypes are
 tested on every machine (forced): float32 has the weights' error only (5e-3); bf16 (picked where
 the CPU has AVX512-BF16 or AMX) rounds W, x and the output to bf16 once each, three more
 roundings of <= 2^-9 RMS relative: 5e-3 + 3 * 2^-9 = 1.09e-2.
@@ -20,8 +20,9 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 import models.cpu_quant as cq
+import models.formats.int4 as i4
 from models.synthetic import _random_quant_bytes
-from models.cpu_quant import Int4Weight
+from models.formats import Int4Weight
 from models.quant import dequantize
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -53,11 +54,11 @@ def _matrix(tn: str, seed: int = 0):
 
 def test_pack_layout_matches_torch():
     """Our uint8 packer and unpacker agree with torch's own converter (the layout is probed once)."""
-    bn = cq.pack_block_rows()
+    bn = i4.pack_block_rows()
     q = torch.randint(0, 16, (3 * bn, 96), dtype=torch.int32, generator=torch.Generator().manual_seed(1))
     packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
-    assert torch.equal(cq._pack(q.to(torch.uint8), bn), packed)
-    assert torch.equal(cq._unpack(packed, bn, 96), q)
+    assert torch.equal(i4._pack(q.to(torch.uint8), bn), packed)
+    assert torch.equal(i4._unpack(packed, bn, 96), q)
 
 
 @pytest.mark.parametrize("gemm", [torch.float32, torch.bfloat16], ids=["gemm_f32", "gemm_bf16"])
@@ -74,9 +75,9 @@ def test_int4_weight_matches_reference(tn, gemm, monkeypatch):
     assert y.shape == (3, 2, n) and y.dtype == torch.float32
     assert _rel(y, x @ ref.t()) < GEMV_BOUND
     # prefill rows: dequantized row blocks (several: a block of 32 rows) + a GEMM in the dtype forced
-    monkeypatch.setattr(cq, "BLOCK_VALUES", 32 * 2 * k)
-    monkeypatch.setattr(cq, "gemm_dtype", lambda: gemm)
-    xs = torch.randn(cq.GEMV_ROWS + 7, k, generator=torch.Generator().manual_seed(3))
+    monkeypatch.setattr(i4, "BLOCK_VALUES", 32 * 2 * k)
+    monkeypatch.setattr(i4, "gemm_dtype", lambda: gemm)
+    xs = torch.randn(i4.GEMV_ROWS + 7, k, generator=torch.Generator().manual_seed(3))
     assert _rel(w.linear(xs), xs @ ref.t()) < GEMM_BOUND[gemm]
 
 
@@ -84,22 +85,22 @@ def test_gemm_dtype_is_bf16_only_where_the_cpu_has_it():
     """The prefill GEMM dtype follows the CPU: bf16 only with AVX512-BF16 or AMX (and oneDNN)."""
     flags = set(open("/proc/cpuinfo").read().split("flags", 2)[1].split("\n", 1)[0].split())
     fast = bool({"avx512_bf16", "amx_bf16"} & flags) and torch.backends.mkldnn.is_available()
-    assert cq.gemm_dtype() == (torch.bfloat16 if fast else torch.float32)
+    assert i4.gemm_dtype() == (torch.bfloat16 if fast else torch.float32)
 
 
 @pytest.mark.parametrize("tn", ["Q6_K", "Q8_0", "Q5_0", "Q5_K"])
 def test_wider_types_as_float16(tn, monkeypatch):
     """The 5- to 8-bit types' float16 form (HalfWeight): GEMV in float16, prefill by upcast row
     blocks (several: a block of 32 rows here)."""
-    from models import weights
+    from models.formats import half as half_format
 
     raw, ref = _matrix(tn)
     n, k = ref.shape
     monkeypatch.setattr(cq, "BLOCK_VALUES", 32 * k)
-    monkeypatch.setattr(weights, "BLOCK_VALUES", 32 * k)
+    monkeypatch.setattr(half_format, "BLOCK_VALUES", 32 * k)
     half = cq.cpu_weight(raw, int(T[tn]), (n, k))
     assert half.dtype == torch.float16 and _rel(half.float(), ref) < FP16_BOUND
-    w = weights.HalfWeight(half)
+    w = half_format.HalfWeight(half)
     for rows in (1, 70):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
         assert _rel(w.linear(x), x @ ref.t()) < FP16_BOUND
@@ -135,7 +136,7 @@ def test_tiny_model_keeps_greedy_tokens(tiny_q4km, torch_cpu_formats):
     exact = load_model(tiny_q4km, with_tokenizer=False).model
     fast = load_model(tiny_q4km, with_tokenizer=False, weight_dtype=torch.float16, cpu_quant=True).model
     assert isinstance(fast.w["blk.0.ffn_gate_up.weight"], Int4Weight)  # Q4_K gate and up, stacked
-    from models.cpu_head import Int8Head, available
+    from models.formats.int8_head import Int8Head, available
     if available():  # x86: the tied Q6_K head ranks in int8, its top rows exact
         assert isinstance(fast.w["token_embd.weight"], Int8Head)
     assert not isinstance(fast.w["per_layer_token_embd.weight"], (Int4Weight, torch.Tensor))  # GGUF rows
@@ -145,13 +146,13 @@ def test_tiny_model_keeps_greedy_tokens(tiny_q4km, torch_cpu_formats):
 
 @pytest.mark.parametrize("kernels", ["torch", "ggml"])
 def test_non_finite_activation_names_the_layer(tiny_q4km, kernels, monkeypatch):
-    from models import cpu_ggml
+    from models import runtime
     from models.decoder import NonFiniteError
     from models.loader import load_model
 
     if kernels == "torch":
-        monkeypatch.setattr(cpu_ggml, "enabled", lambda: False)
-    elif not cpu_ggml.enabled():
+        monkeypatch.setattr(runtime, "ggml_available", lambda: False)
+    elif not runtime.ggml_available():
         pytest.skip("llama.cpp's kernels are not available here")
     model = load_model(tiny_q4km, with_tokenizer=False, weight_dtype=torch.float16, cpu_quant=True).model
     model.w["blk.3.post_ffw_norm.weight"] = torch.full_like(model.w["blk.3.post_ffw_norm.weight"], float("inf"))
@@ -192,7 +193,7 @@ def test_lookup_tables_read_rows_from_the_file(tiny_q4km):
 
 
 def test_top_indices_equal_topk_on_odd_shapes():
-    from models.cpu_head import top_indices
+    from models.formats.int8_head import top_indices
 
     g = torch.Generator().manual_seed(3)
     for rows, n, c, block in ((1, 4096, 64, 64), (3, 1536, 17, 32), (2, 1000, 8, 512), (1, 96, 64, 32)):
@@ -208,7 +209,7 @@ def test_int8_head_ranks_in_int8_and_its_top_rows_are_exact():
     within 4% of the logits' RMS of float32's; the EXACT_ROWS best of every row by that ranking
     equal float32's x W^T within float rounding (1e-5 relative), which covers the true best
     EXACT_ROWS/4 of a flat random vocabulary, so greedy picks the same token."""
-    from models.cpu_head import EXACT_ROWS, Int8Head, available
+    from models.formats.int8_head import EXACT_ROWS, Int8Head, available
 
     if not available():
         pytest.skip("no fbgemm on this CPU build")
@@ -241,10 +242,10 @@ def test_prefill_buffers_survive_inference_mode_then_no_grad():
     stay writable for the engine's no_grad forwards, and the other way round."""
     raw, w = _matrix("Q4_K")
     q = Int4Weight(raw, int(T.Q4_K), SHAPES["Q4_K"])
-    x = torch.randn(cq.GEMV_ROWS + 3, SHAPES["Q4_K"][1])
-    cq._buffers.clear()
+    x = torch.randn(i4.GEMV_ROWS + 3, SHAPES["Q4_K"][1])
+    i4._buffers.clear()
     with torch.inference_mode():
         a = q.linear(x)
     with torch.no_grad():
         b = q.linear(x)
-    assert torch.equal(a, b) and _rel(b, x @ w.t()) < GEMM_BOUND[cq.gemm_dtype()]
+    assert torch.equal(a, b) and _rel(b, x @ w.t()) < GEMM_BOUND[i4.gemm_dtype()]

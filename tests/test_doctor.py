@@ -30,7 +30,9 @@ def facts(**kw) -> Facts:
                 mem_total=32 * GiB, mem_available=20 * GiB, data_dir="/home/u/.local/share/edgegem",
                 models_dir="/home/u/.local/share/edgegem/models", models=["a/b/m-Q4_K_M.gguf"], disk_free=100 * GiB,
                 cpu_kernels=dict(name="ggml", reason="", features={"avx2": True},
-                                 detail="llama.cpp's ggml (llama-cpp-python 0.3.36; AVX2)"), cpu_threads=8)
+                                 detail="llama.cpp's ggml (llama-cpp-python 0.3.36; AVX2)"), cpu_threads=8,
+                runtimes={"cpu": dict(name="ggml", detail="llama.cpp's ggml on the CPU"),
+                          "cuda": dict(name="triton", detail="Triton kernels on CUDA")})
     base.update(kw)
     return Facts(**base)
 

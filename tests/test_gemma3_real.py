@@ -140,7 +140,7 @@ TIE = 0.2
 
 @pytest.mark.cpu_runtime
 def test_cpu_runtime_format_keeps_greedy_tokens(ours, llama, gemma3_270m_path, monkeypatch):
-    """The quantized CPU runtime format. On llama.cpp's kernels (models/cpu_ggml.py: the file's
+    """The quantized CPU runtime format. On llama.cpp's kernels (models/formats/ggml.py: the file's
     bytes, 8-bit activations, ggml's GELU table, the chains as ggml graphs) it computes what
     llama.cpp computes: its greedy tokens are llama.cpp's (llama.cpp's placement for the prompt
     rows too) up to the first near-tie (top-2 gap < TIE, above; tests/test_cpu_ggml.py shows the
@@ -149,13 +149,14 @@ def test_cpu_runtime_format_keeps_greedy_tokens(ours, llama, gemma3_270m_path, m
     formats (no ggml, and make test's EDGEGEM_CPU_KERNELS=torch pass: models/cpu_quant.py int4pack
     for Q4_K, float16 for the Q5_0/Q6_K tensors, the int8-ranked Q8_0 head, file rows for lookups)
     the greedy tokens are the float32 reference's."""
-    from models import cpu_ggml
+    from models import runtime
+    from models.formats import ggml as ggml_format
 
     fast = load_model(gemma3_270m_path, weight_dtype=torch.float16, cpu_quant=True)
-    if not cpu_ggml.enabled():
+    if not runtime.ggml_available():
         _assert_keeps_greedy_tokens(ours, fast, 2e-2)
         return
-    monkeypatch.setattr(cpu_ggml, "PACKED_ROWS", 1 << 20)
+    monkeypatch.setattr(ggml_format, "PACKED_ROWS", 1 << 20)
     params = SamplingParams(temperature=0.0, max_tokens=16)
     compared = 0
     for prompt in PROMPTS:

@@ -241,13 +241,14 @@ def test_a_wrong_mmproj_is_refused_in_one_line(tiny, tmp_path):
 
 def test_a_quantized_mmproj_runs_on_llama_cpp_kernels(tiny, tmp_path):
     """A Q8_0 mmproj on the CPU where llama.cpp's kernels are: its quantized matrices stay the
-    file's bytes (models/cpu_ggml.GGMLWeight; the tiny tower's 48-wide inputs are not whole Q8_0
+    file's bytes (models/formats/ggml.GGMLWeight; the tiny tower's 48-wide inputs are not whole Q8_0
     blocks, so only the FFN's down projection is quantized), dense ones stay float32, and the
     embeddings stay close to transformers' (8-bit weights and activations: cosine > 0.999)."""
-    from models.cpu_ggml import GGMLWeight, enabled
+    from models.formats import GGMLWeight
     from models.gemma4_vision import load_vision_gguf
+    from models.runtime import ggml_available
 
-    if not enabled():
+    if not ggml_available():
         pytest.skip("llama.cpp's kernels are not available here")
     q8 = write_mmproj(tiny["folder"], tmp_path / "mmproj-q8.gguf", quant="Q8_0")
     vision = load_vision_gguf(q8, dtype=torch.float32)

@@ -23,7 +23,7 @@ from engine.scheduler import Engine, EngineConfig  # noqa: E402
 from kernels.launch import kernels_on_cpu  # noqa: E402
 from models.kv_cache import DenseKVCache  # noqa: E402
 from models.loader import load_model  # noqa: E402
-from models.weights import QuantWeight  # noqa: E402
+from models.formats import QuantWeight  # noqa: E402
 from tiny_models import TinySpec, quantize_gguf, write_tiny_gemma4  # noqa: E402
 
 # 4 layers (S, F, S, F), the last two KV-shared, PLE 64 (so L*P = 256 quantizes to K-quants).

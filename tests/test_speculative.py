@@ -174,15 +174,16 @@ def test_greedy_with_draft_on_llama_cpp_kernels_equals_greedy_without(tmp_path):
     """Target and draft on the CPU runtime (a Q4_K_M target on llama.cpp's kernels, the draft's
     matrices too): the verify's 1 + k rows take the decode's layout, so greedy output is unchanged."""
     from engine.api import load_draft, open_model
-    from models.cpu_ggml import GGMLWeight, enabled
+    from models.formats import GGMLWeight
+    from models.runtime import Runtime, ggml_available
     from tiny_models import quantize_gguf
 
-    if not enabled():
+    if not ggml_available():
         pytest.skip("llama.cpp's kernels are not available here")
     t = quantize_gguf(write_tiny_gemma4(tmp_path / "t.gguf", SPEC, seed=31), tmp_path / "t-q4km.gguf")
     target = open_model(t, exact=False)
     spec = load_draft(str(write_tiny_assistant(tmp_path / "a.gguf", SPEC, seed=32)), target, spec_tokens=3)
-    assert spec.draft.cpu_chains and isinstance(spec.draft.w["blk.0.attn_q.weight"], GGMLWeight)
+    assert spec.draft.runtime is Runtime.GGML and isinstance(spec.draft.w["blk.0.attn_q.weight"], GGMLWeight)
     prompts = [_prompt(23, 1), _prompt(14, 2)]
     params = SamplingParams(temperature=0.0, max_tokens=60)
     plain, _ = _generate(target, prompts, params)

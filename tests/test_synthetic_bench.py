@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 from models.synthetic import (VARIANTS, synthetic_layout, synthetic_specs, synthetic_weights,  # noqa: E402
                               weight_bytes)
 from models.quant import row_bytes  # noqa: E402
-from models.weights import QuantWeight  # noqa: E402
+from models.formats import QuantWeight  # noqa: E402
 
 
 @pytest.mark.parametrize("variant", ["e2b", "e4b", "tiny"])

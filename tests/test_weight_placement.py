@@ -6,7 +6,8 @@ import torch
 
 from models.gemma4 import Gemma4Config, tensor_plan
 from models.gguf import GGUFFile
-from models.weights import QuantWeight, load_weights, weight_tensors
+from models.formats import QuantWeight
+from models.weights import load_weights, weight_tensors
 from tiny_models import TinySpec, quantize_gguf, write_tiny_gemma4
 
 

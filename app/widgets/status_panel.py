@@ -28,7 +28,7 @@ class StatusPanel(Static):
         """`pending`: (images and clips, soft tokens) attached to the message being written;
         `server`: the API server running in this process (app/server/run.BackgroundServer), if any."""
         lines = [f"model   {info.get('model', '?')}", f"file    {info.get('file', '?')}",
-                 f"device  {info.get('device', '?')}"]
+                 f"device  {info.get('device', '?')}" + (f" · {info['runtime']}" if info.get("runtime") else "")]
         pools = kv_pools(status)
         kv_bytes = sum(p["capacity"] * p["unit_bytes"] for p in pools.values())
         kv_used = sum(p["used"] * p["unit_bytes"] for p in pools.values())

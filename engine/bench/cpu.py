@@ -101,7 +101,7 @@ def _run_loop(path: str, prompt: list[int], n_decode: int, threads: int) -> dict
     t0 = time.perf_counter()
     lm = open_model(Path(path), exact=False, device="cpu")
     load_s = time.perf_counter() - t0
-    return {"load_s": load_s, **_greedy_loop(lm.model, prompt, n_decode)}
+    return {"load_s": load_s, "runtime": lm.runtime.value, **_greedy_loop(lm.model, prompt, n_decode)}
 
 
 def _run_engine(path: str, prompt: list[int], n_decode: int, threads: int, fast_prefill: bool = True) -> dict:
@@ -127,8 +127,8 @@ def _run_engine(path: str, prompt: list[int], n_decode: int, threads: int, fast_
     finally:
         client.close()
     # the prompt's token, then n_decode steps: the first n_decode are what the loop and llama.cpp produce
-    return {"load_s": load_s, "prefill_tok_s": st["prefill_tok_s"], "decode_tok_s": st["decode_tok_s"],
-            "ids": ids[:n_decode]}
+    return {"load_s": load_s, "runtime": lm.runtime.value, "prefill_tok_s": st["prefill_tok_s"],
+            "decode_tok_s": st["decode_tok_s"], "ids": ids[:n_decode]}
 
 
 def _child(kind: str, path: str, prompt: list[int], n_decode: int, threads: int, out) -> None:
@@ -228,11 +228,13 @@ def cpu_side_by_side(path: Optional[Path] = None, synthetic: Optional[str] = Non
                 rows[k]["greedy_tokens_equal"] = min(_leading_equal(r[k]["ids"], r["llama.cpp"]["ids"]) for r in rounds)
     out = {"model": f"synthetic {synthetic.upper()}" if synthetic else Path(path).name, "file_bytes": file_bytes,
            "threads": threads, "prompt_tokens": n_prompt, "decode_tokens": n_decode, "runs": rows,
-           "cpu": cpu_flags(), "kernels": kernels()["detail"], "repeat": repeat}
+           "cpu": cpu_flags(), "kernels": kernels()["detail"], "repeat": repeat,
+           # the runtime edgegem's runs loaded with (models/runtime.py), as the children reported it
+           "runtime": next((r[k]["runtime"] for r in rounds for k in kinds if "runtime" in r[k]), None)}
     ref = rows.get("llama.cpp")
     lines = [f"{out['model']} ({file_bytes / 1e9:.2f} GB file): {n_prompt}-token prompt, {n_decode} decode steps, "
              f"{threads} threads, best of {repeat} alternating rounds",
-             f"  {out['cpu']}", f"  edgegem's CPU kernels: {out['kernels']}",
+             f"  {out['cpu']}", f"  edgegem's runtime: {out['runtime']}; CPU kernels: {out['kernels']}",
              header(CPU_COLUMNS[:5 if ref is None else 6])]
     for k, r in rows.items():
         vs = "" if ref is None or k == "llama.cpp" else \

@@ -105,7 +105,8 @@ def profile_decode(lm, context: int = 1024, steps: int = 16, aten_rows: int = 12
     kern = cpu_runtime.kernels()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     lines = [f"{lm.path.name}: one decode step at {context} tokens of context, {steps} steps, "
-             f"{cpu_runtime.threads()} threads, {kern['name']} kernels; load average {load:.1f}",
+             f"{cpu_runtime.threads()} threads, runtime {lm.runtime.value}, {kern['name']} kernels; "
+             f"load average {load:.1f}",
              f"  {cpu_flags()}",
              f"  step {total * 1e3:.2f} ms ({1 / total:.2f} tok/s)",
              f"  {'piece':58s} {'ms/step':>8s} {'share':>6s} {'calls/step':>10s}"]
@@ -114,7 +115,8 @@ def profile_decode(lm, context: int = 1024, steps: int = 16, aten_rows: int = 12
     lines.append("  top torch ops (torch.profiler, 4 steps; ggml runs under ctypes and is not listed):")
     for e in aten:
         lines.append(f"    {e.key:40s} {e.self_cpu_time_total / 4e3:8.2f} ms/step {e.count // 4:6d} calls/step")
-    return {"model": lm.path.name, "context": context, "threads": cpu_runtime.threads(), "kernels": kern["name"],
+    return {"model": lm.path.name, "context": context, "threads": cpu_runtime.threads(), "runtime": lm.runtime.value,
+            "kernels": kern["name"],
             "step_ms": total * 1e3, "pieces": [{"piece": lbl, "ms": t * 1e3, "calls": n} for lbl, t, n in rows],
             "load_average": load, "cpu": cpu_flags(), "table": "\n".join(lines)}
 

@@ -51,7 +51,7 @@ def gemv_bandwidth(fmt: str, n_out: int, n_in: int, device="cuda", iters: int = 
     plus x and y, per call), its time per call and its share of `peak_gbps` (None: unknown)."""
     from gguf import GGMLQuantizationType as T
 
-    from models.weights import QuantWeight
+    from models.formats import QuantWeight
 
     from models.synthetic import _random_quant_bytes
 
@@ -80,7 +80,7 @@ def gemv_sweep(variants=("e2b", "e4b"), formats=None, device="cuda", iters: int 
     """`gemv_bandwidth` for every format (default: every one QuantWeight reads) at each variant's
     shapes; a format or shape that fails gives a row with "error" instead of stopping the sweep.
     `on_row(row)` is called with each row as soon as it is measured (gpu_check streams them)."""
-    from models.weights import QuantWeight
+    from models.formats import QuantWeight
 
     from .throughput import peak_bandwidth_gbps
 

@@ -132,7 +132,7 @@ def measure(model, tokens: list[int], chunk: int = DEFAULT_CHUNK, formats: Optio
     return {"reference": ref, "reference_bytes_per_token": pool_unit_bytes(cfg, resolve_format(ref, device), False),
             "formats": out, "skipped": skipped, "tokens": n, "chunk": chunk,
             "sliding_window": getattr(cfg, "sliding_window", None), "device": device.type,
-            "activations": str(model.dtype).removeprefix("torch."),
+            "activations": str(model.dtype).removeprefix("torch."), "runtime": model.runtime.value,
             "seconds": round(time.perf_counter() - t0, 1)}
 
 

@@ -87,8 +87,10 @@ def kv_resume_bench(lm, lengths=(2048, 8192, 32000), fmt: str = "auto", formats=
             e.close()
             sizes.append({"format": name, "tokens": n, "file_bytes": f.stat().st_size,
                           "bytes_per_token": f.stat().st_size / n})
-    return {"model": lm.path.name, "device": str(device), "kv_format": fmt, "new_message_tokens": NEW_MESSAGE,
-            "rows": rows, "file_sizes": sizes, "table": _table(lm.path.name, str(device), fmt, rows, sizes)}
+    where = f"{device}, runtime {lm.runtime.value}"
+    return {"model": lm.path.name, "device": str(device), "runtime": lm.runtime.value, "kv_format": fmt,
+            "new_message_tokens": NEW_MESSAGE, "rows": rows, "file_sizes": sizes,
+            "table": _table(lm.path.name, where, fmt, rows, sizes)}
 
 
 def _table(model: str, device: str, fmt: str, rows: list, sizes: list) -> str:

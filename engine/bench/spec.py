@@ -47,13 +47,15 @@ def spec_bench(target_path: Path, draft_path: Path, n_prompt: int = 64, n_decode
         steps = stats["rounds"] if stats else n
         runs[name] = {"decode_tok_s": n / dt, "ids": req.output_ids, "ms_per_target_step": 1000 * dt / max(steps, 1),
                       "speculative": stats}
-    out = {"target": str(target_path), "draft": str(draft_path), "device": device, "spec_tokens": spec_tokens,
+    out = {"target": str(target_path), "draft": str(draft_path), "device": device, "runtime": lm.runtime.value,
+           "spec_tokens": spec_tokens,
            "plain_decode_tok_s": runs["plain"]["decode_tok_s"], "draft_decode_tok_s": runs["draft"]["decode_tok_s"],
            "speedup": runs["draft"]["decode_tok_s"] / runs["plain"]["decode_tok_s"],
            "verify_step_cost": runs["draft"]["ms_per_target_step"] / runs["plain"]["ms_per_target_step"],
            "greedy_equal": runs["plain"]["ids"] == runs["draft"]["ids"], **runs["draft"]["speculative"]}
     out["table"] = "\n".join([
-        f"{Path(target_path).name} + draft {Path(draft_path).name} on {device}: {n_prompt}-token prompt, "
+        f"{Path(target_path).name} + draft {Path(draft_path).name} on {device}, runtime {lm.runtime.value}: "
+        f"{n_prompt}-token prompt, "
         f"{n_decode} greedy tokens, K = {spec_tokens}",
         f"decode tok/s without draft {out['plain_decode_tok_s']:.1f}, with draft {out['draft_decode_tok_s']:.1f} "
         f"({out['speedup']:.2f}x)",

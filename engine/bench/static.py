@@ -157,7 +157,7 @@ def decode_path(labels) -> bool:
 
 def gemv_formats(used=()) -> list[str]:
     """The formats the model's decode GEMVs use first, then every other one QuantWeight reads."""
-    from models.weights import QuantWeight
+    from models.formats import QuantWeight
 
     order = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q4_0"]
     rest = sorted(QuantWeight.TYPES - set(order))
@@ -171,7 +171,7 @@ def gemv_launch(fmt: str, shape, dtype=torch.bfloat16):
     from kernels.launch import record_launches
     from kernels.qmatmul import gemv_launch_info
     from models.quant import row_bytes
-    from models.weights import QuantWeight
+    from models.formats import QuantWeight
 
     n_out, n_in = shape
     raw = torch.empty((n_out, row_bytes(int(T[fmt]), n_in)), dtype=torch.uint8, device="meta")
@@ -188,7 +188,7 @@ def gemv_launch(fmt: str, shape, dtype=torch.bfloat16):
 
 def model_gemv_shapes(model) -> list[tuple[int, int]]:
     """Distinct (n_out, n_in) of the quantized matrices a decode step multiplies on the device."""
-    from models.weights import QuantWeight
+    from models.formats import QuantWeight
 
     return sorted({tuple(w.shape) for w in model.w.values()
                    if isinstance(w, QuantWeight) and w.packed is not None and w.device.type == model.device.type})

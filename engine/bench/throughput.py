@@ -179,6 +179,7 @@ def gpu_bench(model=None, device="cuda", budget=None, kv_cache_dtype: str = "aut
     warmup_s = time.perf_counter() - t_warm
 
     out = {"model": label, "device": str(dev), "device_name": _device_name(dev), "load_s": load_s,
+           "runtime": lm_model.runtime.value,
            "dtype": str(lm_model.dtype).replace("torch.", ""), "kv_cache_dtype": kv, "swa_kv_cache_dtype": swa,
            "embed_weights": embed_weights, "fast_prefill": fast_prefill, "prefill_chunk": chunk,
            "full_pool_tokens": engine.pools.full.capacity if engine.pools.full.layers else 0,
@@ -255,7 +256,8 @@ DECODE_COLUMNS = (Column("decode ctx", 10, "d"), Column("tok/s", 12, ".1f"), Col
 def _bench_table(o: dict) -> str:
     from ..memory_plan import fmt_size
     peak = o["peak_bandwidth_gbps"]
-    lines = [f"{o['model']} on {o['device']} ({o['device_name']}): {o['dtype']} activations, KV {o['kv_cache_dtype']} "
+    lines = [f"{o['model']} on {o['device']} ({o['device_name']}), runtime {o['runtime']}: {o['dtype']} activations, "
+             f"KV {o['kv_cache_dtype']} "
              f"(window {o['swa_kv_cache_dtype']}), embed weights on {o['embed_weights']}, fast prefill "
              f"{'on' if o['fast_prefill'] else 'off'}, prefill chunk {o['prefill_chunk']}",
              f"pools: full {o['full_pool_tokens']} tokens, window {o['window_pool_tokens']} tokens; "

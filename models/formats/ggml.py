@@ -1,8 +1,8 @@
-"""CPU runtime form of a GGUF matrix when llama.cpp's kernels are there (kernels/ggml.py): the
+"""GGMLWeight: the ggml runtime's form of a GGUF matrix (llama.cpp's kernels, kernels/ggml.py): the
 file's bytes, multiplied by ggml's own `mul_mat`.
 
 Why: a decode step reads every weight once; ggml multiplies GGUF blocks by 8-bit-quantized
-activations where torch's formats (models/cpu_quant.py) unpack to float. Measured on the 2-core
+activations where torch's formats (int4.py, half.py) unpack to float. Measured on the 2-core
 AMD EPYC (AVX-512 VNNI/BF16) VM, one thread, CPU time (the VM was shared), 2026-12-01:
 
 | matrix (E2B) | rows | ggml repacked | ggml GGUF bytes | torch format |
@@ -32,17 +32,9 @@ import torch
 PACKED_ROWS = 8  # rows up to which the repacked layout runs (crossover measured between 4 and 16)
 
 
-def enabled() -> bool:
-    """llama.cpp's kernels are loaded and smoke-tested (kernels.ggml.available); False also under
-    EDGEGEM_CPU_KERNELS=torch."""
-    from kernels import ggml
-
-    return ggml.available()
-
-
 def takes(ggml_type: int, shape) -> bool:
-    """A 2-D matrix this form holds (when `enabled()`): every GGUF matrix type ggml multiplies, the
-    dense F32/F16/BF16 ones too, so that each product is llama.cpp's (a float16 copy of an F32
+    """A 2-D matrix this form holds (on the ggml runtime): every GGUF matrix type ggml multiplies,
+    the dense F32/F16/BF16 ones too, so that each product is llama.cpp's (a float16 copy of an F32
     `per_layer_model_proj` alone moved tiny models' activations 1e-3 off llama.cpp's)."""
     from kernels import ggml
 
@@ -94,12 +86,12 @@ class GGMLWeight:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 rows `ids` [len, in] from the GGUF bytes."""
-        from .quant import dequantize_rows
+        from ..quant import dequantize_rows
 
         return dequantize_rows(self.raw, self.ggml_type, ids.reshape(-1).long(), self.shape[1])
 
     def dense(self, dtype=torch.float32) -> torch.Tensor:
         """The whole matrix (tests and tools; the runtime never calls it)."""
-        from .quant import dequantize
+        from ..quant import dequantize
 
         return dequantize(self.raw, self.ggml_type, self.shape).to(dtype)

@@ -1,4 +1,5 @@
-"""The tied output head on the CPU: an int8 GEMV ranks the vocabulary, the top rows are exact.
+"""Int8Head: the tied output head on the CPU (the cpu_torch runtime): an int8 GEMV ranks the
+vocabulary, the top rows are exact.
 
 Why: the head is the largest matrix a decode step reads. E2B's is 262144x1536 Q6_K (the Gemma 3
 demo's 262144x640 Q8_0); held in float16 (models/cpu_quant.cpu_weight's choice for the 5- to
