@@ -1,4 +1,4 @@
-"""CPU runtime form of a GGUF matrix when llama.cpp's kernels are there (kernels/ggml.py): the
+"""CPU runtime form of a GGUF matrix when llama.cpp's kernels are there (kernels/ggml/lib.py): the
 file's bytes, multiplied by ggml's own `mul_mat`.
 
 Why: a decode step reads every weight once; ggml multiplies GGUF blocks by 8-bit-quantized

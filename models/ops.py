@@ -32,7 +32,7 @@ def cpu_chains(model):
     if not getattr(model, "cpu_chains", False) or _CPU_CHAINS.get() is not None:
         yield
         return
-    from kernels import ggml_ops
+    from kernels.ggml import ops as ggml_ops
 
     token = _CPU_CHAINS.set(ggml_ops)
     try:
@@ -58,7 +58,7 @@ def _kernel_module(name: str):
         import importlib
 
         try:
-            mod = importlib.import_module(f"kernels.{name}")
+            mod = importlib.import_module(f"kernels.triton.{name}")
         except ImportError:
             mod = None
         _modules[name] = mod if mod is not None and mod.triton is not None else None
@@ -71,7 +71,7 @@ def _fused_for(*ts: torch.Tensor | None):
     and triton imports (checked once), else None. On CUDA the fused Triton kernels make one pass
     over memory where the torch path below runs several ops with fp32 temporaries; the CPU path
     (and float64) stays the torch reference."""
-    from kernels.launch import use_kernels
+    from kernels.triton.launch import use_kernels
 
     if ts and ts[0] is not None and ts[0].device.type == "cpu" and not _cpu_kernels_possible():
         return None  # the CPU path's common case, decided before the per-tensor checks
@@ -82,7 +82,7 @@ def _fused_for(*ts: torch.Tensor | None):
 
 def _cpu_kernels_possible() -> bool:
     """Triton kernels may run on the CPU only inside kernels_on_cpu() under TRITON_INTERPRET=1."""
-    from kernels.launch import _state, interpreting
+    from kernels.triton.launch import _state, interpreting
 
     return getattr(_state, "cpu_kernels", 0) > 0 and interpreting()
 
@@ -342,7 +342,7 @@ def quant_rows_to_device(tables: Sequence, ids: torch.Tensor, device: torch.devi
     dequantized ones: a 2048-token prefill moves 2048 x 7350 bytes of E2B's Q6_K per-layer table
     instead of 2048 x 8960 fp32 values, in one pinned non-blocking copy for all the tables, and the
     host no longer dequantizes (~133 ms per 2048 rows on 2 cores)."""
-    from kernels.qmatmul import qdequantize
+    from kernels.triton.qmatmul import qdequantize
 
     if any(t.raw is None for t in tables):  # a repacked table (a tied head on the device): rows from its planes
         return [t.rows(ids.to(t.device)).to(device, dtype) if t.raw is None else
@@ -478,7 +478,7 @@ def decode_attention_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     """One query q [1, n_h, hd] over k, v [S, n_kv, hd] (views of a slab window) with a float16
     mask [1, S] (0 or -inf) -> [1, n_h * hd]: ggml's flash attention inside `cpu_chains`
     (kernels/ggml_attention.py), its torch reference elsewhere."""
-    from kernels import ggml_attention
+    from kernels.ggml import attention as ggml_attention
 
     if _chains(q) is not None:
         return ggml_attention.decode_attention(q, k, v, mask, scale)
@@ -531,11 +531,11 @@ def head_logits(y: torch.Tensor, w, cap: Optional[float]) -> torch.Tensor:
     or CPU head computes in y's dtype (float32 on the CPU) and is widened after; a float64 model
     (the oracle runs) keeps float64. Only a `kernels.qpack.PackedQuant` takes the kernel: the CPU
     heads keep other things under `packed` (fbgemm's prepacked chunks)."""
-    from kernels.qpack import PackedQuant
+    from kernels.triton.qpack import PackedQuant
 
     packed = None if isinstance(w, torch.Tensor) else getattr(w, "packed", None)
     if isinstance(packed, PackedQuant):
-        from kernels.qmatmul import qmatmul
+        from kernels.triton.qmatmul import qmatmul
 
         logits = qmatmul(y, packed, out_dtype=torch.float32)
     else:

@@ -1,4 +1,4 @@
-"""kernels/compile_check.py and kernels/sass.py: launches specialize as Triton's JIT would, compile
+"""kernels/triton/compile_check.py and kernels/triton/sass.py: launches specialize as Triton's JIT would, compile
 for real archs without a GPU, SASS loops and loads are found and counted, and the bandwidth cap
 follows the issue's figures."""
 from __future__ import annotations
@@ -8,9 +8,9 @@ import triton_env  # noqa: F401  (TRITON_INTERPRET=1 here: compiles go to spawne
 import pytest
 import torch
 
-from kernels.compile_check import ARCHS, KernelSpec, bandwidth_cap, compile_specs, spec_of, specialize_value
-from kernels.sass import loop_body, loop_instructions, loop_loads
-from kernels.launch import Launch
+from kernels.triton.compile_check import ARCHS, KernelSpec, bandwidth_cap, compile_specs, spec_of, specialize_value
+from kernels.triton.sass import loop_body, loop_instructions, loop_loads
+from kernels.triton.launch import Launch
 
 from tiny_kernels import _flags_kernel, _sum_rows_kernel, _to_bf16_kernel  # noqa: E402
 
@@ -178,6 +178,6 @@ def test_disk_cache_returns_the_same_facts(small_compiles):
 
 
 def test_a_spec_of_an_unknown_kernel_is_an_error_not_a_result():
-    spec = KernelSpec("kernels.qmatmul", "_no_such_kernel", (), (), (), ())
+    spec = KernelSpec("kernels.triton.qmatmul", "_no_such_kernel", (), (), (), ())
     with pytest.raises(AttributeError):
         compile_specs([spec], ["sm_86"], jobs=1, cache_dir=None)

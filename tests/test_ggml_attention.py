@@ -1,4 +1,4 @@
-"""A CPU decode step's attention on llama.cpp's kernel (kernels/ggml_attention.py: ggml's
+"""A CPU decode step's attention on llama.cpp's kernel (kernels/ggml/attention.py: ggml's
 flash_attn_ext over a masked window of a KV slab) against its float64 reference, and the engine's
 windows (engine/sequence_kv.SequenceKV._masked) over the pools' slots.
 
@@ -17,7 +17,7 @@ from kernels import ggml
 
 pytestmark = pytest.mark.skipif(not ggml.available(), reason=f"ggml binding unavailable: {ggml.reason()}")
 
-from kernels import ggml_attention as ga  # noqa: E402
+from kernels.ggml import attention as ga  # noqa: E402
 
 TOL = {torch.float32: 2e-6, torch.float16: 4e-3, torch.bfloat16: 1.5e-2}
 

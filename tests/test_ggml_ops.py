@@ -1,4 +1,4 @@
-"""The CPU fused chains (kernels/ggml_ops.py) against their torch references, on odd shapes and
+"""The CPU fused chains (kernels/ggml/ops.py) against their torch references, on odd shapes and
 strided inputs (q/k/v slices of one projection, the halves of a gate/up product, a per-layer
 input slice), every variant a model takes.
 
@@ -16,7 +16,7 @@ from kernels import ggml
 
 pytestmark = pytest.mark.skipif(not ggml.available(), reason=f"ggml binding unavailable: {ggml.reason()}")
 
-from kernels import ggml_ops as go  # noqa: E402
+from kernels.ggml import ops as go  # noqa: E402
 
 TOL = 2e-6
 EPS = 1e-6
@@ -175,7 +175,7 @@ def test_chains_reject_what_they_cannot_read():
 
 def test_prefill_sized_chains_share_one_buffer_and_stay_correct():
     """Beyond CACHED_ROWS rows a chain is built for its run, its intermediates in the one shared
-    allocator (kernels/ggml_graph.shared_allocator): nothing is kept, and chains of different
+    allocator (kernels/ggml/graph.shared_allocator): nothing is kept, and chains of different
     sizes in turn (the buffer reused, grown) each give the reference."""
     T1, T2, d, n = go.CACHED_ROWS + 3, go.CACHED_ROWS + 40, 48, 64
     gu, wgu = _f32(2 * n, d, 40)

@@ -1,4 +1,4 @@
-"""llama.cpp's CPU products through edgegem's ggml binding (kernels/ggml.py).
+"""llama.cpp's CPU products through edgegem's ggml binding (kernels/ggml/lib.py).
 
 Every GGUF matrix type against the float64 reference (gguf-py's dequantization, which is ggml's
 own, times x) on odd shapes and row counts; the repack placement table against ggml's own
@@ -101,10 +101,10 @@ def test_repack_table_is_what_ggml_decides():
     """`ggml.REPACK` (the pinned version's table) against the CPU backend's own answer: a mul_mat
     whose weight sits in the CPU_REPACK buffer is supported exactly when ggml has a repacked
     layout for that type and row count on this CPU (the check llama.cpp places weights by)."""
-    lib = ggml._load()
+    lib = ggml.library()
     if lib.repack_buft is None:
         pytest.skip("this ggml build has no CPU_REPACK buffer")
-    supports = lib._fn(lib.base, "ggml_backend_dev_supports_op", ctypes.c_bool, ctypes.c_void_p, ctypes.c_void_p)
+    supports = lib.declare(lib.base, "ggml_backend_dev_supports_op", ctypes.c_bool, ctypes.c_void_p, ctypes.c_void_p)
     dev = lib.reg_dev_get(lib.cpu_reg(), 0)
     for tn in sorted(F16_FIELDS):
         bv = GGML_QUANT_SIZES[T[tn]][0]

@@ -1,5 +1,5 @@
 """What the engine launches for which GPU, checked without one: the decode-attention split rule
-(kernels.attention.decode_splits, engine.batch_decode.decode_splits), launch parameters that follow
+(kernels.triton.attention.decode_splits, engine.batch_decode.decode_splits), launch parameters that follow
 the GPU's arch (kernels.arch: a CUDA device's own, `assume_gpu` for dry runs), fp8 KV refused below
 sm_80, and GPUs older than sm_75 on the torch path. A CUDA device is faked by patching
 kernels.arch's two probes (`_have_cuda`, `_cuda_gpu`); nothing here needs a GPU except the last
@@ -19,9 +19,9 @@ from engine.attention_backend import get_attention_backend  # noqa: E402
 from engine.batch_decode import capacity_of, decode_splits as table_splits  # noqa: E402
 from engine.kv_format import FormatUnsupported, resolve_format  # noqa: E402
 from kernels import arch  # noqa: E402
-from kernels.attention import (MERGE_SHARE, SPLIT_MIN_KEYS, decode_attention, decode_splits, extend_attention,  # noqa: E402
+from kernels.triton.attention import (MERGE_SHARE, SPLIT_MIN_KEYS, decode_attention, decode_splits, extend_attention,  # noqa: E402
                                merge_read_bytes, split_read_bytes)
-from kernels.launch import record_launches, use_kernels  # noqa: E402
+from kernels.triton.launch import record_launches, use_kernels  # noqa: E402
 
 META = torch.device("meta")
 
@@ -198,7 +198,7 @@ def test_gpus_older_than_turing_take_the_torch_path(fake_cuda, monkeypatch):
     assert get_attention_backend("auto", "cuda").name == "torch"
     with pytest.raises(ValueError, match="sm_61"):
         get_attention_backend("triton", "cuda")
-    from kernels import launch
+    from kernels.triton import launch
     assert not launch._device_ok(torch.device("cuda"))  # the models' fused-op dispatch
     loads = []
     monkeypatch.setattr(api, "load_model", lambda path, **kw: loads.append(kw))

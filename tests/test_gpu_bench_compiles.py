@@ -7,7 +7,7 @@ GPU, in its rarest minutes.
 The launch set: the quick bench's E2B engine runs with bf16 KV (a B = 1 decode step, a 512- and a
 2048-token prefill chunk) and the GEMV table's `QuantWeight.linear` launches, every decode GEMV
 format at E2B's matrix shapes (`engine.bench.static.gpu_check_specs`); recorded from meta-device dry runs as built for sm_90 and compiled
-with the wheel's ptxas (kernels/compile_check.py), cached on disk per Triton version and source.
+with the wheel's ptxas (kernels/triton/compile_check.py), cached on disk per Triton version and source.
 Checked: no compile error, no register spill on the decode path; every spill is printed.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ ARCH = "sm_90"
 @pytest.fixture(scope="module")
 def compiled(request):
     from engine.bench.static import _run_as_on_gpu, gpu_check_specs
-    from kernels.compile_check import compile_specs, gpu_pool
+    from kernels.triton.compile_check import compile_specs, gpu_pool
 
     specs = _run_as_on_gpu(gpu_check_specs, "e2b", "bf16", ARCH)
     with gpu_pool(2) as pool:

@@ -1,4 +1,4 @@
-"""kernels.kv_store and kernels.attention: Triton kernels vs their torch refs vs models.ops.attention.
+"""kernels.triton.kv_store and kernels.triton.attention: Triton kernels vs their torch refs vs models.ops.attention.
 
 Runs the kernels on the CPU under the Triton interpreter: TRITON_INTERPRET=1 is set here, before
 anything imports triton. On a CUDA machine, `TRITON_INTERPRET=0 pytest tests/test_kernels_attention.py`
@@ -16,13 +16,13 @@ import torch
 
 from engine.kv_format import resolve_format
 from kernels.arch import assume_gpu
-from kernels.attention import (
+from kernels.triton.attention import (
     decode_attention,
     decode_attention_ref,
     extend_attention,
     extend_attention_ref,
 )
-from kernels.kv_store import kv_store, kv_store_ref
+from kernels.triton.kv_store import kv_store, kv_store_ref
 from models.ops import attention
 
 CAPACITY = 200
@@ -400,7 +400,7 @@ def test_extend_matches_decode_rows():
 def test_split_merge_leaves_counters_at_zero():
     """The last split of each (sequence, KV head) merges the partials and resets its counter, so
     back-to-back split launches (every layer of a decode step, graph replays) stay correct."""
-    from kernels import attention as att
+    from kernels.triton import attention as att
 
     g = torch.Generator().manual_seed(4)
     n_h, n_kv, hd, cap, B = 4, 2, 32, 96, 3
@@ -427,7 +427,7 @@ def test_decode_at_the_capped_split_count(sms, keys, kv_dtype):
     32 the SM count alone allows), and the merged rows equal the reference."""
     from triton.runtime.jit import KernelInterface
 
-    from kernels import attention as att
+    from kernels.triton import attention as att
 
     g = torch.Generator().manual_seed(keys)
     n_h, n_kv, hd = 8, 1, 256

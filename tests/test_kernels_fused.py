@@ -1,4 +1,4 @@
-"""kernels.fused: Triton kernels vs their torch refs vs the models.ops functions they replace.
+"""kernels.triton.fused: Triton kernels vs their torch refs vs the models.ops functions they replace.
 
 Runs under the Triton interpreter on the CPU (TRITON_INTERPRET=1 is set before triton is imported);
 `TRITON_INTERPRET=0 pytest tests/test_kernels_fused.py` runs the same tests on a CUDA device, adding
@@ -12,8 +12,8 @@ import torch
 
 from tiny_models import TinySpec, write_tiny_gemma4
 
-from kernels import fused
-from kernels.fused import (
+from kernels.triton import fused
+from kernels.triton.fused import (
     add_rms_norm,
     add_rms_norm_ref,
     gelu_tanh_mul,
@@ -243,7 +243,7 @@ def test_models_common_dispatch_whole_model(tmp_path, monkeypatch):
     want = model.forward(tokens)
     calls = {}
 
-    class Spy:  # kernels.fused, counting calls
+    class Spy:  # kernels.triton.fused, counting calls
         triton = fused.triton
 
         def __getattr__(self, name):

@@ -1,7 +1,7 @@
 """Triton's interpreter with the GPU machines' triton (3.6) and numpy >= 2.3 (issue 21 item 6): every
 scalar is a one-element array there, and a `range()` bound computed from one (a K loop, a key loop)
 failed with "only 0-dimensional arrays can be converted to Python scalars" in 211 kernel tests.
-`kernels/interpreter_compat.py` restores what triton 3.9 does; `make test` runs the kernel tests
+`kernels/triton/interpreter_compat.py` restores what triton 3.9 does; `make test` runs the kernel tests
 under triton 3.6 too (`make test-triton36`), where this file fails without it."""
 from triton_env import DEVICE, INTERPRET  # first: sets TRITON_INTERPRET before triton is imported
 
@@ -13,8 +13,8 @@ if not INTERPRET:
 
 
 def test_the_kernel_tests_and_the_models_kernel_path_install_the_scalar_index_fix():
-    from kernels.interpreter_compat import install
-    from kernels.launch import kernels_on_cpu
+    from kernels.triton.interpreter_compat import install
+    from kernels.triton.launch import kernels_on_cpu
     from triton.runtime import interpreter
 
     assert getattr(interpreter._patch_lang_tensor, "edgegem_scalar_index", False)  # by triton_env

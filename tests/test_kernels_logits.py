@@ -17,8 +17,8 @@ pytest.importorskip("triton", reason="the kernel path needs triton")
 
 from engine.sampler import SamplingParams  # noqa: E402
 from engine.scheduler import Engine, EngineConfig  # noqa: E402
-from kernels.launch import kernels_on_cpu  # noqa: E402
-from kernels.qpack import dequantize_packed_ref  # noqa: E402
+from kernels.triton.launch import kernels_on_cpu  # noqa: E402
+from kernels.triton.qpack import dequantize_packed_ref  # noqa: E402
 from models.kv_cache import DenseKVCache  # noqa: E402
 from models.loader import load_model  # noqa: E402
 from test_kernels_model import SPEC  # noqa: E402

@@ -1,4 +1,4 @@
-"""kernels.qkv: the fused attention prologue (q/k norm + RoPE, v norm, K/V store) vs its torch ref,
+"""kernels.triton.qkv: the fused attention prologue (q/k norm + RoPE, v norm, K/V store) vs its torch ref,
 and vs the unfused kernels it replaces (rms_norm_rope, rms_norm, kv_store).
 
 Odd shapes: T 1 and 5, head dims 40 and 64 (256 once), n_rot below the head dim and Gemma-4's
@@ -10,9 +10,9 @@ from triton_env import DEVICE, INTERPRET  # first: sets TRITON_INTERPRET before 
 import pytest
 import torch
 
-from kernels.fused import rms_norm, rms_norm_rope
-from kernels.kv_store import kv_store
-from kernels.qkv import qkv_norm_rope_store, qkv_norm_rope_store_ref
+from kernels.triton.fused import rms_norm, rms_norm_rope
+from kernels.triton.kv_store import kv_store
+from kernels.triton.qkv import qkv_norm_rope_store, qkv_norm_rope_store_ref
 from models.ops import rope_cos_sin, rope_inv_freq
 from test_kernels_fused import TOL, _name, _rand, assert_close
 

@@ -1,6 +1,6 @@
-"""kernels.qpack + kernels.qmatmul: the load-time repack is bit-exact, and the Triton GEMV / prefill
+"""kernels.triton.qpack + kernels.triton.qmatmul: the load-time repack is bit-exact, and the Triton GEMV / prefill
 kernels on the repacked planes match ``qmatmul_ref`` and ``x @ models.quant.dequantize(...)^T``.
-kernels.qdequant (GGUF rows, for embedding gathers) against the same oracle.
+kernels.triton.qdequant (GGUF rows, for embedding gathers) against the same oracle.
 
 Runs the kernels on the CPU under the Triton interpreter: TRITON_INTERPRET=1 is set here, before
 anything imports triton.  On a CUDA machine, ``TRITON_INTERPRET=0 pytest tests/test_kernels_qmatmul.py``
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.qmatmul import (
+from kernels.triton.qmatmul import (
     DECODE_MAX_M,
     GEMV_MAX_M,
     gemv_config,
@@ -24,7 +24,7 @@ from kernels.qmatmul import (
     qmatmul,
     qmatmul_ref,
 )
-from kernels.qpack import PLANE_BYTES, PackedQuant, dequantize_packed_ref, pack
+from kernels.triton.qpack import PLANE_BYTES, PackedQuant, dequantize_packed_ref, pack
 from models.quant import GGMLType, block_size, dequantize, row_bytes
 
 TYPES = [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.Q5_0, GGMLType.Q4_0]
@@ -213,7 +213,7 @@ def _bad_calls():
     p = p.to(DEVICE)
     x = random_x((2, n_in), torch.float32, seed=0).to(DEVICE)
     return [
-        ("not packed", lambda f: f(x, raw.to(DEVICE)), "kernels.qpack.PackedQuant"),
+        ("not packed", lambda f: f(x, raw.to(DEVICE)), "kernels.triton.qpack.PackedQuant"),
         ("x dtype", lambda f: f(x.to(torch.int32), p), "float16, bfloat16 or float32"),
         ("x shape", lambda f: f(x[:, :255].contiguous(), p), r"x must be \[\.\.\., n_in=256\]"),
         ("out dtype", lambda f: f(x, p, out_dtype=torch.bfloat16), "out_dtype"),

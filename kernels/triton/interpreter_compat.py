@@ -5,12 +5,12 @@ The interpreter holds every scalar of a kernel as a one-element numpy array: eac
 `tl.program_id`, a loaded bound). A `range()` bound asks the scalar for `__index__`, which triton
 3.6 answers with `int(self.handle.data)`; numpy 2.3 made `int()` of an array with ndim > 0 an error
 ("only 0-dimensional arrays can be converted to Python scalars"), so every kernel with a K loop or
-a key loop (`kernels/qmatmul.py` `_gemv_kernel`, `kernels/attention.py`) failed under the
+a key loop (`kernels/triton/qmatmul.py` `_gemv_kernel`, `kernels/triton/attention.py`) failed under the
 interpreter: 211 kernel tests. Passing plain ints from the launchers cannot help (they are plain
 ints already; the interpreter wraps them, and the failing bounds are computed inside the kernels),
 so this installs what triton 3.9 does: `int(data.squeeze())`. The compiled path is untouched.
 
-Installed by `kernels.launch.kernels_on_cpu()` (the models' kernel path on the CPU) and by the kernel
+Installed by `kernels.triton.launch.kernels_on_cpu()` (the models' kernel path on the CPU) and by the kernel
 tests' set-up (tests/triton_env.py), never at `import kernels`: importing triton with
 TRITON_INTERPRET=1 in a process that then compiles (the compile check's workers switch it off after
 the `kernels` package is imported) makes `tl.standard`'s functions interpreted ones, and every

@@ -11,7 +11,7 @@ The keys are a window [lo, lo + S) of the slab's slots and a float16 mask row (0
 the slot, -inf: not; ggml skips a -inf slot without reading it), so a sequence's slots need not
 be consecutive or in position order (attention sums over keys; their positions are already in
 RoPE). S is rounded up to a multiple of `BUCKET`, so one graph serves 64 steps of a growing
-sequence (graphs are kept per layout: `kernels/ggml_ops._cached`).
+sequence (graphs are kept per layout: `kernels/ggml/ops.cached_graph`).
 
 Numerics: float32 scores, online softmax and V accumulation for float32 K/V (ggml's float16 V
 path accumulates in float16: callers keep float32 pools on the CPU); expf where torch's softmax
@@ -19,24 +19,13 @@ uses its own exp: ~1e-6 relative against `decode_attention_ref`.
 """
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
-from .ggml_graph import Graph, _fns, layout
+from .graph import Graph, layout
+from .ops import cached_graph
 
 BUCKET = 64  # keys: windows are rounded up to this (one graph per bucket)
 _KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _flash():
-    f = _fns()
-    if "flash_attn_ext" not in f:
-        from .ggml import _load
-
-        lib, P, fl = _load(), ctypes.c_void_p, ctypes.c_float
-        f["flash_attn_ext"] = lib._fn(lib.base, "ggml_flash_attn_ext", P, P, P, P, P, P, fl, fl, fl)
-    return f["flash_attn_ext"]
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -45,8 +34,6 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     of a slab (unit last stride; n_h a multiple of n_kv), mask float16 [1, S] contiguous (0 or
     -inf) -> [1, n_h * hd] float32: softmax(q k^T * scale + mask) v per head, head h reading KV
     head h // (n_h / n_kv)."""
-    from .ggml_ops import _cached
-
     n_h, hd = q.shape[1], q.shape[2]
     S, n_kv = k.shape[0], k.shape[1]
     if (q.dim() != 3 or q.shape[0] != 1 or k.dim() != 3 or k.shape != v.shape or k.shape[2] != hd
@@ -62,12 +49,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
     def build(big):
         g = Graph(8, big)
-        node = _flash()(g.ctx, g.input(qh), g.input(kh), g.input(vh), g.input(mask), float(scale), 0.0, 0.0)
+        node = g.flash_attn_ext(g.input(qh), g.input(kh), g.input(vh), g.input(mask), float(scale), 0.0, 0.0)
         g.output(node)
         return g.finish()
 
     out = torch.empty(1, n_h * hd)
-    _cached(("flash", layout(qh), layout(kh), layout(vh), S, float(scale)), build).run([qh, kh, vh, mask], [out])
+    cached_graph(("flash", layout(qh), layout(kh), layout(vh), S, float(scale)), build).run([qh, kh, vh, mask], [out])
     return out
 
 

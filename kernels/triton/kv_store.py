@@ -10,8 +10,8 @@ the kernel reproduces it bit for bit: both divisions are IEEE round-to-nearest (
 Triton's default fast `/`), and rounding uses the fp32 magic-number trick below.
 
 A negative slot means "padding row, write nothing" (lets a CUDA graph run a fixed T).
-K and V share one launch (grid axis 2). The row store `_store_row` is also the last step of the
-fused attention prologue (kernels/qkv.py), which norms, rotates and stores in one pass.
+K and V share one launch (grid axis 2). The row store `store_row` is also the last step of the
+fused attention prologue (kernels/triton/qkv.py), which norms, rotates and stores in one pass.
 Memory traffic: reads T·n_kv·hd input elements twice per tensor (amax, then quantize; the second
 read hits L1/L2) and writes T·n_kv·(hd·bytes + 4).
 """
@@ -59,11 +59,11 @@ if triton is not None:
         return (((bits >> 8) & 0x80) | ((bits >> 7) & 0x7F)).to(tl.uint8)
 
     @triton.jit
-    def _store_row(x, dst, scale_dst, mask, QUANT: tl.constexpr):
+    def store_row(x, dst, scale_dst, mask, QUANT: tl.constexpr):
         """One (token, head) row x [BLOCK_D] (any float dtype, masked lanes 0) -> the slab row at
         `dst` (a block of pointers): QUANT 0 cast to the slab's dtype; 1 int8, 2 fp8 e4m3fn (as its
         bytes), each with its fp32 scale stored at `scale_dst`. Shared by kv_store and the fused
-        q/k/v prologue (kernels/qkv.py), so both quantize bit for bit alike."""
+        q/k/v prologue (kernels/triton/qkv.py), so both quantize bit for bit alike."""
         if QUANT == 0:
             tl.store(dst, x.to(dst.dtype.element_ty), mask=mask)
         else:
@@ -102,13 +102,16 @@ if triton is not None:
             scale_at = slot * stride_ct + h * stride_ch
             if tl.program_id(2) == 0:
                 x = tl.load(k_ptr + t.to(tl.int64) * stride_kt + h * stride_kh + offs, mask=mask, other=0.0)
-                _store_row(x, k_slab_ptr + row + offs, k_scale_ptr + scale_at, mask, QUANT)
+                store_row(x, k_slab_ptr + row + offs, k_scale_ptr + scale_at, mask, QUANT)
             else:
                 x = tl.load(v_ptr + t.to(tl.int64) * stride_vt + h * stride_vh + offs, mask=mask, other=0.0)
-                _store_row(x, v_slab_ptr + row + offs, v_scale_ptr + scale_at, mask, QUANT)
+                store_row(x, v_slab_ptr + row + offs, v_scale_ptr + scale_at, mask, QUANT)
 
 
-def _check(x: torch.Tensor, slab: torch.Tensor, scale, slots: torch.Tensor, name: str) -> None:
+def check_store(x: torch.Tensor, slab: torch.Tensor, scale, slots: torch.Tensor, name: str) -> None:
+    """The store launchers' asserts for one of K/V (`name`): x [T, n_kv, hd] rows into `slab`
+    [capacity, n_kv, hd] at `slots` [T], with a float32 `scale` [capacity, n_kv] for an 8-bit slab
+    (kv_store here, the fused prologue in qkv.py)."""
     T, n_kv, hd = x.shape
     assert x.dtype in _PLAIN, f"{name}: {x.dtype} input"
     assert slab.dim() == 3 and slab.shape[1:] == (n_kv, hd), f"{name} slab {tuple(slab.shape)} vs rows {tuple(x.shape)}"
@@ -131,8 +134,8 @@ def kv_store(k: torch.Tensor, v: torch.Tensor, k_slab: torch.Tensor, v_slab: tor
     """
     assert triton is not None, "kv_store needs triton; use kv_store_ref"
     assert k.dim() == 3 and v.shape == k.shape, f"k {tuple(k.shape)} v {tuple(v.shape)}"
-    _check(k, k_slab, k_scale, slots, "k")
-    _check(v, v_slab, v_scale, slots, "v")
+    check_store(k, k_slab, k_scale, slots, "k")
+    check_store(v, v_slab, v_scale, slots, "v")
     T, n_kv, hd = k.shape
     if T == 0:
         return
@@ -177,8 +180,8 @@ def kv_store_ref(k: torch.Tensor, v: torch.Tensor, k_slab: torch.Tensor, v_slab:
                  slots: torch.Tensor, k_scale=None, v_scale=None) -> None:
     """Torch version of `kv_store` (same arguments, same result bit for bit)."""
     assert k.dim() == 3 and v.shape == k.shape
-    _check(k, k_slab, k_scale, slots, "k")
-    _check(v, v_slab, v_scale, slots, "v")
+    check_store(k, k_slab, k_scale, slots, "k")
+    check_store(v, v_slab, v_scale, slots, "v")
     keep = slots >= 0
     s = slots[keep]
     for x, slab, scale in ((k, k_slab, k_scale), (v, v_slab, v_scale)):

@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 import torch
 
-from .arch import dot_fp16, gpu_of
+from ..arch import dot_fp16, gpu_of
 
 try:
     import triton

@@ -1,4 +1,5 @@
-"""Small ggml compute graphs over torch tensors: the CPU fused chains (kernels/ggml_ops.py).
+"""Small ggml compute graphs over torch tensors: the CPU fused chains (kernels/ggml/ops.py), decode
+attention (kernels/ggml/attention.py) and the Gemma 3 decode graphs (models/gemma3_ggml.py).
 
 A graph is built once for given shapes and strides: its inputs are ggml views with the torch
 tensors' own strides, its outputs contiguous tensors; both are pointed at the caller's torch
@@ -19,7 +20,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .ggml import F32, GGMLError, Matrix, _InitParams, _load
+from .lib import F32, GGMLError, InitParams, Matrix, library
 
 I32, I64, F16, BF16 = 26, 27, 1, 30  # GGML_TYPE_*
 _P = ctypes.c_void_p
@@ -29,10 +30,11 @@ _extra: dict = {}
 
 
 def _fns():
-    """The graph-building functions (declared once, on top of kernels.ggml's library)."""
+    """The graph-building functions (declared once, on top of kernels/ggml/lib.py's library)."""
     if not _extra:
-        lib = _load()
-        b, f, P, i64, sz, fl = lib.base, lib._fn, _P, ctypes.c_int64, ctypes.c_size_t, ctypes.c_float
+        lib = library()
+        b, f, P, i64, sz, fl = lib.base, lib.declare, _P, ctypes.c_int64, ctypes.c_size_t, ctypes.c_float
+        i = ctypes.c_int
         _extra.update(
             rms_norm=f(b, "ggml_rms_norm", P, P, P, fl), mul=f(b, "ggml_mul", P, P, P, P),
             add=f(b, "ggml_add", P, P, P, P), sub=f(b, "ggml_sub", P, P, P, P),
@@ -40,6 +42,8 @@ def _fns():
             gelu=f(b, "ggml_gelu", P, P, P), geglu=f(b, "ggml_geglu", P, P, P),
             concat=f(b, "ggml_concat", P, P, P, P, ctypes.c_int), cont=f(b, "ggml_cont", P, P, P),
             cast=f(b, "ggml_cast", P, P, P, ctypes.c_int),
+            permute=f(b, "ggml_permute", P, P, P, i, i, i, i), set_rows=f(b, "ggml_set_rows", P, P, P, P, P),
+            flash_attn_ext=f(b, "ggml_flash_attn_ext", P, P, P, P, P, P, fl, fl, fl),
             new_1d=f(b, "ggml_new_tensor_1d", P, P, ctypes.c_int, i64),
             new_4d=f(b, "ggml_new_tensor_4d", P, P, ctypes.c_int, i64, i64, i64, i64),
             view_4d=f(b, "ggml_view_4d", P, P, P, i64, i64, i64, i64, sz, sz, sz, sz),
@@ -83,9 +87,9 @@ class Graph:
 
     def __init__(self, max_nodes: int = 96, shared: bool = False):
         self.shared = shared
-        self.lib, self.f = _load(), _fns()
+        self.lib, self.f = library(), _fns()
         size = 3 * max_nodes * self.lib.tensor_overhead() + self.lib.graph_overhead_custom(max_nodes, False)
-        self.ctx = self.lib.init(_InitParams(size + 1024, None, True))
+        self.ctx = self.lib.init(InitParams(size + 1024, None, True))
         if not self.ctx:
             raise GGMLError("ggml_init failed for a graph")
         self.max_nodes = max_nodes
@@ -137,10 +141,14 @@ class Graph:
         self._keep.append(t)
         return view
 
+    def keep(self, *objs) -> None:
+        """Tensors the graph must keep alive besides its constants (a cache key holding their ids)."""
+        self._keep.extend(objs)
+
     def matrix(self, m: Matrix) -> int:
         """A weight matrix's ggml tensor (its own buffer: GGUF bytes or ggml's repacked copy)."""
         self._keep.append(m)
-        return m._w
+        return m.node
 
     def output(self, node: int) -> None:
         """`node` is written to the run's next output tensor (contiguous, node's shape)."""
@@ -167,7 +175,9 @@ class Graph:
 
     def __getattr__(self, name: str):
         """Node ops: rms_norm(a, eps), mul(a, b), add, sub, scale(a, s), tanh(a), gelu(a),
-        geglu(a), concat(a, b, dim), cont(a), cast(a, ggml_type), mul_mat(w, x)."""
+        geglu(a), concat(a, b, dim), cont(a), cast(a, ggml_type), mul_mat(w, x), permute(a, 0, 2, 1, 3),
+        set_rows(dst, rows, indices) (a view of dst: `expand` it, `alias` it to dst's input),
+        flash_attn_ext(q, k, v, mask, scale, max_bias, softcap)."""
         if name == "mul_mat":
             return lambda w, x: self.lib.mul_mat(self.ctx, w, x)
         fn = _fns().get(name)

@@ -24,7 +24,7 @@ every byte and merges it with the nibbles in one LOP3 select, (w >> 4p) & 0x0F0F
 its place in a float mantissa. Byte counts are exactly the GGUF ones.
 
 `pack` builds the planes (plain torch, on the tensor's device, meta included); `dequantize_packed_ref`
-turns them back into float32 with the exact op order of `kernels.qdequant.qdequantize_ref`, so the
+turns them back into float32 with the exact op order of `kernels.triton.qdequant.qdequantize_ref`, so the
 repack is checked bit for bit against the GGUF bytes.
 """
 from __future__ import annotations
@@ -249,7 +249,7 @@ def _unpack_high(hp: torch.Tensor, width: int) -> torch.Tensor:
 def dequantize_packed_ref(p: PackedQuant) -> torch.Tensor:
     """float32 [n_out, n_in], the same float ops in the same order as `qdequant.qdequantize_ref` on the
     GGUF bytes (so the two are bit-identical)."""
-    from .qdequant import _scale_min_k4_ref
+    from .qdequant import scale_min_k4_ref
 
     t, (n_out, n_in) = p.ggml_type, p.shape
     n = p.q.shape[0]
@@ -258,7 +258,7 @@ def dequantize_packed_ref(p: PackedQuant) -> torch.Tensor:
         q = _unpack_nibbles(p.q).reshape(n * nb, 8, 32)
         if t == Q5_K:
             q = q | (_unpack_high(p.h, 1).reshape(n * nb, 8, 32) << 4)
-        sc, mn = _scale_min_k4_ref(p.s.reshape(n * nb, 12))
+        sc, mn = scale_min_k4_ref(p.s.reshape(n * nb, 12))
         dm = _f16(p.d, 0, 4).reshape(n * nb, 1), _f16(p.d, 2, 4).reshape(n * nb, 1)
         dl = (dm[0] * sc)[:, :, None]
         ml = (dm[1] * mn)[:, :, None]

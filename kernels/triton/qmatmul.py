@@ -1,4 +1,4 @@
-"""y = x @ W^T with W in the repacked quantized layout of kernels/qpack.py (Q4_K, Q5_K, Q6_K, Q8_0,
+"""y = x @ W^T with W in the repacked quantized layout of kernels/triton/qpack.py (Q4_K, Q5_K, Q6_K, Q8_0,
 Q5_0, Q4_0): the decode GEMV (and the small-M verify path) reads each weight byte once, the prefill
 path dequantizes tiles to a scratch buffer for a dense GEMM.
 
@@ -13,7 +13,7 @@ No int->float conversion per value: a nibble q is placed in the top mantissa bit
 per-lane accumulators t' = sum (1 + q/16) x, and the 1 is taken out once per sub-block with the
 sum of x: sum q x = 16 (t' - sum x). So a value costs a shift, a LOP3 and an FFMA; 5- and 6-bit
 quants first merge their high bits into the nibble word with one LOP3 per 4 values (the byte-
-select order of kernels/qpack.py), then take a shift and a LOP3 a value as well (1 + q/32, 1 + q/64). Scales are loaded
+select order of kernels/triton/qpack.py), then take a shift and a LOP3 a value as well (1 + q/32, 1 + q/64). Scales are loaded
 as words once per (row, sub-block) and applied once per sub-block: acc += A t' - B sum x (A, B
 per format below). Accumulators stay per lane ([M, BLOCK_N, 8] after the in-thread sum over the
 4 words) and are reduced across the 8 sub-block lanes once, after the K loop.
@@ -84,7 +84,7 @@ if triton is not None:
 
     @triton.jit
     def _high_words(h_ptr, row_off, kb, sb, u, mask, FMT: tl.constexpr, MASKED: tl.constexpr):
-        """The two byte-select words (kernels/qpack.py) of every lane u: E_p for parity p = 0, 1
+        """The two byte-select words (kernels/triton/qpack.py) of every lane u: E_p for parity p = 0, 1
         is (w >> 4p) & 0x0F0F0F0F merged with H_p, the lane's h word shifted so the high field of
         value (u, 2b + p) sits on bit 4 of byte b. Returns (H_0, H_1) masked to 0xF0F0F0F0.
         Q5 (FMT 13, 6): one word per sub-block, field bit (4 + 2u + p) % 8; Q6_K: word u // 2,
@@ -363,7 +363,7 @@ def _fail(msg: str):
 
 def _check_packed(fn: str, w: PackedQuant) -> None:
     if not isinstance(w, PackedQuant):
-        _fail(f"{fn}: w must be a kernels.qpack.PackedQuant, got {type(w).__name__}")
+        _fail(f"{fn}: w must be a kernels.triton.qpack.PackedQuant, got {type(w).__name__}")
     if w.ggml_type not in LAYOUT:
         _fail(f"{fn}: unsupported GGML type {w.ggml_type}")
     if any(not p.is_contiguous() or p.dtype != torch.uint8 for p in w.planes):
@@ -442,7 +442,7 @@ def _check_glu(fn: str, glu: bool, gelu_mul, w: PackedQuant) -> None:
 
 def qmatmul(x: torch.Tensor, w: PackedQuant, out_dtype: torch.dtype | None = None,
             gelu_mul: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
-    """y [..., n_out] = x [..., n_in] @ W^T for a repacked W (kernels.qpack.PackedQuant). x:
+    """y [..., n_out] = x [..., n_in] @ W^T for a repacked W (kernels.triton.qpack.PackedQuant). x:
     float16/bfloat16/float32 (any leading shape; rows made contiguous). Output in `out_dtype`: x's
     dtype (default) or float32. `gelu_mul` [..., n_out] (row strides free): y = gelu_tanh(x W^T) *
     gelu_mul instead, in the GEMV's epilogue (fp32 math; Gemma-4's per-layer-input gate). `glu`: W's
@@ -522,7 +522,7 @@ def qdequantize_packed(w: PackedQuant, dtype: torch.dtype | None = None, out: to
 
 
 def gemv_launch_info(launch) -> dict | None:
-    """For a recorded launch (kernels.launch.Launch) of the decode GEMV with one row of x: the
+    """For a recorded launch (kernels.triton.launch.Launch) of the decode GEMV with one row of x: the
     weight format, the weight bytes one program reads per iteration of its K loop (BLOCK_N rows x
     256 values) and its warps, which the static report turns into SASS instructions per weight
     byte. None for any other launch."""

@@ -61,7 +61,8 @@ _GRAPH_NODES = 8  # a graph of one mul_mat (ggml_new_graph_custom size)
 _P = ctypes.c_void_p
 
 
-class _InitParams(ctypes.Structure):
+class InitParams(ctypes.Structure):
+    """struct ggml_init_params, the one struct passed by value (graphs build their contexts with it)."""
     _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", _P), ("no_alloc", ctypes.c_bool)]
 
 
@@ -93,35 +94,35 @@ class _Lib:
         except OSError as e:
             raise GGMLError(f"cannot load ggml from {d}: {e}") from None
         b, c, P, sz, i64 = self.base, self.cpu, _P, ctypes.c_size_t, ctypes.c_int64
-        self.init = self._fn(b, "ggml_init", P, _InitParams)
-        self.free = self._fn(b, "ggml_free", None, P)
-        self.tensor_overhead = self._fn(b, "ggml_tensor_overhead", sz)
-        self.graph_overhead_custom = self._fn(b, "ggml_graph_overhead_custom", sz, sz, ctypes.c_bool)
-        self.new_tensor_2d = self._fn(b, "ggml_new_tensor_2d", P, P, ctypes.c_int, i64, i64)
-        self.mul_mat = self._fn(b, "ggml_mul_mat", P, P, P, P)
-        self.new_graph_custom = self._fn(b, "ggml_new_graph_custom", P, P, sz, ctypes.c_bool)
-        self.build_forward_expand = self._fn(b, "ggml_build_forward_expand", None, P, P)
-        self.get_data = self._fn(b, "ggml_get_data", P, P)
-        self.get_name = self._fn(b, "ggml_get_name", ctypes.c_char_p, P)
-        self.op_desc = self._fn(b, "ggml_op_desc", ctypes.c_char_p, P)
-        self.nbytes = self._fn(b, "ggml_nbytes", sz, P)
-        self.row_size = self._fn(b, "ggml_row_size", sz, ctypes.c_int, i64)
-        self.buffer_from_ptr = self._fn(b, "ggml_backend_cpu_buffer_from_ptr", P, P, sz)
-        self.buffer_free = self._fn(b, "ggml_backend_buffer_free", None, P)
-        self.tensor_alloc = self._fn(b, "ggml_backend_tensor_alloc", ctypes.c_int, P, P, P)
-        self.tensor_set = self._fn(b, "ggml_backend_tensor_set", None, P, P, sz, sz)
-        self.alloc_ctx_tensors = self._fn(b, "ggml_backend_alloc_ctx_tensors_from_buft", P, P, P)
-        self.buft_name = self._fn(b, "ggml_backend_buft_name", ctypes.c_char_p, P)
-        self.graph_compute = self._fn(b, "ggml_backend_graph_compute", ctypes.c_int, P, P)
-        self.reg_dev_get = self._fn(b, "ggml_backend_reg_dev_get", P, P, sz)
-        self.reg_get_proc_address = self._fn(b, "ggml_backend_reg_get_proc_address", P, P, ctypes.c_char_p)
-        self.cpu_init = self._fn(c, "ggml_backend_cpu_init", P)
-        self.cpu_reg = self._fn(c, "ggml_backend_cpu_reg", P)
-        self.set_n_threads = self._fn(c, "ggml_backend_cpu_set_n_threads", None, P, ctypes.c_int)
+        self.init = self.declare(b, "ggml_init", P, InitParams)
+        self.free = self.declare(b, "ggml_free", None, P)
+        self.tensor_overhead = self.declare(b, "ggml_tensor_overhead", sz)
+        self.graph_overhead_custom = self.declare(b, "ggml_graph_overhead_custom", sz, sz, ctypes.c_bool)
+        self.new_tensor_2d = self.declare(b, "ggml_new_tensor_2d", P, P, ctypes.c_int, i64, i64)
+        self.mul_mat = self.declare(b, "ggml_mul_mat", P, P, P, P)
+        self.new_graph_custom = self.declare(b, "ggml_new_graph_custom", P, P, sz, ctypes.c_bool)
+        self.build_forward_expand = self.declare(b, "ggml_build_forward_expand", None, P, P)
+        self.get_data = self.declare(b, "ggml_get_data", P, P)
+        self.get_name = self.declare(b, "ggml_get_name", ctypes.c_char_p, P)
+        self.op_desc = self.declare(b, "ggml_op_desc", ctypes.c_char_p, P)
+        self.nbytes = self.declare(b, "ggml_nbytes", sz, P)
+        self.row_size = self.declare(b, "ggml_row_size", sz, ctypes.c_int, i64)
+        self.buffer_from_ptr = self.declare(b, "ggml_backend_cpu_buffer_from_ptr", P, P, sz)
+        self.buffer_free = self.declare(b, "ggml_backend_buffer_free", None, P)
+        self.tensor_alloc = self.declare(b, "ggml_backend_tensor_alloc", ctypes.c_int, P, P, P)
+        self.tensor_set = self.declare(b, "ggml_backend_tensor_set", None, P, P, sz, sz)
+        self.alloc_ctx_tensors = self.declare(b, "ggml_backend_alloc_ctx_tensors_from_buft", P, P, P)
+        self.buft_name = self.declare(b, "ggml_backend_buft_name", ctypes.c_char_p, P)
+        self.graph_compute = self.declare(b, "ggml_backend_graph_compute", ctypes.c_int, P, P)
+        self.reg_dev_get = self.declare(b, "ggml_backend_reg_dev_get", P, P, sz)
+        self.reg_get_proc_address = self.declare(b, "ggml_backend_reg_get_proc_address", P, P, ctypes.c_char_p)
+        self.cpu_init = self.declare(c, "ggml_backend_cpu_init", P)
+        self.cpu_reg = self.declare(c, "ggml_backend_cpu_reg", P)
+        self.set_n_threads = self.declare(c, "ggml_backend_cpu_set_n_threads", None, P, ctypes.c_int)
         # ggml logs every repacked tensor to stderr: warnings and errors go to Python's logging instead
         self._log = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, _P)(_log_message)
-        self._fn(b, "ggml_log_set", None, _P, _P)(ctypes.cast(self._log, _P), None)
-        self.features = {name: bool(self._fn(c, f"ggml_cpu_has_{name}", ctypes.c_int)())
+        self.declare(b, "ggml_log_set", None, _P, _P)(ctypes.cast(self._log, _P), None)
+        self.features = {name: bool(self.declare(c, f"ggml_cpu_has_{name}", ctypes.c_int)())
                          for name in ("avx2", "avx512", "avx512_vnni", "avx512_bf16", "avx_vnni", "f16c", "fma")}
         self.backend = self.cpu_init()
         if not self.backend:
@@ -133,7 +134,8 @@ class _Lib:
         self.data_offset = self._probe_data_offset()
 
     @staticmethod
-    def _fn(lib, name: str, res, *args):
+    def declare(lib, name: str, res, *args):
+        """`name` of the CDLL `lib` with its result and argument types (GGMLError when this build lacks it)."""
         try:
             fn = getattr(lib, name)
         except AttributeError:
@@ -165,7 +167,7 @@ class _Lib:
     def context(self, n_tensors: int, graph: bool = False) -> int:
         """A metadata-only ggml context (no_alloc) for `n_tensors` tensors and maybe one small graph."""
         size = n_tensors * self.tensor_overhead() + (self.graph_overhead_custom(_GRAPH_NODES, False) if graph else 0)
-        ctx = self.init(_InitParams(size + 256, None, True))
+        ctx = self.init(InitParams(size + 256, None, True))
         if not ctx:
             raise GGMLError("ggml_init failed")
         return ctx
@@ -228,7 +230,9 @@ def _log_message(level: int, text: bytes, user_data) -> None:
         logging.getLogger("edgegem.ggml").log(30 if level == 3 else 40, text.decode(errors="replace").rstrip())
 
 
-def _load() -> _Lib:
+def library() -> _Lib:
+    """The libraries, loaded and smoke-tested on the first call; GGMLError (why, one line) when they
+    cannot be used."""
     if "lib" not in _state:
         try:
             if os.environ.get("EDGEGEM_CPU_KERNELS", "auto").lower() == "torch":
@@ -247,7 +251,7 @@ def _load() -> _Lib:
 def available() -> bool:
     """ggml's CPU products can be used here (loaded and smoke-tested once)."""
     try:
-        _load()
+        library()
         return True
     except GGMLError:
         return False
@@ -260,35 +264,35 @@ def reason() -> str:
 
 def cpu_features() -> dict:
     """What ggml's CPU backend detected (avx2, avx512, avx512_vnni, ...)."""
-    return dict(_load().features)
+    return dict(library().features)
 
 
 def set_threads(n: int) -> None:
     """Threads for every later product (the engine's thread count)."""
-    _load().set_threads(n)
+    library().set_threads(n)
 
 
 def threads() -> int:
-    return _load().threads
+    return library().threads
 
 
 def repacks(ggml_type: int, rows: int) -> bool:
     """Whether the pinned ggml keeps this type in its repacked layout on this CPU (`REPACK`)."""
-    lib = _load()
+    lib = library()
     rule = REPACK.get(TYPES.get(int(ggml_type), ""))
     return lib.repack_buft is not None and rule is not None and lib.features[rule[0]] and rows % rule[1] == 0
 
 
 def node_info(tensor: int) -> tuple[str, str, int, int]:
     """(op, name, src[0], src[1]) of a ggml graph node (tests read llama.cpp's nodes with it)."""
-    lib = _load()
+    lib = library()
     src = (ctypes.c_uint64 * 2).from_address(tensor + lib.src_offset)
     return lib.op_desc(tensor).decode(), lib.get_name(tensor).decode(), int(src[0]), int(src[1])
 
 
 def tensor_bytes(tensor: int) -> bytes:
     """A host tensor's data as bytes (ggml_get_data + ggml_nbytes)."""
-    lib = _load()
+    lib = library()
     return ctypes.string_at(lib.get_data(tensor), lib.nbytes(tensor))
 
 
@@ -302,10 +306,11 @@ class Matrix:
     `repack`: None = as llama.cpp places it on this CPU (`repacks`); False keeps the GGUF bytes
     (zero copy: `raw` must stay alive, and does: the matrix holds it); True forces the repacked
     layout where the type has one. Repacked, the bytes live in ggml's buffer and `raw` is dropped
-    (the same size). `mul(x)` -> x W^T for float32 x [rows, k]."""
+    (the same size). `mul(x)` -> x W^T for float32 x [rows, k]; `node` is its ggml tensor (a graph's
+    operand: `Graph.matrix`)."""
 
     def __init__(self, raw: torch.Tensor, ggml_type: int, shape: tuple[int, int], repack: Optional[bool] = None):
-        lib = _load()
+        lib = library()
         self.ggml_type, self.shape = int(ggml_type), (int(shape[0]), int(shape[1]))
         n, k = self.shape
         if self.ggml_type not in TYPES:
@@ -319,16 +324,16 @@ class Matrix:
         self.repacked = repacks(self.ggml_type, n) if repack is None else bool(repack) and repacks(self.ggml_type, n)
         self._lib, self._graphs, self.raw = lib, {}, None
         self._ctx = lib.context(1)
-        self._w = lib.new_tensor_2d(self._ctx, self.ggml_type, k, n)
+        self.node = lib.new_tensor_2d(self._ctx, self.ggml_type, k, n)
         if self.repacked:
             self._buffer = lib.alloc_ctx_tensors(self._ctx, lib.repack_buft)
             if not self._buffer:
                 raise GGMLError("cannot allocate a CPU_REPACK buffer")
-            lib.tensor_set(self._w, raw.data_ptr(), 0, raw.numel())  # repacks into ggml's buffer
+            lib.tensor_set(self.node, raw.data_ptr(), 0, raw.numel())  # repacks into ggml's buffer
         else:
             self.raw = raw  # zero copy: ggml reads these bytes
             self._buffer = lib.buffer_from_ptr(raw.data_ptr(), raw.numel())
-            if lib.tensor_alloc(self._buffer, self._w, raw.data_ptr()) != 0:
+            if lib.tensor_alloc(self._buffer, self.node, raw.data_ptr()) != 0:
                 raise GGMLError("ggml_backend_tensor_alloc failed for a weight")
         self.nbytes = int(raw.numel())
 
@@ -342,7 +347,7 @@ class Matrix:
                     lib.free(self._graphs.pop(r)[0])
             ctx = lib.context(3, graph=True)
             x = lib.new_tensor_2d(ctx, F32, k, rows)
-            y = lib.mul_mat(ctx, self._w, x)
+            y = lib.mul_mat(ctx, self.node, x)
             graph = lib.new_graph_custom(ctx, _GRAPH_NODES, False)
             lib.build_forward_expand(graph, y)
             g = self._graphs[rows] = (ctx, x, y, graph)

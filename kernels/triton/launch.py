@@ -12,7 +12,7 @@ is a kernel launch or a copy; host-side CPU ops are bookkeeping and are not coun
 allocations (`empty`, `view`, `slice`, ...) launch nothing and are skipped. So one decode step run
 on the meta device says how many kernels the GPU would launch for it, and the recorded Triton
 launches (kernel, grid, arguments, constexprs, num_warps) can be compiled for real GPU targets
-(`kernels/compile_check.py`) with exactly the parameters the engine uses.
+(`kernels/triton/compile_check.py`) with exactly the parameters the engine uses.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from .arch import triton_supported
+from ..arch import triton_supported
 
 __all__ = ["Launch", "LaunchRecord", "check_device", "interpreting", "kernels_on_cpu", "record_launches",
            "recording", "use_kernels"]
@@ -70,7 +70,7 @@ def check_device(fn: str, device: torch.device, triton_module) -> None:
 def kernels_on_cpu() -> Iterator[None]:
     """Inside: CPU tensors take the models' kernel path (needs TRITON_INTERPRET=1 set before triton
     is imported); tests use it to run every fused kernel the CUDA path runs."""
-    if interpreting():  # triton 3.6's interpreter with numpy >= 2.3 (kernels/interpreter_compat.py)
+    if interpreting():  # triton 3.6's interpreter with numpy >= 2.3 (kernels/triton/interpreter_compat.py)
         from .interpreter_compat import install
 
         install()

@@ -4,7 +4,7 @@ graph where the chain has them.
 
 Why: a decode step on the CPU is ~35 layers x ~40 small ops; as torch ops each costs ~4-6 us of
 dispatch on this VM (E2B: ~30 ms of a ~75 ms step besides the products), as nodes of one ggml
-graph ~0.3 us. Each function below builds its graph once per layout (kernels/ggml_graph.py,
+graph ~0.3 us. Each function below builds its graph once per layout (kernels/ggml/graph.py,
 cached) and runs it over the caller's tensors in place.
 
 Numerics: llama.cpp's. RMSNorm accumulates in double; GELU is ggml's f16 table (`GGML_GELU_FP16`:
@@ -24,17 +24,17 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .ggml import Matrix
-from .ggml_graph import Graph, layout
+from .graph import Graph, layout
+from .lib import Matrix
 
 _graphs: dict = {}
 _MAX_GRAPHS = 512  # layouts x weights of the decode-sized graphs
 CACHED_ROWS = 16  # graphs of up to this many rows are kept (decode, verify); bigger ones are built per run
 
 
-def _cached(key, build, rows: int = 1):
+def cached_graph(key, build, rows: int = 1):
     """The graph for `key`, built once. Rows beyond CACHED_ROWS (a prefill chunk): built for this
-    run only, its intermediates in the shared allocator's buffer (kernels/ggml_graph.py): building
+    run only, its intermediates in the shared allocator's buffer (kernels/ggml/graph.py): building
     costs ~0.1 ms against the chunk's milliseconds, and a kept graph per layer and chunk length
     would hold its own buffer (E2B: ~50 MB a layer at 512 rows)."""
     if rows > CACHED_ROWS:
@@ -48,14 +48,16 @@ def _cached(key, build, rows: int = 1):
     return g
 
 
-def _check(*ts: Optional[torch.Tensor]) -> None:
+def check_cpu_float32(*ts: Optional[torch.Tensor]) -> None:
+    """What every graph here takes: CPU float32 tensors with a unit last stride (None skipped), or a ValueError."""
     for t in ts:
         if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1):
             raise ValueError(f"ggml_ops: CPU float32 tensors with a unit last stride, got {t.dtype} "
                              f"{tuple(t.shape)} strides {t.stride()} on {t.device}")
 
 
-def _norm(g: Graph, x: int, w: Optional[int], eps: float) -> int:
+def norm_nodes(g: Graph, x: int, w: Optional[int], eps: float) -> int:
+    """RMSNorm of node x, times the weight node w (None: no weight)."""
     y = g.rms_norm(x, eps)
     return y if w is None else g.mul(y, w)
 
@@ -89,22 +91,22 @@ def dequantize_rows(raw: torch.Tensor, ggml_type: int, n_values: int) -> torch.T
 
     out = torch.empty(n, n_values)
     if n:
-        _cached(("rows", int(ggml_type), n_values, n), build, n).run([raw], [out])
+        cached_graph(("rows", int(ggml_type), n_values, n), build, n).run([raw], [out])
     return out
 
 
 # --- RMSNorm and the residual update ---------------------------------------------------------
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
     """rms_norm(x) [* weight] over the last dim."""
-    _check(x, weight)
+    check_cpu_float32(x, weight)
 
     def build(big):
         g = Graph(8, big)
-        g.output(_norm(g, g.input(x), None if weight is None else g.input(weight), eps))
+        g.output(norm_nodes(g, g.input(x), None if weight is None else g.input(weight), eps))
         return g.finish()
 
     out = torch.empty(x.shape)
-    _cached(("rms", layout(x), weight is None, eps), build, x.numel() // max(1, x.shape[-1])).run([x] + ([] if weight is None else [weight]), [out])
+    cached_graph(("rms", layout(x), weight is None, eps), build, x.numel() // max(1, x.shape[-1])).run([x] + ([] if weight is None else [weight]), [out])
     return out
 
 
@@ -116,7 +118,7 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: Optional[torch.Tensor
                  scale: Optional[torch.Tensor] = None, next_weight: Optional[torch.Tensor] = None):
     """h = (x + rms_norm(y) [* weight]) [* scale]; n = rms_norm(h) * next_weight (None without
     next_weight) -> (h, n). scale: a one-element tensor."""
-    _check(x, y, weight, next_weight)
+    check_cpu_float32(x, y, weight, next_weight)
     inputs = [t for t in (x, y, weight, next_weight) if t is not None]
     s = scalar(scale)
 
@@ -125,18 +127,18 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: Optional[torch.Tensor
         gx, gy = g.input(x), g.input(y)
         gw = g.input(weight) if weight is not None else None
         gn = g.input(next_weight) if next_weight is not None else None
-        h = g.add(gx, _norm(g, gy, gw, eps))
+        h = g.add(gx, norm_nodes(g, gy, gw, eps))
         if s is not None:
             h = g.scale(h, s)
         g.output(h)
         if gn is not None:
-            g.output(_norm(g, h, gn, eps))
+            g.output(norm_nodes(g, h, gn, eps))
         return g.finish()
 
     key = ("add_rms", layout(x), layout(y), weight is None, s, next_weight is None, eps)
     h = torch.empty(x.shape)
     n = torch.empty(x.shape) if next_weight is not None else None
-    _cached(key, build, x.numel() // max(1, x.shape[-1])).run(inputs, [h] if n is None else [h, n])
+    cached_graph(key, build, x.numel() // max(1, x.shape[-1])).run(inputs, [h] if n is None else [h, n])
     return h, n
 
 
@@ -148,7 +150,7 @@ def add_rms_norm_ref(x, y, weight, eps, scale=None, next_weight=None):
 
 
 # --- q/k/v: RMSNorm + NeoX RoPE ----------------------------------------------------------------
-def _rope(g: Graph, x: int, hd: int, heads: int, rows: int, cos: int, sin: int, n_half: int) -> int:
+def rope_nodes(g: Graph, x: int, hd: int, heads: int, rows: int, cos: int, sin: int, n_half: int) -> int:
     """NeoX RoPE of a contiguous [rows, heads, hd] node x by cos/sin [rows, 1, n_half] nodes: pairs
     (j, j + n_half), dims >= 2·n_half pass through."""
     nb = [4, 4 * hd, 4 * hd * heads]
@@ -165,7 +167,7 @@ def qkv_norm_rope(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.
     """The attention prologue: q, k RMSNorm (their weights) + RoPE; v weightless RMSNorm (v None:
     of the raw k). q [T, H, hd], k, v [T, Hk, hd] (views allowed); cos, sin [T, 1, n_half].
     k None (a KV-shared layer): only q. -> (q, k, v) new contiguous tensors (k, v None without k)."""
-    _check(q, k, v, q_weight, k_weight, cos, sin)
+    check_cpu_float32(q, k, v, q_weight, k_weight, cos, sin)
     T, H, hd = q.shape
     n_half = cos.shape[-1]
     cos3, sin3 = cos.reshape(T, 1, n_half), sin.reshape(T, 1, n_half)
@@ -174,21 +176,21 @@ def qkv_norm_rope(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.
     def build(big):
         g = Graph(64, big)
         gq, gqw, gc, gs = (g.input(t) for t in ins[:4])
-        g.output(_rope(g, _norm(g, gq, gqw, eps), hd, H, T, gc, gs, n_half))
+        g.output(rope_nodes(g, norm_nodes(g, gq, gqw, eps), hd, H, T, gc, gs, n_half))
         if k is not None:
             gk, gkw = g.input(k), g.input(k_weight)
             Hk = k.shape[1]
-            g.output(_rope(g, _norm(g, gk, gkw, eps), hd, Hk, T, gc, gs, n_half))
-            g.output(_norm(g, g.input(v) if v is not None else gk, None, eps))
+            g.output(rope_nodes(g, norm_nodes(g, gk, gkw, eps), hd, Hk, T, gc, gs, n_half))
+            g.output(norm_nodes(g, g.input(v) if v is not None else gk, None, eps))
         return g.finish()
 
     key = ("qkv", layout(q), layout(k), layout(v), layout(cos3), eps)
     qo = torch.empty(q.shape)
     if k is None:
-        _cached(key, build, T).run(ins, [qo])
+        cached_graph(key, build, T).run(ins, [qo])
         return qo, None, None
     ko, vo = torch.empty(k.shape), torch.empty(k.shape)
-    _cached(key, build, T).run(ins, [qo, ko, vo])
+    cached_graph(key, build, T).run(ins, [qo, ko, vo])
     return qo, ko, vo
 
 
@@ -214,7 +216,7 @@ def gelu_ref(x: torch.Tensor) -> torch.Tensor:
 
 def gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """gelu(gate) * up (views allowed: the halves of one gate/up product)."""
-    _check(gate, up)
+    check_cpu_float32(gate, up)
 
     def build(big):
         g = Graph(8, big)
@@ -222,7 +224,7 @@ def gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return g.finish()
 
     out = torch.empty(gate.shape)
-    _cached(("gelu_mul", layout(gate), layout(up)), build, gate.numel() // max(1, gate.shape[-1])).run([gate, up], [out])
+    cached_graph(("gelu_mul", layout(gate), layout(up)), build, gate.numel() // max(1, gate.shape[-1])).run([gate, up], [out])
     return out
 
 
@@ -232,7 +234,7 @@ def gelu_mul_ref(gate, up):
 
 def linear_gelu_mul(x: torch.Tensor, w: Matrix, e: torch.Tensor) -> torch.Tensor:
     """gelu(x W^T) * e: Gemma-4's per-layer-input gate, x [T, in], e [T, out] (a view allowed)."""
-    _check(x, e)
+    check_cpu_float32(x, e)
 
     def build(big):
         g = Graph(8, big)
@@ -240,7 +242,7 @@ def linear_gelu_mul(x: torch.Tensor, w: Matrix, e: torch.Tensor) -> torch.Tensor
         return g.finish()
 
     out = torch.empty(x.shape[0], w.shape[0])
-    _cached(("lin_gelu_mul", id(w), layout(x), layout(e)), build, x.shape[0]).run([x, e], [out])
+    cached_graph(("lin_gelu_mul", id(w), layout(x), layout(e)), build, x.shape[0]).run([x, e], [out])
     return out
 
 
@@ -248,7 +250,7 @@ def gated_mlp(m: torch.Tensor, gate_up: Matrix, down: Matrix, gate: Optional[Mat
               up: Optional[Matrix] = None) -> torch.Tensor:
     """down(gelu(m G^T) * (m U^T)) for m [T, d]: one stacked [gate; up] matrix (`gate_up`, its
     product's halves fed to ggml's GEGLU), or separate `gate` and `up` (gate_up None)."""
-    _check(m)
+    check_cpu_float32(m)
 
     def build(big):
         g = Graph(16, big)
@@ -262,7 +264,7 @@ def gated_mlp(m: torch.Tensor, gate_up: Matrix, down: Matrix, gate: Optional[Mat
 
     key = ("mlp", id(gate_up), id(gate), id(up), id(down), layout(m))
     out = torch.empty(m.shape[0], down.shape[0])
-    _cached(key, build, m.shape[0]).run([m], [out])
+    cached_graph(key, build, m.shape[0]).run([m], [out])
     return out
 
 
@@ -287,7 +289,7 @@ def attention_prologue(a: torch.Tensor, qkv: Matrix, v_matrix: Optional[Matrix],
     `v_matrix` a separate V (another quantization type), neither: V = the raw K. q, k RMSNorm +
     RoPE, v RMSNorm without weight (`v_norm`; Gemma 3: v raw). -> (q [T, H, hd], k, v [T, Hk, hd])
     contiguous (k, v None for a KV-shared layer)."""
-    _check(a, q_weight, k_weight, cos, sin)
+    check_cpu_float32(a, q_weight, k_weight, cos, sin)
     T = a.shape[0]
     n_half = cos.shape[-1]
     cos3, sin3 = cos.reshape(T, 1, n_half), sin.reshape(T, 1, n_half)
@@ -302,22 +304,22 @@ def attention_prologue(a: torch.Tensor, qkv: Matrix, v_matrix: Optional[Matrix],
         width = qkv.shape[0]
         nb = [4, 4 * head_dim, 4 * width]
         q = g.view(y, [head_dim, n_head, T], nb, 0)
-        g.output(_rope(g, _norm(g, q, gqw, eps), head_dim, n_head, T, gc, gs, n_half))
+        g.output(rope_nodes(g, norm_nodes(g, q, gqw, eps), head_dim, n_head, T, gc, gs, n_half))
         if not shared:
             gkw = g.input(k_weight)
             k = g.view(y, [head_dim, n_kv, T], nb, 4 * nq)
-            g.output(_rope(g, _norm(g, k, gkw, eps), head_dim, n_kv, T, gc, gs, n_half))
+            g.output(rope_nodes(g, norm_nodes(g, k, gkw, eps), head_dim, n_kv, T, gc, gs, n_half))
             v = raw_v(g, y, ga, v_matrix, width, n_head, n_kv, head_dim, T)
-            g.output(_norm(g, v, None, eps) if v_norm else g.cont(v))
+            g.output(norm_nodes(g, v, None, eps) if v_norm else g.cont(v))
         return g.finish()
 
     key = ("prologue", id(qkv), id(v_matrix), layout(a), layout(cos3), n_head, n_kv, head_dim, shared, v_norm, eps)
     qo = torch.empty(T, n_head, head_dim)
     if shared:
-        _cached(key, build, T).run(ins, [qo])
+        cached_graph(key, build, T).run(ins, [qo])
         return qo, None, None
     ko, vo = torch.empty(T, n_kv, head_dim), torch.empty(T, n_kv, head_dim)
-    _cached(key, build, T).run(ins, [qo, ko, vo])
+    cached_graph(key, build, T).run(ins, [qo, ko, vo])
     return qo, ko, vo
 
 
@@ -325,21 +327,21 @@ def attn_residual(x: torch.Tensor, o: torch.Tensor, w_o: Matrix, post_weight: to
                   next_weight: Optional[torch.Tensor]):
     """After attention: h = x + rms_norm(o W_o^T) * post_weight; n = rms_norm(h) * next_weight
     (the MLP's pre-norm) -> (h, n)."""
-    _check(x, o, post_weight, next_weight)
+    check_cpu_float32(x, o, post_weight, next_weight)
     ins = [x, o, post_weight] + ([] if next_weight is None else [next_weight])
 
     def build(big):
         g = Graph(16, big)
         gx, go, gw = (g.input(t) for t in ins[:3])
-        h = g.add(gx, _norm(g, g.mul_mat(g.matrix(w_o), go), gw, eps))
+        h = g.add(gx, norm_nodes(g, g.mul_mat(g.matrix(w_o), go), gw, eps))
         g.output(h)
         if next_weight is not None:
-            g.output(_norm(g, h, g.input(next_weight), eps))
+            g.output(norm_nodes(g, h, g.input(next_weight), eps))
         return g.finish()
 
     h = torch.empty(x.shape)
     n = None if next_weight is None else torch.empty(x.shape)
-    _cached(("attn_res", id(w_o), layout(x), layout(o), next_weight is None, eps), build, x.shape[0]).run(
+    cached_graph(("attn_res", id(w_o), layout(x), layout(o), next_weight is None, eps), build, x.shape[0]).run(
         ins, [h] if n is None else [h, n])
     return h, n
 
@@ -354,7 +356,7 @@ def ffn_residual(x: torch.Tensor, m: torch.Tensor, gate_up: Optional[Matrix], ga
     h = x2 [* scale]; n = rms_norm(h) * next_weight (the next layer's attention norm or the final
     norm) -> (h, n)."""
     inp_gate, pl, proj, post_norm = ple if ple is not None else (None, None, None, None)
-    _check(x, m, post_weight, pl, post_norm, next_weight)
+    check_cpu_float32(x, m, post_weight, pl, post_norm, next_weight)
     s = scalar(scale)
     ins = [t for t in (x, m, post_weight, pl, post_norm, next_weight) if t is not None]
 
@@ -367,22 +369,22 @@ def ffn_residual(x: torch.Tensor, m: torch.Tensor, gate_up: Optional[Matrix], ga
             act = g.geglu(g.mul_mat(g.matrix(gate_up), gm))
         else:
             act = g.mul(g.gelu(g.mul_mat(g.matrix(gate), gm)), g.mul_mat(g.matrix(up), gm))
-        h = g.add(gx, _norm(g, g.mul_mat(g.matrix(down), act), gpw, eps))
+        h = g.add(gx, norm_nodes(g, g.mul_mat(g.matrix(down), act), gpw, eps))
         if ple is not None:
             gpl, gpn = g.input(next(it)), g.input(next(it))
             e = g.mul(g.gelu(g.mul_mat(g.matrix(inp_gate), h)), gpl)
-            h = g.add(h, _norm(g, g.mul_mat(g.matrix(proj), e), gpn, eps))
+            h = g.add(h, norm_nodes(g, g.mul_mat(g.matrix(proj), e), gpn, eps))
         if s is not None:
             h = g.scale(h, s)
         g.output(h)
         if next_weight is not None:
-            g.output(_norm(g, h, g.input(next(it)), eps))
+            g.output(norm_nodes(g, h, g.input(next(it)), eps))
         return g.finish()
 
     key = ("ffn_res", id(gate_up), id(gate), id(up), id(down), id(inp_gate), id(proj), layout(x), layout(m),
            layout(pl), s, next_weight is None, eps)
     h = torch.empty(x.shape)
     n = None if next_weight is None else torch.empty(x.shape)
-    _cached(key, build, x.shape[0]).run(ins, [h] if n is None else [h, n])
+    cached_graph(key, build, x.shape[0]).run(ins, [h] if n is None else [h, n])
     return h, n
 

@@ -7,7 +7,7 @@ one output feature (256 values per block for the K-quants, 32 for Q8_0/Q5_0/Q4_0
 ``_qdequant_kernel``: program (i, j) dequantizes rows i*BLOCK_N.. at values j*256..j*256+255 in
 registers with the same float ops as ``models/quant.py`` (bit-equal under the interpreter; a GPU may
 fuse ``(d*sc)*q - m`` into one FMA) and writes them in the output's dtype.  The matrices the GEMMs
-read are repacked at load (kernels/qpack.py) and go through kernels/qmatmul.py instead.
+read are repacked at load (kernels/triton/qpack.py) and go through kernels/triton/qmatmul.py instead.
 
 ``qdequantize_ref`` is the plain-torch version, with the exact float32 op order of gguf-py /
 ``models/quant.py``.  Triton is optional: without it this module imports and the ref works.
@@ -237,7 +237,7 @@ def _nibbles_lo_hi(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat([qs & 15, qs >> 4], dim=-1)
 
 
-def _scale_min_k4_ref(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def scale_min_k4_ref(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """12 bytes [n, 12] of Q4_K/Q5_K 6-bit scales/mins -> float32 [n, 8] each."""
     d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
     sc = torch.cat([d & 63, (md & 15) | ((d >> 2) & 48)], dim=1)
@@ -259,7 +259,7 @@ def _dequant_blocks_ref(b: torch.Tensor, t: int) -> torch.Tensor:
     if t == Q8_0:
         return b[:, 2:34].view(torch.int8).to(torch.float32) * _f16_field(b, 0)
     if t in (Q4_K, Q5_K):
-        sc, mn = _scale_min_k4_ref(b[:, 4:16])
+        sc, mn = scale_min_k4_ref(b[:, 4:16])
         dl = (_f16_field(b, 0) * sc)[:, :, None]
         ml = (_f16_field(b, 2) * mn)[:, :, None]
         qs_off = 16 if t == Q4_K else 48

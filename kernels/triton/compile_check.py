@@ -1,6 +1,6 @@
 """Compile recorded Triton launches for real GPUs without a GPU: registers, spills, shared memory, SASS.
 
-A launch recorded by `kernels.launch.record_launches` (kernel, grid, arguments) becomes a
+A launch recorded by `kernels.triton.launch.record_launches` (kernel, grid, arguments) becomes a
 `KernelSpec`: the kernel's module and name plus the signature, constexprs and `tt.divisibility`
 attributes Triton's JIT would specialize that call to (`spec_of`, mirroring triton 3.9
 `runtime/jit.py` `create_function_from_signature` and the C++ `specialize_impl`):
@@ -24,7 +24,7 @@ Kernels must be `JITFunction`s: under TRITON_INTERPRET=1 the kernel modules hold
 wrappers (and the launchers pick the interpreter's block sizes), so the compiles then run in
 spawned worker processes with TRITON_INTERPRET=0 (`jobs` of them).
 
-`kernels/sass.py` reads the SASS (a kernel's main loop, its loads); with the reference GPUs in
+`kernels/triton/sass.py` reads the SASS (a kernel's main loop, its loads); with the reference GPUs in
 `ARCHS`, `bandwidth_cap` turns instructions per weight byte into the share of peak bandwidth a
 decode GEMV can reach at most.
 """
@@ -188,7 +188,7 @@ def specialize_value(value, is_const: bool = False, specialize: bool = True, ali
 
 
 def spec_of(launch) -> KernelSpec:
-    """The KernelSpec Triton's JIT would compile for a recorded launch (`kernels.launch.Launch`)."""
+    """The KernelSpec Triton's JIT would compile for a recorded launch (`kernels.triton.launch.Launch`)."""
     fn = _kernel_fn(launch.kernel)
     sig = inspect.signature(fn)
     call_kwargs = {k: v for k, v in launch.kwargs.items() if k in sig.parameters}

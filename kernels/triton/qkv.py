@@ -8,22 +8,22 @@ q to a [T, n_h, hd] tensor, k and v straight into the slabs at `slots` (or to de
 outputs when no slabs are given: a dense cache writes them itself).
 Grid: (T, n_h + 2 * n_kv); row r < n_h is query head r, then the K heads, then the V heads.
 
-Numerics are those of the unfused kernels: fp32 norm and rotation (kernels/fused.py
+Numerics are those of the unfused kernels: fp32 norm and rotation (kernels/triton/fused.py
 `rms_norm_rope`), the normed k/v rounded to the activation dtype (what `rms_norm_rope` returns),
-then stored exactly as kernels/kv_store.py stores that tensor (the same `_store_row`).
+then stored exactly as kernels/triton/kv_store.py stores that tensor (the same `store_row`).
 `qkv_norm_rope_store_ref` is the torch definition: `rms_norm_rope_ref` + `rms_norm_ref` +
 `kv_store_ref`.
 """
 import torch
 
 from .fused import rms_norm_ref, rms_norm_rope_ref
-from .kv_store import _check, kv_store_ref, quant_code, store_views
+from .kv_store import check_store, kv_store_ref, quant_code, store_views
 
 try:
     import triton
     import triton.language as tl
 
-    from .kv_store import _store_row
+    from .kv_store import store_row
 except ImportError:  # CPU-only installs: the ref still works
     triton = None
 
@@ -82,12 +82,12 @@ if triton is not None:
             if slot >= 0:
                 if r < NH + NKV:
                     h = r - NH
-                    _store_row(yr, k_dst_ptr + slot * stride_dt + h * stride_dh + cols,
-                               k_scale_ptr + slot * stride_st + h * stride_sh, cmask, QUANT)
+                    store_row(yr, k_dst_ptr + slot * stride_dt + h * stride_dh + cols,
+                              k_scale_ptr + slot * stride_st + h * stride_sh, cmask, QUANT)
                 else:
                     h = r - NH - NKV
-                    _store_row(yr, v_dst_ptr + slot * stride_dt + h * stride_dh + cols,
-                               v_scale_ptr + slot * stride_st + h * stride_sh, cmask, QUANT)
+                    store_row(yr, v_dst_ptr + slot * stride_dt + h * stride_dh + cols,
+                              v_scale_ptr + slot * stride_st + h * stride_sh, cmask, QUANT)
 
 
 def _rope_table(cos: torch.Tensor, T: int, hd: int, fn: str) -> torch.Tensor:
@@ -109,7 +109,7 @@ def qkv_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v, q_weight: torch.Ten
     q_weight, k_weight [hd]; cos, sin fp32 [T, n_rot/2] (or [T, 1, n_rot/2]).
 
     With slabs (k_slab, v_slab [capacity, n_kv, hd], slots [T], scales for int8/fp8 slabs, as
-    `kernels.kv_store.kv_store`): returns (q_out, None, None) and K/V are stored. Without: returns
+    `kernels.triton.kv_store.kv_store`): returns (q_out, None, None) and K/V are stored. Without: returns
     (q_out, k_out, v_out), all contiguous in q's dtype."""
     if triton is None:
         raise RuntimeError("qkv_norm_rope_store: triton is not installed; use qkv_norm_rope_store_ref")
@@ -132,8 +132,8 @@ def qkv_norm_rope_store(q: torch.Tensor, k: torch.Tensor, v, q_weight: torch.Ten
     k_out = v_out = None
     if k_slab is not None:
         assert v_slab is not None and slots is not None, "qkv_norm_rope_store: k_slab needs v_slab and slots"
-        _check(k, k_slab, k_scale, slots, "k")
-        _check(v, v_slab, v_scale, slots, "v")
+        check_store(k, k_slab, k_scale, slots, "k")
+        check_store(v, v_slab, v_scale, slots, "v")
         assert k_slab.dtype == v_slab.dtype and k_slab.stride() == v_slab.stride(), "k/v slabs differ"
         k_dst, v_dst = store_views(k_slab, v_slab)
         quant = quant_code(k_slab.dtype)
