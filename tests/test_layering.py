@@ -226,7 +226,8 @@ def test_the_toolchain_folders_do_not_import_each_other():
 def test_the_toolchain_rule_sees_a_crossing_either_way():
     graph = {"kernels.triton.qmatmul": [(3, "kernels.ggml.lib"), (4, "kernels.arch")],
              "kernels.ggml.ops": [(7, "kernels.triton"), (8, "kernels.ggml.graph")],
-             "kernels.ggml": [(2, "kernels.ggml.ops")], "models.ops": [(9, "kernels.ggml"), (10, "kernels.triton.fused")]}
+             "kernels.ggml": [(2, "kernels.ggml.ops")],
+             "models.ops": [(9, "kernels.ggml"), (10, "kernels.triton.fused")]}
     assert _across_toolchains(graph) == ["kernels.triton.qmatmul:3 imports kernels.ggml.lib",
                                          "kernels.ggml.ops:7 imports kernels.triton"]
 

@@ -16,7 +16,8 @@ INTERPRET = os.environ["TRITON_INTERPRET"].lower() in ("1", "true", "on")
 DEVICE = "cpu" if INTERPRET else "cuda"
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("TRITON_INTERPRET is off and there is no CUDA device", allow_module_level=True)
-if INTERPRET:  # triton 3.6's interpreter with numpy >= 2.3: scalar range() bounds (kernels/triton/interpreter_compat.py)
+# triton 3.6's interpreter with numpy >= 2.3: scalar range() bounds (kernels/triton/interpreter_compat.py)
+if INTERPRET:
     from kernels.triton.interpreter_compat import install
 
     install()

@@ -19,7 +19,7 @@ From a dry run of the synthetic E2B/E4B model on the meta device (`engine/bench/
     iteration issues and the bytes they fetch, weights and x together).
 
 `engine_specs` records the launches of decode (B = 1, 2, 4), verify and prefill steps for every KV
-format, for the compile test (tests/test_kernel_compile.py).
+format, for the compile test (tests/kernels/test_kernel_compile.py).
 
 Everything here imports the kernels as a GPU machine does (TRITON_INTERPRET=0): in a process that
 runs the interpreter the work goes to a spawned worker (`kernels.triton.compile_check.gpu_pool`).

@@ -106,7 +106,8 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> tor
         return g.finish()
 
     out = torch.empty(x.shape)
-    cached_graph(("rms", layout(x), weight is None, eps), build, x.numel() // max(1, x.shape[-1])).run([x] + ([] if weight is None else [weight]), [out])
+    cached_graph(("rms", layout(x), weight is None, eps), build, x.numel() // max(1, x.shape[-1])).run(
+        [x] + ([] if weight is None else [weight]), [out])
     return out
 
 
@@ -224,7 +225,8 @@ def gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return g.finish()
 
     out = torch.empty(gate.shape)
-    cached_graph(("gelu_mul", layout(gate), layout(up)), build, gate.numel() // max(1, gate.shape[-1])).run([gate, up], [out])
+    cached_graph(("gelu_mul", layout(gate), layout(up)), build, gate.numel() // max(1, gate.shape[-1])).run(
+        [gate, up], [out])
     return out
 
 

@@ -13,10 +13,10 @@ No int->float conversion per value: a nibble q is placed in the top mantissa bit
 per-lane accumulators t' = sum (1 + q/16) x, and the 1 is taken out once per sub-block with the
 sum of x: sum q x = 16 (t' - sum x). So a value costs a shift, a LOP3 and an FFMA; 5- and 6-bit
 quants first merge their high bits into the nibble word with one LOP3 per 4 values (the byte-
-select order of kernels/triton/qpack.py), then take a shift and a LOP3 a value as well (1 + q/32, 1 + q/64). Scales are loaded
-as words once per (row, sub-block) and applied once per sub-block: acc += A t' - B sum x (A, B
-per format below). Accumulators stay per lane ([M, BLOCK_N, 8] after the in-thread sum over the
-4 words) and are reduced across the 8 sub-block lanes once, after the K loop.
+select order of kernels/triton/qpack.py), then take a shift and a LOP3 a value as well (1 + q/32,
+1 + q/64). Scales are loaded as words once per (row, sub-block) and applied once per sub-block:
+acc += A t' - B sum x (A, B per format below). Accumulators stay per lane ([M, BLOCK_N, 8] after
+the in-thread sum over the 4 words) and are reduced across the 8 sub-block lanes once, after the K loop.
 Numerics: fp32 throughout; t' - sum x cancels the 1s exactly up to fp32 rounding of the two sums
 (the error is a few ulp of sum |x| per sub-block, amplified at most 16-64x relative to the
 reference's per-term rounding: ~1e-6 relative, far below bf16 activations).

@@ -21,7 +21,7 @@ one arch of each recording class (sm_75, sm_86 for sm_80-89, sm_90, sm_120), E2B
 model with bf16 and fp8 KV (int8 KV differs from fp8 only in the byte decode; fp8 is refused on
 sm_75) and the float32 model with fp32 KV, every step kind (decode B = 1, 2, 4, verify, prefill);
 sm_90 also compiles the quick GPU check's launches under triton 3.6 and 3.9
-(tests/test_gpu_bench_compiles.py). Every check below runs in both sizes; what differs is the set
+(tests/kernels/triton/test_gpu_bench_compiles.py). Every check below runs in both sizes; what differs is the set
 of launches. Run the full one when a kernel, its launcher or the launch parameters change.
 """
 from __future__ import annotations

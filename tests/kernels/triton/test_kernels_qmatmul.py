@@ -3,7 +3,7 @@ kernels on the repacked planes match ``qmatmul_ref`` and ``x @ models.quant.dequ
 kernels.triton.qdequant (GGUF rows, for embedding gathers) against the same oracle.
 
 Runs the kernels on the CPU under the Triton interpreter: TRITON_INTERPRET=1 is set here, before
-anything imports triton.  On a CUDA machine, ``TRITON_INTERPRET=0 pytest tests/test_kernels_qmatmul.py``
+anything imports triton.  On a CUDA machine, ``TRITON_INTERPRET=0 pytest tests/kernels/triton/test_kernels_qmatmul.py``
 runs the same tests on the GPU.  Shapes are tiny and odd (5 or 37 output rows, a partial 256-value
 step for the 32-value types); M covers the GEMV (1, 2), the multi-row GEMV (3), two GEMV launches
 (9 > GEMV_MAX_M) and the prefill path (19).

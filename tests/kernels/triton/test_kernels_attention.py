@@ -1,7 +1,7 @@
 """kernels.triton.kv_store and kernels.triton.attention: Triton kernels vs their torch refs vs models.ops.attention.
 
 Runs the kernels on the CPU under the Triton interpreter: TRITON_INTERPRET=1 is set here, before
-anything imports triton. On a CUDA machine, `TRITON_INTERPRET=0 pytest tests/test_kernels_attention.py`
+anything imports triton. On a CUDA machine, `TRITON_INTERPRET=0 pytest tests/kernels/triton/test_kernels_attention.py`
 runs the same tests on the GPU, adding bf16 queries (the interpreter's bf16 tl.dot is wrong, so there
 bf16 appears only as a KV slab format read with fp32 queries) and bit-exact bf16 slab stores (the
 interpreter's fp32 -> bf16 cast truncates instead of rounding to nearest even).

@@ -1,7 +1,7 @@
 """kernels.triton.fused: Triton kernels vs their torch refs vs the models.ops functions they replace.
 
 Runs under the Triton interpreter on the CPU (TRITON_INTERPRET=1 is set before triton is imported);
-`TRITON_INTERPRET=0 pytest tests/test_kernels_fused.py` runs the same tests on a CUDA device, adding
+`TRITON_INTERPRET=0 pytest tests/kernels/triton/test_kernels_fused.py` runs the same tests on a CUDA device, adding
 bf16 inputs (the interpreter's fp32 -> bf16 cast truncates rather than rounds).
 Shapes are small and odd: row lengths 40, 97, 640, 1000; head dims 40 and 64 with n_rot < hd.
 """
