@@ -1,8 +1,8 @@
 """Attention backends: how K/V reach the pools and how attention reads them back.
 
 `torch` is the reference (the CPU path): quantize with the KV format, gather the slots, run
-`models.ops.attention`. `triton` stores with `kernels.kv_store` (8-bit quantization on the fly)
-and attends straight over the slabs through the slot lists (`kernels.attention`): no gather.
+`models.ops.attention`. `triton` stores with `kernels.triton.kv_store` (8-bit quantization on the fly)
+and attends straight over the slabs through the slot lists (`kernels.triton.attention`): no gather.
 Backends are picked by name from a registry that imports them lazily, so `import engine` works
 without Triton or CUDA.
 """
@@ -46,7 +46,7 @@ class TritonAttention(AttentionBackend):
     name = "triton"
 
     def __init__(self):
-        from kernels import attention as att, kv_store as store  # noqa: F401 - fails early without triton
+        from kernels.triton import attention as att, kv_store as store  # noqa: F401 - fails early without triton
 
         if att.triton is None or store.triton is None:
             raise RuntimeError("the triton attention backend needs the triton package")

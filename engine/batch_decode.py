@@ -3,7 +3,7 @@ on CUDA the whole forward is captured once as a `torch.cuda.CUDAGraph` and repla
 
 A step for n sequences (n <= 4) of T rows each (T = 1 decode, T = 1 + K draft-verify):
   - pad to the bucket B in (1, 2, 4); dummy sequences and the unused rows of a short verify write
-    their K/V to slot -1 ("padding row, write nothing": kernels/kv_store.py) and are ignored;
+    their K/V to slot -1 ("padding row, write nothing": kernels/triton/kv_store.py) and are ignored;
   - host side, outside the graph (graphs cannot capture host work): `SequenceKV.begin` has already
     allocated the new slots (its bookkeeping stays authoritative); the model embeds the tokens
     into x [N, d] and the per-layer inputs [N, L, P] (`embed_into`: with `--embed-weights host`
@@ -15,7 +15,7 @@ A step for n sequences (n <= 4) of T rows each (T = 1 decode, T = 1 + K draft-ve
     rows y [N, d] (the assistant's h); under a graph these are the tensors the capture allocated,
     rewritten by every replay (no copy out). N = B * T.
 Attention reads the tables: the torch reference gathers K/V by slot ([B, C] at once) and runs a
-masked SDPA; the triton path calls `kernels.attention.decode_attention` with one query row per
+masked SDPA; the triton path calls `kernels.triton.attention.decode_attention` with one query row per
 (sequence, t) and a `num_splits` fixed per captured shape (the grid of a graph never changes;
 the kernel reads the split count from its grid, so one compiled kernel serves every count).
 Table entries past a sequence's length hold slot 0 (a valid address) at position POS_PAD, which
@@ -58,13 +58,13 @@ def capacity_of(n: int) -> int:
 
 def decode_splits(capacity: int, rows: int, n_kv: int, device, group: int, hd: int, kv_dtype) -> int:
     """Split-K programs per (query row, KV head) of a decode-attention launch over tables of
-    `capacity` entries for `rows` = B * T query rows (`kernels.attention.decode_splits`: two
+    `capacity` entries for `rows` = B * T query rows (`kernels.triton.attention.decode_splits`: two
     programs per SM of `device` where the capacity allows, capped so the last split's merge stays
     cheap). A function of the captured shape, the layer's KV geometry and the device only, so a
     graph's grid is a constant. Meta and CPU devices take the reference GPU's SM count
     (`kernels.arch.REFERENCE`, or `assume_gpu`)."""
     from kernels.arch import gpu_of
-    from kernels.attention import decode_splits as split_rule
+    from kernels.triton.attention import decode_splits as split_rule
 
     return split_rule(capacity, rows, n_kv, gpu_of(device).sms, group=group, hd=hd, kv_dtype=kv_dtype)
 
@@ -256,7 +256,7 @@ class _TableKV:
 
     def slab_target(self, layer: int):
         """Triton backend: where the models' fused attention prologue stores `layer`'s K/V itself
-        (kernels/qkv.py), one launch instead of norm kernels plus kv_store."""
+        (kernels/triton/qkv.py), one launch instead of norm kernels plus kv_store."""
         if not self.dec.triton:
             return None
         return self.pools.slab_target(layer, self.st.new_full, self.st.new_win)
@@ -297,7 +297,7 @@ class _TableKV:
         return o.reshape(B, n_kv, group, T, hd).permute(0, 3, 1, 2, 4).reshape(N, n_h * hd)
 
     def _attend_triton(self, pool, slab, slots, k_pos, q, pos, window, scale):
-        from kernels.attention import decode_attention
+        from kernels.triton.attention import decode_attention
 
         B, C = slots.shape
         N, n_h, hd = q.shape

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from kernels.ggml_attention import BUCKET
+from kernels.ggml.attention import BUCKET
 from models.ops import (attention, cpu_kernels_attend, decode_attention, decode_attention_masked,
                         decode_attention_parts)
 
@@ -213,7 +213,7 @@ class SequenceKV:
         return self._reads[key]
 
     def _masked(self, layer: int, window: Optional[int]):
-        """(k, v, mask) for ggml's decode attention (kernels/ggml_attention.py): k, v [S, n_kv, hd]
+        """(k, v, mask) for ggml's decode attention (kernels/ggml/attention.py): k, v [S, n_kv, hd]
         views of `layer`'s slab over the slots [lo, lo + S) that hold every position this step's
         query sees, mask float16 [1, S] (0 at those slots, -inf elsewhere); S a multiple of BUCKET
         (one graph serves a growing sequence for BUCKET steps). None for 8-bit pools, or slots
@@ -245,7 +245,7 @@ class SequenceKV:
         return pool.k[slab][lo:lo + size], pool.v[slab][lo:lo + size], mask
 
     def decode_target(self, layer: int, window: Optional[int]):
-        """For a layer computed whole in one ggml graph (kernels/ggml_layer.py): (k slab, v slab,
+        """For a layer computed whole in one ggml graph (models/gemma3_ggml.py): (k slab, v slab,
         this token's slot [1], k window, v window, mask) of `layer`'s own float32 slabs, or None
         (a kernel backend, more than one token, a KV-shared layer, the debug copies, another
         format, or a window `_masked` does not give)."""
@@ -272,7 +272,7 @@ class SequenceKV:
         if self.backend is None:
             decode = q.shape[0] == 1 and q.device.type == "cpu"
             masked = self._masked(layer, window) if decode and cpu_kernels_attend(q) else None
-            if masked is not None:  # llama.cpp's kernel over a window of the slab (kernels/ggml_attention.py)
+            if masked is not None:  # llama.cpp's kernel over a window of the slab (kernels/ggml/attention.py)
                 return decode_attention_masked(q, *masked, scale)
             visible = self._visible(layer, window) if decode else None
             if visible is not None:

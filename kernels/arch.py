@@ -131,7 +131,7 @@ def _triton_installed() -> bool:
 
 def triton_supported(device: torch.device | str) -> tuple[bool, str]:
     """(True, why) when the Triton kernels run on `device`, else (False, why not) in one line.
-    Cheap after the first call per GPU (the models ask it per op through kernels.launch)."""
+    Cheap after the first call per GPU (the models ask it per op through kernels.triton.launch)."""
     device = device if isinstance(device, torch.device) else torch.device(device)
     if device.type != "cuda":
         return False, f"{device.type} is not a CUDA device"

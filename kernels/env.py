@@ -16,9 +16,9 @@ raised by the first `env()`; the command line calls `env()` before anything else
 An empty value counts as unset. `EDGEGEM_FAILPOINTS` is kept as its text: its grammar and point
 names belong to engine/failpoints.py, which parses it (its own one-line error).
 
-Not here: `TRITON_INTERPRET`, which Triton itself reads (kernels/launch.py `interpreting()`), and
+Not here: `TRITON_INTERPRET`, which Triton itself reads (kernels/triton/launch.py `interpreting()`), and
 the standard `OMP_NUM_THREADS` (engine/cpu_runtime.py) and `XDG_CACHE_HOME`
-(kernels/compile_check.py), which torch, OpenMP and every XDG program read as well.
+(kernels/triton/compile_check.py), which torch, OpenMP and every XDG program read as well.
 """
 from __future__ import annotations
 

@@ -67,7 +67,7 @@ def rms(x: torch.Tensor, w: Optional[torch.Tensor], eps: float) -> torch.Tensor:
 
 def matmul(x: torch.Tensor, w, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x·Wᵀ for a torch matrix, or for a quantized one on llama.cpp's CPU kernels
-    (models/cpu_ggml.GGMLWeight, which the vision tower keeps; it carries no bias)."""
+    (models/formats/ggml.GGMLWeight, which the vision tower keeps; it carries no bias)."""
     if isinstance(w, torch.Tensor):
         return F.linear(x, w, bias)
     assert bias is None, "a GGML matrix with a bias"

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from .decoder import DecoderModel, Trace
-from .ggml_decode import fused_decode_layer, fused_decode_step
+from .gemma3_ggml import fused_decode_layer, fused_decode_step
 from .kv_cache import KVStore
 from .metadata import ConfigError, metadata_reader, vocab_size_of
 from .ops import (
@@ -175,7 +175,7 @@ class Gemma3Model(DecoderModel):
 
     def decode_step(self, x: torch.Tensor, pos: torch.Tensor, cache) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """One embedded decode token x [1, d] through every layer, the final norm and the head as
-        one ggml graph (models.ggml_decode.fused_decode_step) -> (logits [1, vocab], the last layer's
+        one ggml graph (models.gemma3_ggml.fused_decode_step) -> (logits [1, vocab], the last layer's
         residual [1, d]: for the caller's finite check), or None where it does not apply (the
         caller then runs the layers one by one)."""
         cfg = self.cfg

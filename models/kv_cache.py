@@ -10,7 +10,7 @@ import torch
 
 class SlabTarget(NamedTuple):
     """Where one layer's K/V rows of this forward go in a pooled cache, for kernels that store them
-    themselves (kernels/qkv.py): slabs [capacity, n_kv, hd], per-token-head fp32 scales [capacity,
+    themselves (kernels/triton/qkv.py): slabs [capacity, n_kv, hd], per-token-head fp32 scales [capacity,
     n_kv] for 8-bit slabs (else None), and the slot of each row [T] on the slabs' device (< 0:
     write nothing)."""
     k: torch.Tensor

@@ -2,7 +2,7 @@
 embedding lookups, softcap) and their kernel dispatch.
 
 Each op is the plain-torch reference (exact math in the caller's dtype: float32 on the CPU, float64
-in the exactness tests) unless `kernels.launch.use_kernels` says the fused Triton kernels run where
+in the exactness tests) unless `kernels.triton.launch.use_kernels` says the fused Triton kernels run where
 the tensors live (CUDA; the CPU under `kernels_on_cpu()` with the interpreter; meta in a dry run).
 Kernels in `kernels/` are checked against these.
 """
@@ -22,7 +22,7 @@ from .runtime import Runtime
 
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _modules: dict = {}  # kernels module name -> the module, or None without triton (imported once)
-# kernels.ggml_ops while a model on llama.cpp's CPU kernels runs a forward (`cpu_chains`), else None
+# kernels.ggml.ops while a model on llama.cpp's CPU kernels runs a forward (`cpu_chains`), else None
 _CPU_CHAINS: contextvars.ContextVar = contextvars.ContextVar("edgegem_cpu_chains", default=None)
 
 
@@ -30,12 +30,12 @@ _CPU_CHAINS: contextvars.ContextVar = contextvars.ContextVar("edgegem_cpu_chains
 def cpu_chains(model):
     """Inside, for a model of the ggml runtime (`model.runtime`, models/runtime.py: its matrices are
     models.formats.GGMLWeight), the ops below run their elementwise chains as ggml graphs
-    (kernels/ggml_ops.py: one call where torch runs several ops, products inside where the chain
+    (kernels/ggml/ops.py: one call where torch runs several ops, products inside where the chain
     has them) for CPU float32 tensors. Other runtimes keep the torch ops."""
     if getattr(model, "runtime", None) is not Runtime.GGML or _CPU_CHAINS.get() is not None:
         yield
         return
-    from kernels import ggml_ops
+    from kernels.ggml import ops as ggml_ops
 
     token = _CPU_CHAINS.set(ggml_ops)
     try:
@@ -45,7 +45,7 @@ def cpu_chains(model):
 
 
 def _chains(*ts: torch.Tensor | None):
-    """kernels.ggml_ops inside `cpu_chains` when every tensor is CPU float32 with a unit last stride."""
+    """kernels.ggml.ops inside `cpu_chains` when every tensor is CPU float32 with a unit last stride."""
     c = _CPU_CHAINS.get()
     if c is None:
         return None
@@ -61,7 +61,7 @@ def _kernel_module(name: str):
         import importlib
 
         try:
-            mod = importlib.import_module(f"kernels.{name}")
+            mod = importlib.import_module(f"kernels.triton.{name}")
         except ImportError:
             mod = None
         _modules[name] = mod if mod is not None and mod.triton is not None else None
@@ -69,12 +69,12 @@ def _kernel_module(name: str):
 
 
 def _fused_for(*ts: torch.Tensor | None):
-    """kernels.fused when every tensor given is an fp16/bf16/fp32 tensor with a unit last stride
-    where the kernels run (CUDA; see kernels.launch.use_kernels for the interpreter and dry runs)
+    """kernels.triton.fused when every tensor given is an fp16/bf16/fp32 tensor with a unit last stride
+    where the kernels run (CUDA; see kernels.triton.launch.use_kernels for the interpreter and dry runs)
     and triton imports (checked once), else None. On CUDA the fused Triton kernels make one pass
     over memory where the torch path below runs several ops with fp32 temporaries; the CPU path
     (and float64) stays the torch reference."""
-    from kernels.launch import use_kernels
+    from kernels.triton.launch import use_kernels
 
     if ts and ts[0] is not None and ts[0].device.type == "cpu" and not _cpu_kernels_possible():
         return None  # the CPU path's common case, decided before the per-tensor checks
@@ -85,7 +85,7 @@ def _fused_for(*ts: torch.Tensor | None):
 
 def _cpu_kernels_possible() -> bool:
     """Triton kernels may run on the CPU only inside kernels_on_cpu() under TRITON_INTERPRET=1."""
-    from kernels.launch import _state, interpreting
+    from kernels.triton.launch import _state, interpreting
 
     return getattr(_state, "cpu_kernels", 0) > 0 and interpreting()
 
@@ -104,7 +104,7 @@ def rope_dtype(x: torch.Tensor) -> torch.dtype:
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
     """x * (mean(x^2) + eps)^-1/2 [* weight] over the last dim; float32 at least, cast back."""
     fused = _fused_for(x, weight)
-    if fused is not None:  # CUDA: one Triton pass (kernels/fused.py), same fp32 math
+    if fused is not None:  # CUDA: one Triton pass (kernels/triton/fused.py), same fp32 math
         return fused.rms_norm(x, weight, eps)
     chains = _chains(x, weight)
     if chains is not None:  # CPU on llama.cpp's kernels: one ggml graph
@@ -155,7 +155,7 @@ def qkv_projection(x: torch.Tensor, w: dict, b: str, n_q: int, n_kv: int):
 
 
 def gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """gelu_tanh(gate) * up; on the kernel path one Triton pass (kernels/fused.gelu_tanh_mul) that
+    """gelu_tanh(gate) * up; on the kernel path one Triton pass (kernels/triton/fused.gelu_tanh_mul) that
     reads gate and up in place (the halves of a fused gate_up output, or a strided PLE slice)."""
     kern = _fused_for(gate, up)
     if kern is not None:
@@ -189,7 +189,7 @@ def gated_mlp(m: torch.Tensor, w: dict, b: str) -> torch.Tensor:
 def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
                  scale: Optional[torch.Tensor] = None, next_weight: Optional[torch.Tensor] = None):
     """The residual update (x + rms_norm(y) [* weight]) [* scale] -> (h, n): on the kernel path one
-    Triton pass (kernels/fused.add_rms_norm) that also returns n = rms_norm(h) * next_weight for
+    Triton pass (kernels/triton/fused.add_rms_norm) that also returns n = rms_norm(h) * next_weight for
     the op reading h next (the next layer's attention norm, or the final norm); the reference
     returns n = None (the next op norms h itself, as it always did). scale: a one-element tensor
     (Gemma-4's layer_output_scale), read in the kernel."""
@@ -209,7 +209,7 @@ def attn_residual(x: torch.Tensor, o: torch.Tensor, w_o, post_weight: torch.Tens
                   next_weight: Optional[torch.Tensor] = None):
     """After attention: (h, n) = add_rms_norm(x, o W_o^T, post_weight, next_weight=...): the output
     projection and the residual update; on the CPU with llama.cpp's kernels one ggml graph
-    (kernels/ggml_ops.attn_residual), n always given there."""
+    (kernels/ggml/ops.attn_residual), n always given there."""
     chains = _chains(x, o, post_weight, next_weight) if x.dim() == 2 and o.dim() == 2 else None
     if chains is not None and hasattr(w_o, "matrix_for"):
         return chains.attn_residual(x, o, w_o.matrix_for(x.shape[0]), post_weight, eps, next_weight)
@@ -221,7 +221,7 @@ def ffn_residual(x: torch.Tensor, m: torch.Tensor, w: dict, b: str, eps: float, 
     """The rest of a dense layer after the MLP's pre-norm m: f = gated_mlp(m); x += rms_norm(f) *
     post_ffw_norm; with `pl` (Gemma-4's per-layer input [T, P]) x += rms_norm(proj(gelu(x
     inp_gate^T) * pl)) * post_norm; x *= scale -> (x, rms_norm(x) * next_weight or None). On the
-    CPU with llama.cpp's kernels one ggml graph (kernels/ggml_ops.ffn_residual)."""
+    CPU with llama.cpp's kernels one ggml graph (kernels/ggml/ops.ffn_residual)."""
     chains = _chains(x, m, pl, next_weight) if x.dim() == 2 and m.dim() == 2 else None
     down = w[b + "ffn_down.weight"]
     if chains is not None and hasattr(down, "matrix_for"):
@@ -253,7 +253,7 @@ def attention_prologue(a: torch.Tensor, w: dict, b: str, n_head: int, n_kv: int,
     layer, k and v, written to `cache`) from the normed residual a [T, d]; q, k RMSNorm + RoPE, v
     weightless RMSNorm (`v_norm`; Gemma 3 keeps v raw; no attn_v: V = raw K). A KV-shared layer
     (`has_kv` False) projects q only. On the CPU with llama.cpp's kernels one ggml graph
-    (kernels/ggml_ops.attention_prologue); elsewhere the projections, then norm_rope_store (one
+    (kernels/ggml/ops.attention_prologue); elsewhere the projections, then norm_rope_store (one
     Triton launch on CUDA) or norm_rope."""
     T, shared = a.shape[0], not has_kv
     qkv = w.get(b + "attn_q.weight") if shared else w.get(b + "attn_qkv.weight")
@@ -301,7 +301,7 @@ def norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor],
     """The attention prologue of a KV-owning layer: q, k rms_norm + RoPE, v weightless rms_norm
     (v None: the raw k), K/V written to `cache` for `layer` at `pos`; returns q.
     q [T, n_h, hd], k, v [T, n_kv, hd]; cos, sin [T, 1, n_rot/2] (fp32 on the kernel path).
-    Kernel path: one Triton launch (kernels/qkv.py), storing straight into the slabs when the cache
+    Kernel path: one Triton launch (kernels/triton/qkv.py), storing straight into the slabs when the cache
     offers them (`cache.slab_target(layer)`, the engine's pools with the triton backend)."""
     chains = _chains(q, k, v, q_weight, k_weight, cos, sin)
     if chains is not None and cos.shape[-1] > 0:  # CPU on llama.cpp's kernels: one ggml graph
@@ -340,12 +340,12 @@ def rows_to_device(rows: torch.Tensor, device: torch.device, dtype) -> torch.Ten
 
 def quant_rows_to_device(tables: Sequence, ids: torch.Tensor, device: torch.device, dtype) -> list:
     """Rows `ids` of quantized embedding tables (QuantWeight: GGUF rows `.raw` [V, row_bytes] uint8,
-    `.ggml_type`, `.shape`; or a repacked tied head, whose `.rows` dequantizes on its device), dequantized on `device` by the Triton kernel (kernels.qmatmul.qdequantize)
+    `.ggml_type`, `.shape`; or a repacked tied head, whose `.rows` dequantizes on its device), dequantized on `device` by the Triton kernel (kernels.triton.qmatmul.qdequantize)
     -> [len(ids), D] in `dtype` each. Host tables (`--embed-weights host`) send their raw rows, not
     dequantized ones: a 2048-token prefill moves 2048 x 7350 bytes of E2B's Q6_K per-layer table
     instead of 2048 x 8960 fp32 values, in one pinned non-blocking copy for all the tables, and the
     host no longer dequantizes (~133 ms per 2048 rows on 2 cores)."""
-    from kernels.qmatmul import qdequantize
+    from kernels.triton.qmatmul import qdequantize
 
     if any(t.raw is None for t in tables):  # a repacked table (a tied head on the device): rows from its planes
         return [t.rows(ids.to(t.device)).to(device, dtype) if t.raw is None else
@@ -404,7 +404,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The q/k path: rms_norm over the head dim, then NeoX RoPE. x [T, H, hd]; cos, sin [T, 1, n_rot/2].
-    CUDA: one Triton pass (kernels/fused.rms_norm_rope: fp32 math and fp32 angles, one read and one
+    CUDA: one Triton pass (kernels/triton/fused.rms_norm_rope: fp32 math and fp32 angles, one read and one
     write of x instead of ~8 elementwise kernels); elsewhere the reference composition."""
     fused = _fused_for(x, weight)
     if fused is not None and cos.shape[-1] > 0:
@@ -480,8 +480,8 @@ def decode_attention_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
                             scale: float) -> torch.Tensor:
     """One query q [1, n_h, hd] over k, v [S, n_kv, hd] (views of a slab window) with a float16
     mask [1, S] (0 or -inf) -> [1, n_h * hd]: ggml's flash attention inside `cpu_chains`
-    (kernels/ggml_attention.py), its torch reference elsewhere."""
-    from kernels import ggml_attention
+    (kernels/ggml/attention.py), its torch reference elsewhere."""
+    from kernels.ggml import attention as ggml_attention
 
     if _chains(q) is not None:
         return ggml_attention.decode_attention(q, k, v, mask, scale)
@@ -532,13 +532,13 @@ def head_logits(y: torch.Tensor, w, cap: Optional[float]) -> torch.Tensor:
     the softcap reads it: bf16 logits are 0.125 apart between 16 and 32, which made greedy ties
     and moved probabilities by 6-13% against llama.cpp and the CPU path (issue 21 item 1). A dense
     or CPU head computes in y's dtype (float32 on the CPU) and is widened after; a float64 model
-    (the oracle runs) keeps float64. Only a `kernels.qpack.PackedQuant` takes the kernel: the CPU
+    (the oracle runs) keeps float64. Only a `kernels.triton.qpack.PackedQuant` takes the kernel: the CPU
     heads keep other things under `packed` (fbgemm's prepacked chunks)."""
-    from kernels.qpack import PackedQuant
+    from kernels.triton.qpack import PackedQuant
 
     packed = None if isinstance(w, torch.Tensor) else getattr(w, "packed", None)
     if isinstance(packed, PackedQuant):
-        from kernels.qmatmul import qmatmul
+        from kernels.triton.qmatmul import qmatmul
 
         logits = qmatmul(y, packed, out_dtype=torch.float32)
     else:

@@ -191,8 +191,8 @@ def microbench_main(iters: int, variants: str = "e2b,e4b", cpu: bool = False) ->
 
 def _interpreter_compat() -> None:
     """The dry run's interpreted parts: triton 3.6's interpreter with numpy >= 2.3, as the kernel
-    tests set it up (kernels/interpreter_compat.py); the GPU's compiled path needs nothing."""
-    from kernels.interpreter_compat import install
+    tests set it up (kernels/triton/interpreter_compat.py); the GPU's compiled path needs nothing."""
+    from kernels.triton.interpreter_compat import install
 
     install()
 

@@ -1,4 +1,4 @@
-"""The CPU runtime on llama.cpp's kernels (models/formats/ggml.py, kernels/ggml_ops.py): every matrix
+"""The CPU runtime on llama.cpp's kernels (models/formats/ggml.py, kernels/ggml/ops.py): every matrix
 of a tiny Q4_K_M Gemma-4 multiplied by ggml, the elementwise chains run as ggml graphs, and the
 whole model's greedy tokens equal to llama.cpp's.
 
@@ -110,7 +110,7 @@ def test_a_decode_step_is_three_chains_a_layer(fast, monkeypatch):
     MLP with everything after it are one ggml graph each (the attention itself stays torch)."""
     from collections import Counter
 
-    from kernels import ggml_ops
+    from kernels.ggml import ops as ggml_ops
     from models.kv_cache import DenseKVCache
 
     calls: Counter = Counter()

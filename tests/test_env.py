@@ -1,5 +1,5 @@
 """The environment switches (kernels/env.py): each variable parses, a bad value is one line naming
-it, kernels/env.py is the only reader of the EDGEGEM_* variables and kernels/launch.py of
+it, kernels/env.py is the only reader of the EDGEGEM_* variables and kernels/triton/launch.py of
 TRITON_INTERPRET, and docs/configuration.md documents every one."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kernels.env import VARIABLES, ConfigError, Env, env, reload
-from kernels.launch import interpreting, triton_interpret
+from kernels.triton.launch import interpreting, triton_interpret
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ("app", "engine", "models", "kernels", "packaging")
@@ -134,7 +134,7 @@ def test_no_edgegem_variable_is_read_anywhere_else():
 
 
 def test_triton_interpret_is_read_only_by_launch_interpreting():
-    assert _readers("TRITON_INTERPRET") == {"kernels/launch.py"}
+    assert _readers("TRITON_INTERPRET") == {"kernels/triton/launch.py"}
 
 
 # --- TRITON_INTERPRET ----------------------------------------------------------------------------
@@ -151,7 +151,7 @@ def test_interpreting_reads_the_variable_as_triton_does(monkeypatch):
     if importlib.util.find_spec("triton") is None:
         return
     # Triton's own reading, in a process of its own: importing triton here would fix the kind of
-    # triton.language's helpers for every later test in this process (kernels/interpreter_compat.py).
+    # triton.language's helpers for every later test in this process (kernels/triton/interpreter_compat.py).
     script = ("import json, os, sys\nfrom triton import knobs\nout = {}\n"
               "for v in json.loads(sys.argv[1]):\n    os.environ['TRITON_INTERPRET'] = v\n"
               "    out[v] = knobs.runtime.interpret\nprint(json.dumps(out))")

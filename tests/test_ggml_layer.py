@@ -1,4 +1,4 @@
-"""A Gemma 3 decode layer as one ggml graph (kernels/ggml_layer.py) against the four graph runs it
+"""A Gemma 3 decode layer as one ggml graph (models/gemma3_ggml.py) against the four graph runs it
 replaces (the attention prologue, ggml attention, the residual after attention, the MLP residual):
 the same nodes in the same order, so the engine's tokens and log-probabilities are bit for bit the
 same, on the real demo model (Gemma 3 270M Q4_K_M), two requests decoded together."""
@@ -52,7 +52,7 @@ def test_one_graph_a_layer_gives_the_four_runs_bits(gemma3_270m_path, monkeypatc
 
 
 def test_bad_inputs_are_one_line_errors():
-    from kernels.ggml_layer import decode_layer
+    from models.gemma3_ggml import decode_layer
 
     x = torch.zeros(2, 8)  # two rows: decode_layer takes one token
     with pytest.raises(ValueError, match="ggml decode_layer: one row"):

@@ -1,4 +1,4 @@
-"""A Gemma 3 decode token as one ggml graph (kernels/ggml_step.py: every layer, the final norm and
+"""A Gemma 3 decode token as one ggml graph (models/gemma3_ggml.py: every layer, the final norm and
 the head) against one graph a layer and against the four graph runs a layer: the same nodes in the
 same order, so the engine's tokens and log-probabilities are bit for bit the same, on the real demo
 model (Gemma 3 270M Q4_K_M), two requests decoded together, past a window bucket (64 keys) so the
@@ -39,7 +39,7 @@ def test_one_graph_a_token_gives_the_layer_graphs_bits(gemma3_270m_path, monkeyp
 
 
 def test_bad_inputs_are_one_line_errors():
-    from kernels.ggml_step import decode_step
+    from models.gemma3_ggml import decode_step
 
     with pytest.raises(ValueError, match="ggml decode_step: one token"):
         decode_step(object(), torch.zeros(2, 8), [], [(torch.ones(1, 1, 4), torch.zeros(1, 1, 4))], torch.ones(8),

@@ -64,7 +64,7 @@ def test_weight_bytes_per_token_is_the_layouts_device_tensors(e2b_report):
 
 
 def test_every_gemv_format_has_instructions_per_byte_and_a_bandwidth_cap(e2b_report):
-    from kernels.compile_check import ARCHS, bandwidth_cap
+    from kernels.triton.compile_check import ARCHS, bandwidth_cap
 
     r = e2b_report
     rows = {g["format"]: g for g in r["gemv"]}

@@ -1,4 +1,4 @@
-"""Two small Triton kernels for tests/test_compile_check.py, in a module of their own: the compile
+"""Two small Triton kernels for tests/kernels/test_compile_check.py, in a module of their own: the compile
 workers import kernels by module name with TRITON_INTERPRET=0, which a test module (it imports
 triton_env, which skips without a GPU when the interpreter is off) cannot be imported with."""
 import triton

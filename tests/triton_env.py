@@ -12,13 +12,14 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
 
-from kernels.launch import interpreting  # noqa: E402  (imports no kernel: nothing is @triton.jit yet)
+from kernels.triton.launch import interpreting  # noqa: E402  (imports no kernel: nothing is @triton.jit yet)
 
 INTERPRET = interpreting()  # Triton's parse of the variable, as the launchers read it
 DEVICE = "cpu" if INTERPRET else "cuda"
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("TRITON_INTERPRET is off and there is no CUDA device", allow_module_level=True)
-if INTERPRET:  # triton 3.6's interpreter with numpy >= 2.3: scalar range() bounds (kernels/interpreter_compat.py)
-    from kernels.interpreter_compat import install
+# triton 3.6's interpreter with numpy >= 2.3: scalar range() bounds (kernels/triton/interpreter_compat.py)
+if INTERPRET:
+    from kernels.triton.interpreter_compat import install
 
     install()

@@ -3,11 +3,11 @@ launches, counted and recorded without a GPU.
 
 The model is the synthetic E2B/E4B layout (`models/synthetic.py`) with uninitialised weights on the
 meta device (host embedding tables on the CPU, as `--embed-weights host` keeps them), the KV pools
-on meta, and the Triton attention backend. Inside `kernels.launch.record_launches` the model takes
+on meta, and the Triton attention backend. Inside `kernels.triton.launch.record_launches` the model takes
 exactly the branches it takes on CUDA (the kernel dispatch treats meta like CUDA while recording),
 torch ops on meta compute nothing, and Triton launches are recorded instead of run. What comes out:
 the number of kernels per step (Triton + device-side torch ops) and the Triton launches with their
-real arguments, which `kernels/compile_check.py` compiles for sm_75..sm_120.
+real arguments, which `kernels/triton/compile_check.py` compiles for sm_75..sm_120.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from kernels.launch import LaunchRecord, record_launches
+from kernels.triton.launch import LaunchRecord, record_launches
 
 META = torch.device("meta")
 

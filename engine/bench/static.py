@@ -2,15 +2,15 @@
 
 From a dry run of the synthetic E2B/E4B model on the meta device (`engine/bench/dry_run.py`):
   * kernels_per_step: every launch of one B = 1 decode step of the batched decoder, Triton and
-    device-side torch ops, counted by intercepting them (`kernels.launch.record_launches`);
+    device-side torch ops, counted by intercepting them (`kernels.triton.launch.record_launches`);
   * weight_bytes_per_token: the device weights a decode step reads (`engine.bench.throughput.device_weight_bytes`:
     every quantized/dense/vector tensor on the device, the tied LM head included, the host lookup
     tables not);
   * per decode-GEMV format (those the model uses and every other one `QuantWeight` reads): the
     launches `QuantWeight.linear` makes for one token at each matrix shape of the model, compiled
-    for `arch` with the wheel's ptxas (`kernels/compile_check.py`), and from the SASS the
+    for `arch` with the wheel's ptxas (`kernels/triton/compile_check.py`), and from the SASS the
     instructions per weight byte = instructions in one K-loop iteration x warps per program /
-    weight bytes the program reads in that iteration (`kernels.qmatmul.gemv_launch_info`), and the
+    weight bytes the program reads in that iteration (`kernels.triton.qmatmul.gemv_launch_info`), and the
     share of peak bandwidth that caps the kernel at on the arch's reference GPU (issue rate /
     (instructions per byte x bandwidth)). A format's figure is the worst of its shapes (row lengths
     decide which pointers Triton sees as 16-byte aligned, so which loads vectorize). One SASS loop
@@ -19,10 +19,10 @@ From a dry run of the synthetic E2B/E4B model on the meta device (`engine/bench/
     iteration issues and the bytes they fetch, weights and x together).
 
 `engine_specs` records the launches of decode (B = 1, 2, 4), verify and prefill steps for every KV
-format, for the compile test (tests/test_kernel_compile.py).
+format, for the compile test (tests/kernels/test_kernel_compile.py).
 
 Everything here imports the kernels as a GPU machine does (TRITON_INTERPRET=0): in a process that
-runs the interpreter the work goes to a spawned worker (`kernels.compile_check.gpu_pool`).
+runs the interpreter the work goes to a spawned worker (`kernels.triton.compile_check.gpu_pool`).
 """
 from __future__ import annotations
 
@@ -49,9 +49,9 @@ def _kernels_interpreted() -> bool:
     """Whether kernels imported in this process would be (or were) the interpreter's."""
     import sys
 
-    from kernels.launch import interpreting
+    from kernels.triton.launch import interpreting
 
-    mod = sys.modules.get("kernels.qmatmul")
+    mod = sys.modules.get("kernels.triton.qmatmul")
     return interpreting() or (mod is not None and type(getattr(mod, "_gemv_kernel", None)).__name__ ==
                               "InterpretedFunction")
 
@@ -60,7 +60,7 @@ def _run_as_on_gpu(fn, *args):
     """fn(*args) here, or in a spawned worker when this process runs the Triton interpreter."""
     if not _kernels_interpreted():
         return fn(*args)
-    from kernels.compile_check import gpu_pool
+    from kernels.triton.compile_check import gpu_pool
 
     with gpu_pool(1) as pool:
         return pool.submit(fn, *args).result()
@@ -81,7 +81,7 @@ def engine_specs(variant: str, kv_formats=KV_FORMATS, batches=(1, 2, 4), verify_
     import contextlib
 
     from kernels.arch import assume_gpu, fp8_kv_supported
-    from kernels.compile_check import spec_of
+    from kernels.triton.compile_check import spec_of
 
     from .dry_run import decode_step, dry_model, prefill_chunk
 
@@ -127,7 +127,7 @@ def gpu_check_specs(variant: str = "e2b", kv: str = "bf16", arch: str = "sm_90",
     variant's matrix shapes, engine.bench.gemv.SHAPES; a shape that is no whole number of a
     format's blocks is left out, as the table reports it)."""
     from kernels.arch import assume_gpu
-    from kernels.compile_check import spec_of
+    from kernels.triton.compile_check import spec_of
 
     from .gemv import SHAPES
 
@@ -168,8 +168,8 @@ def gemv_launch(fmt: str, shape, dtype=torch.bfloat16):
     """The decode GEMV launch `QuantWeight.linear` makes for one token of x at `shape` (n_out, n_in)."""
     from gguf import GGMLQuantizationType as T
 
-    from kernels.launch import record_launches
-    from kernels.qmatmul import gemv_launch_info
+    from kernels.triton.launch import record_launches
+    from kernels.triton.qmatmul import gemv_launch_info
     from models.quant import row_bytes
     from models.formats import QuantWeight
 
@@ -195,8 +195,8 @@ def model_gemv_shapes(model) -> list[tuple[int, int]]:
 
 
 def _shape_cost(launch, info, res, arch) -> dict:
-    from kernels.compile_check import ARCHS, bandwidth_cap
-    from kernels.sass import loop_body, loop_loads
+    from kernels.triton.compile_check import ARCHS, bandwidth_cap
+    from kernels.triton.sass import loop_body, loop_loads
 
     row = {"kernel": res.spec.label(), "num_warps": info["num_warps"], "loop_bytes": info["loop_bytes"],
            "registers": res.registers, "spill_stores": res.spill_stores, "spill_loads": res.spill_loads,
@@ -217,7 +217,7 @@ def gemv_cost(fmt: str, shapes, arch: str = "sm_86", cache_dir="default", used: 
     """Instructions per weight byte and bandwidth cap of `fmt`'s decode GEMV on `arch`: the worst
     over the matrix `shapes` (n_out, n_in) it is launched at (row lengths decide which pointers and
     ints Triton sees as 16-byte aligned, and so which loads vectorize); `shapes` lists each."""
-    from kernels.compile_check import compile_specs, spec_of
+    from kernels.triton.compile_check import compile_specs, spec_of
 
     from models.quant import block_size
     from gguf import GGMLQuantizationType as T
@@ -246,8 +246,8 @@ def gemv_cost(fmt: str, shapes, arch: str = "sm_86", cache_dir="default", used: 
 # ---------------------------------------------------------------------------------------- report
 
 def _static_report(variant: str, arch: str, kv: str, cache_dir) -> dict:
-    from kernels.compile_check import ARCHS
-    from kernels.qmatmul import gemv_launch_info
+    from kernels.triton.compile_check import ARCHS
+    from kernels.triton.qmatmul import gemv_launch_info
 
     from .throughput import device_weight_bytes
     from .dry_run import decode_step, dry_model
@@ -276,7 +276,7 @@ def _static_report(variant: str, arch: str, kv: str, cache_dir) -> dict:
 def static_report(variant: str, arch: str = "sm_86", kv: str = "bf16", cache_dir="default") -> dict:
     """The static decode report of the synthetic `variant` ("e2b"/"e4b") for `arch` with KV `kv`;
     "table" holds the human-readable form."""
-    from kernels.compile_check import ARCHS
+    from kernels.triton.compile_check import ARCHS
 
     from ..kv_format import resolve_format
 
@@ -334,7 +334,7 @@ def compile_engine_kernels(variants=("e2b", "e4b"), archs=COMPILE_ARCHS, kv_form
     each arch from sm_90: recorded as sm_75, sm_86, and each sm_90+ itself) and compile each arch's
     distinct specs
     in a `gpu_pool(jobs)`: ({KernelSpec: [run labels]}, {(KernelSpec, arch): CompileResult})."""
-    from kernels.compile_check import compile_specs, gpu_pool
+    from kernels.triton.compile_check import compile_specs, gpu_pool
 
     def rec_arch(a: str) -> str:  # sm_90 and newer pick some tiles of their own (decode_tiles): recorded each
         return "sm_75" if int(a[3:]) < 80 else "sm_86" if int(a[3:]) < 90 else a
@@ -359,7 +359,7 @@ def compile_engine_kernels(variants=("e2b", "e4b"), archs=COMPILE_ARCHS, kv_form
 def compile_summary(specs: dict, results: dict) -> str:
     """Per arch: kernels compiled, errors, max registers, max spill bytes (decode path / all), max
     shared memory against the arch's limit."""
-    from kernels.compile_check import ARCHS
+    from kernels.triton.compile_check import ARCHS
 
     archs = list(dict.fromkeys(a for _, a in results))
     lines = [f"{len(specs)} distinct kernel specializations ({len({s.name for s in specs})} kernels) x "

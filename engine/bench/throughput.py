@@ -104,7 +104,7 @@ def gpu_bench(model=None, device="cuda", budget=None, kv_cache_dtype: str = "aut
     setting (None: its default, on for CUDA). `on_row(kind, row)`: called once with "warmup" (load
     and warm-up seconds, the device), then with "prefill" or "decode" and each row as soon as it
     is measured (`edgegem bench --rows` prints them), so a run stopped part-way keeps its rows."""
-    from kernels.launch import interpreting
+    from kernels.triton.launch import interpreting
 
     from ..kv_format import resolve_format
     from ..memory_plan import PlanOptions, parse_size, plan_memory

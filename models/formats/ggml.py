@@ -1,4 +1,4 @@
-"""GGMLWeight: the ggml runtime's form of a GGUF matrix (llama.cpp's kernels, kernels/ggml.py): the
+"""GGMLWeight: the ggml runtime's form of a GGUF matrix (llama.cpp's kernels, kernels/ggml/lib.py): the
 file's bytes, multiplied by ggml's own `mul_mat`.
 
 Why: a decode step reads every weight once; ggml multiplies GGUF blocks by 8-bit-quantized

@@ -2,8 +2,8 @@
 runtime), or an embedding table kept in its GGUF rows (`lookup`: host tables, the CPU runtimes'
 lookup-only tables).
 
-Why: a decode step reads every weight once; the packed planes (kernels/qpack.py: GGUF bytes
-regrouped for wide GEMV loads, the same byte count) are read once per call by kernels.qmatmul, and
+Why: a decode step reads every weight once; the packed planes (kernels/triton/qpack.py: GGUF bytes
+regrouped for wide GEMV loads, the same byte count) are read once per call by kernels.triton.qmatmul, and
 a table only gathered from never needs more than the rows it is asked for.
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ from .. import runtime
 class QuantWeight:
     """A matrix kept quantized on its device.
 
-    Matrices that are multiplied hold the repacked planes (`packed`, kernels/qpack.py: GGUF bytes
-    regrouped for wide GEMV loads, the same byte count); `.linear(x)` runs `kernels.qmatmul`, which
+    Matrices that are multiplied hold the repacked planes (`packed`, kernels/triton/qpack.py: GGUF bytes
+    regrouped for wide GEMV loads, the same byte count); `.linear(x)` runs `kernels.triton.qmatmul`, which
     reads each weight byte once per call. Embedding tables that are only looked up (`lookup=True`:
     the host tables of `--embed-weights host`) keep the GGUF bytes (`raw`), so a gather moves
     whole GGUF rows. `.rows(ids)` dequantizes only the requested rows from either form."""
@@ -28,7 +28,7 @@ class QuantWeight:
 
     def __init__(self, raw: Optional[torch.Tensor], ggml_type: int, shape: tuple[int, int], lookup: bool = False,
                  packed=None):
-        from kernels.qpack import pack
+        from kernels.triton.qpack import pack
 
         self.ggml_type, self.shape = int(ggml_type), tuple(shape)
         self.interleaved = False  # rows (gate_0, up_0, gate_1, ...): multiplied through `glu`
@@ -56,7 +56,7 @@ class QuantWeight:
     def linear(self, x: torch.Tensor, gelu_mul: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x W^T; with `gelu_mul` (same leading shape, n_out wide) gelu_tanh(x W^T) * gelu_mul, the
         epilogue fused into the GEMV."""
-        from kernels.qmatmul import qmatmul
+        from kernels.triton.qmatmul import qmatmul
 
         if self.packed is None:
             raise ValueError(f"QuantWeight {self.shape}: a lookup table cannot be multiplied")
@@ -65,7 +65,7 @@ class QuantWeight:
     def glu(self, x: torch.Tensor) -> torch.Tensor:
         """gelu_tanh(x G^T) * (x U^T) [..., n_out / 2] for an interleaved gate/up matrix (`interleave`):
         the GEMV's GLU epilogue, one launch for Gemma's gate, up and activation."""
-        from kernels.qmatmul import qmatmul
+        from kernels.triton.qmatmul import qmatmul
 
         if not self.interleaved:
             raise ValueError(f"QuantWeight {self.shape}: glu needs interleaved gate/up rows")
@@ -81,7 +81,7 @@ class QuantWeight:
     def cat(cls, ws: list["QuantWeight"]) -> "QuantWeight":
         """The rows of several matrices of one type and input width stacked into one (q/k/v or
         gate/up fused at load: one GEMV launch instead of several)."""
-        from kernels.qpack import PackedQuant
+        from kernels.triton.qpack import PackedQuant
 
         t, n_in = ws[0].ggml_type, ws[0].shape[1]
         if any(w.ggml_type != t or w.shape[1] != n_in or w.packed is None for w in ws):
@@ -103,16 +103,16 @@ class QuantWeight:
 
             sel = self.raw_rows(ids.reshape(-1))
             if sel.device.type == "cpu" and runtime.ggml_available():  # ggml's dequantization: bit-exact, one pass
-                from kernels.ggml_ops import dequantize_rows
+                from kernels.ggml.ops import dequantize_rows
 
                 return dequantize_rows(sel, self.ggml_type, self.shape[1])
             return dequantize(sel, self.ggml_type, (sel.shape[0], self.shape[1]))
-        from kernels.launch import use_kernels
-        from kernels.qpack import dequantize_packed_ref
+        from kernels.triton.launch import use_kernels
+        from kernels.triton.qpack import dequantize_packed_ref
 
         picked = self.packed.rows(ids)
         if use_kernels(picked.q):
-            from kernels.qmatmul import qdequantize_packed
+            from kernels.triton.qmatmul import qdequantize_packed
 
             return qdequantize_packed(picked, torch.float32)
         return dequantize_packed_ref(picked)

@@ -1,0 +1,225 @@
+"""Where the Triton kernels run, and a recorder that counts every kernel launch without a GPU.
+
+Dispatch (`use_kernels`, `check_device`): the models take the kernel path for tensors on
+  - CUDA (the product) of sm_75 or newer (`kernels.arch.triton_supported`),
+  - the CPU inside `kernels_on_cpu()` under TRITON_INTERPRET=1 (tests: the whole model through the
+    interpreted kernels, against the torch reference),
+  - the meta device inside `record_launches()` (a dry run: shapes only, nothing computed).
+
+`record_launches()` intercepts every Triton launch (`kernel[grid](...)`: recorded, not run) and,
+through a TorchDispatchMode, every torch op on a device tensor (CUDA or meta: on a GPU each of these
+is a kernel launch or a copy; host-side CPU ops are bookkeeping and are not counted). Views and
+allocations (`empty`, `view`, `slice`, ...) launch nothing and are skipped. So one decode step run
+on the meta device says how many kernels the GPU would launch for it, and the recorded Triton
+launches (kernel, grid, arguments, constexprs, num_warps) can be compiled for real GPU targets
+(`kernels/triton/compile_check.py`) with exactly the parameters the engine uses.
+
+TRITON_INTERPRET is Triton's own variable, and `interpreting()` is the one place our code reads it.
+Triton (3.6 and 3.9 alike) reads it through `triton.knobs.runtime.interpret`, from os.environ at
+each access, in two places: `@triton.jit`, when a kernel module is imported (the interpreter's
+`InterpretedFunction` or a compiling `JITFunction`: fixed for that module from then on), and
+constexpr functions while a kernel is traced. So it is set before the kernel modules are imported
+(tests/triton_env.py, the Makefile) and left alone after; `interpreting()` reads it at each call
+like Triton does, so no module holds a copy taken at its own import, and the launchers' block
+sizes follow the same value the kernels were made with. The one writer is `triton_interpret()`
+below, a context manager that restores the value.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+import torch
+
+from ..arch import triton_supported
+
+__all__ = ["Launch", "LaunchRecord", "check_device", "interpreting", "kernels_on_cpu", "record_launches",
+           "recording", "triton_interpret", "use_kernels"]
+
+_state = threading.local()  # cpu_kernels: depth of kernels_on_cpu(); record: the active LaunchRecord
+# The values Triton's getenv_bool takes as true (any case; anything else is false): the same
+# parse as triton.knobs.runtime.interpret, without importing triton on CPU-only installs.
+_TRUE = ("1", "true", "on", "yes", "y")
+
+
+def interpreting() -> bool:
+    """TRITON_INTERPRET=1: Triton kernels run on the CPU through the interpreter (read now, as
+    Triton reads it)."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in _TRUE
+
+
+@contextlib.contextmanager
+def triton_interpret(on: bool) -> Iterator[None]:
+    """Inside: TRITON_INTERPRET is "1" or "0"; on exit it is what it was (unset if it was unset).
+    For work that must see Triton as another machine does: the compile check's workers record and
+    compile as a GPU machine (JITFunctions, the GPU block sizes) from a test process that runs the
+    interpreter. A kernel module first imported inside keeps the kind it got there."""
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+
+
+def recording() -> Optional["LaunchRecord"]:
+    return getattr(_state, "record", None)
+
+
+def _device_ok(device: torch.device) -> bool:
+    if device.type == "cuda":  # sm_75+ (kernels.arch.triton_supported); older GPUs take the torch path
+        return triton_supported(device)[0]
+    if device.type == "meta":
+        return recording() is not None
+    return device.type == "cpu" and getattr(_state, "cpu_kernels", 0) > 0 and interpreting()
+
+
+def use_kernels(*tensors: Optional[torch.Tensor]) -> bool:
+    """True when every tensor given (None is skipped) lives where the Triton kernels run now."""
+    return all(t is None or _device_ok(t.device) for t in tensors)
+
+
+def check_device(fn: str, device: torch.device, triton_module) -> None:
+    """The launchers' guard: ValueError unless triton imports and `device` can run a kernel (CUDA;
+    the CPU under TRITON_INTERPRET=1; meta while recording)."""
+    if triton_module is None:
+        raise ValueError(f"{fn}: triton is not installed; use {fn}_ref")
+    if device.type == "cuda" or (device.type == "cpu" and interpreting()) or \
+            (device.type == "meta" and recording() is not None):
+        return
+    raise ValueError(f"{fn}: tensors on {device} need TRITON_INTERPRET=1 (or use {fn}_ref); the kernel runs on CUDA")
+
+
+@contextlib.contextmanager
+def kernels_on_cpu() -> Iterator[None]:
+    """Inside: CPU tensors take the models' kernel path (needs TRITON_INTERPRET=1 set before triton
+    is imported); tests use it to run every fused kernel the CUDA path runs."""
+    if interpreting():  # triton 3.6's interpreter with numpy >= 2.3 (kernels/triton/interpreter_compat.py)
+        from .interpreter_compat import install
+
+        install()
+    _state.cpu_kernels = getattr(_state, "cpu_kernels", 0) + 1
+    try:
+        yield
+    finally:
+        _state.cpu_kernels -= 1
+
+
+@dataclass
+class Launch:
+    """One Triton launch: the JIT function (a JITFunction, or the interpreter's wrapper), its grid
+    (a tuple, or a callable of the meta-parameters) and the call's arguments."""
+    kernel: Any
+    grid: Any
+    args: tuple
+    kwargs: dict
+
+    @property
+    def name(self) -> str:
+        fn = getattr(self.kernel, "fn", self.kernel)
+        return getattr(fn, "__name__", repr(fn))
+
+
+# aten ops that launch nothing on a GPU: views, metadata, allocations (an `empty` is an allocator
+# call; `zeros`/`full` decompose to empty + fill_, and the fill_ is counted).
+_FREE_OPS = frozenset("""
+    empty empty_like empty_strided new_empty new_empty_strided view _unsafe_view reshape alias
+    as_strided slice select unsqueeze squeeze permute transpose t expand expand_as split split_with_sizes
+    chunk unbind narrow detach lift_fresh _reshape_alias view_as unflatten flatten movedim diagonal
+    _to_copy_noop real imag conj _conj _neg_view resolve_conj resolve_neg set_ is_nonzero
+    sym_size sym_stride sym_numel sym_storage_offset size stride dim numel storage_offset
+    is_same_size _has_compatible_shallow_copy_type
+""".split())
+
+
+@dataclass
+class LaunchRecord:
+    """What `record_launches` saw: Triton launches (in order) and device-side torch ops by name."""
+    triton: list[Launch] = field(default_factory=list)
+    torch_ops: Counter = field(default_factory=Counter)
+    host_copies: int = 0  # host -> device copies among torch_ops (each a sync point when pageable)
+
+    @property
+    def n_triton(self) -> int:
+        return len(self.triton)
+
+    @property
+    def n_torch(self) -> int:
+        return sum(self.torch_ops.values())
+
+    @property
+    def total(self) -> int:
+        return self.n_triton + self.n_torch
+
+    def triton_counts(self) -> Counter:
+        return Counter(launch.name for launch in self.triton)
+
+
+def _on_device(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.device.type in ("cuda", "meta")
+
+
+def _host_to_device(func, args, out) -> bool:
+    """A `_to_copy` (tensor.to(device)) or `copy_` (dst.copy_(src)) from CPU memory to a device."""
+    if func.overloadpacket.__name__ == "copy_":
+        src, dst = args[1], args[0]
+    else:
+        src, dst = args[0], out
+    return isinstance(src, torch.Tensor) and src.device.type == "cpu" and _on_device(dst)
+
+
+def _make_mode(rec: LaunchRecord):
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class _Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            name = func.overloadpacket.__name__
+            if name not in _FREE_OPS:
+                flat_in, _ = tree_flatten((args, kwargs))
+                flat_out, _ = tree_flatten(out)
+                if any(map(_on_device, flat_in)) or any(map(_on_device, flat_out)):
+                    rec.torch_ops[name] += 1
+                    if name in ("_to_copy", "copy_") and _host_to_device(func, args, out):
+                        rec.host_copies += 1
+            return out
+
+    return _Count()
+
+
+@contextlib.contextmanager
+def record_launches(torch_ops: bool = True) -> Iterator[LaunchRecord]:
+    """Record Triton launches (not run: their outputs keep whatever the allocation held) and, with
+    `torch_ops`, count device-side torch ops. Meant for meta-device dry runs (nothing computes);
+    on CUDA or the interpreter the Triton kernels are skipped all the same."""
+    try:
+        from triton.runtime.jit import KernelInterface
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise RuntimeError("record_launches needs the triton package") from e
+    rec = LaunchRecord()
+    prev_rec = recording()
+    original = KernelInterface.__getitem__
+
+    def getitem(self, grid):
+        if recording() is None:  # another thread's launch while this one records
+            return original(self, grid)
+        return lambda *args, **kwargs: recording().triton.append(Launch(self, grid, args, kwargs))
+
+    KernelInterface.__getitem__ = getitem
+    _state.record = rec
+    mode = _make_mode(rec) if torch_ops else contextlib.nullcontext()
+    try:
+        with mode:
+            yield rec
+    finally:
+        _state.record = prev_rec
+        KernelInterface.__getitem__ = original
