@@ -85,7 +85,7 @@ def _view(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return b.view(dtype)
 
 
-def _f16(blocks: torch.Tensor, off: int) -> torch.Tensor:
+def f16_at(blocks: torch.Tensor, off: int) -> torch.Tensor:
     """The float16 field at byte ``off`` of each block, as float32 ``[n, 1]``."""
     return _view(blocks[:, off:off + 2], torch.float16).to(torch.float32)
 
@@ -94,7 +94,7 @@ def _shifts(values, device, dtype=torch.uint8) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype, device=device)
 
 
-def _nibbles(qs: torch.Tensor, group: int) -> torch.Tensor:
+def nibbles(qs: torch.Tensor, group: int) -> torch.Tensor:
     """Split bytes ``[n, k]`` into 4-bit values ``[n, k // group, 2, group]``:
     in each run of ``group`` bytes, all low nibbles come first, then all high ones."""
     n = qs.shape[0]
@@ -102,7 +102,7 @@ def _nibbles(qs: torch.Tensor, group: int) -> torch.Tensor:
     return (qs.reshape(n, -1, 1, group) >> sh) & 0x0F
 
 
-def _bitplanes(qh: torch.Tensor, group: int, bits: int) -> torch.Tensor:
+def bitplanes(qh: torch.Tensor, group: int, bits: int) -> torch.Tensor:
     """Split bytes ``[n, k]`` into ``bits``-wide fields ``[n, k // group, 8 // bits, group]``:
     plane j holds bits ``j*bits .. j*bits+bits-1`` of each byte in the run."""
     n = qh.shape[0]
@@ -114,7 +114,7 @@ def _kvalues(device) -> torch.Tensor:
     return torch.tensor(_IQ4_KVALUES, dtype=torch.float32, device=device)
 
 
-def _scale_min_k4(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def scale_min_k4(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Unpack the 12 bytes of 6-bit (scale, min) pairs of Q4_K / Q5_K into two
     int ``[n, 8]`` tensors.  Bytes 0-3: scales 0-3 (low 6 bits), bytes 4-7: mins 0-3
     (low 6 bits); bytes 8-11: low nibble = scale 4-7 low bits, high nibble = min 4-7
@@ -149,52 +149,52 @@ def _dq_bf16(blocks):
 # (low nibbles = values 0-15, high nibbles = 16-31).  x = d * (q - 8)
 def _dq_q4_0(blocks):
     n = blocks.shape[0]
-    q = _nibbles(blocks[:, 2:], 16).reshape(n, 32).to(torch.int16) - 8
-    return _f16(blocks, 0) * q.to(torch.float32)
+    q = nibbles(blocks[:, 2:], 16).reshape(n, 32).to(torch.int16) - 8
+    return f16_at(blocks, 0) * q.to(torch.float32)
 
 
 # Q4_1: 32 values in 20 bytes: d f16, m f16, 16 bytes of 4-bit quants.  x = d * q + m
 def _dq_q4_1(blocks):
     n = blocks.shape[0]
-    q = _nibbles(blocks[:, 4:], 16).reshape(n, 32).to(torch.float32)
-    return (_f16(blocks, 0) * q) + _f16(blocks, 2)
+    q = nibbles(blocks[:, 4:], 16).reshape(n, 32).to(torch.float32)
+    return (f16_at(blocks, 0) * q) + f16_at(blocks, 2)
 
 
-def _q5_quants(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+def q5_quants(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
     """5-bit quants ``[n, 32]`` from 4 bytes of high bits (bit i of the little-endian
     uint32 is the 5th bit of value i) and 16 bytes of low nibbles."""
     n = qs.shape[0]
     hi = (qh.reshape(n, 4, 1) >> _shifts(list(range(8)), qh.device).view(1, 1, 8)) & 1
-    lo = _nibbles(qs, 16).reshape(n, 32)
+    lo = nibbles(qs, 16).reshape(n, 32)
     return (lo | (hi.reshape(n, 32) << 4)).to(torch.int16)
 
 
 # Q5_0: 32 values in 22 bytes: d f16, 4 bytes of 5th bits, 16 bytes of 4-bit quants.
 # x = d * (q - 16)
 def _dq_q5_0(blocks):
-    q = _q5_quants(blocks[:, 2:6], blocks[:, 6:]) - 16
-    return _f16(blocks, 0) * q.to(torch.float32)
+    q = q5_quants(blocks[:, 2:6], blocks[:, 6:]) - 16
+    return f16_at(blocks, 0) * q.to(torch.float32)
 
 
 # Q5_1: 32 values in 24 bytes: d f16, m f16, 4 bytes of 5th bits, 16 bytes of 4-bit quants.
 # x = d * q + m
 def _dq_q5_1(blocks):
-    q = _q5_quants(blocks[:, 4:8], blocks[:, 8:]).to(torch.float32)
-    return (_f16(blocks, 0) * q) + _f16(blocks, 2)
+    q = q5_quants(blocks[:, 4:8], blocks[:, 8:]).to(torch.float32)
+    return (f16_at(blocks, 0) * q) + f16_at(blocks, 2)
 
 
 # Q8_0: 32 values in 34 bytes: d f16, 32 int8 quants.  x = q * d
 def _dq_q8_0(blocks):
     q = blocks[:, 2:].view(torch.int8).to(torch.float32)
-    return q * _f16(blocks, 0)
+    return q * f16_at(blocks, 0)
 
 
 # IQ4_NL: 32 values in 18 bytes: d f16, 16 bytes of 4-bit indices into the
 # non-linear codebook _IQ4_KVALUES (nibble order as Q4_0).  x = d * kvalues[q]
 def _dq_iq4_nl(blocks):
     n = blocks.shape[0]
-    q = _nibbles(blocks[:, 2:], 16).reshape(n, 32)
-    return _f16(blocks, 0) * _kvalues(blocks.device)[q.long()]
+    q = nibbles(blocks[:, 2:], 16).reshape(n, 32)
+    return f16_at(blocks, 0) * _kvalues(blocks.device)[q.long()]
 
 
 # ---------------------------------------------------------------- 256-value K blocks
@@ -206,10 +206,10 @@ def _dq_iq4_nl(blocks):
 def _dq_q2_k(blocks):
     n = blocks.shape[0]
     sc = blocks[:, :16]
-    d, dmin = _f16(blocks, 80), _f16(blocks, 82)
+    d, dmin = f16_at(blocks, 80), f16_at(blocks, 82)
     dl = (d * (sc & 0x0F).to(torch.float32)).reshape(n, 16, 1)
     ml = (dmin * (sc >> 4).to(torch.float32)).reshape(n, 16, 1)
-    q = _bitplanes(blocks[:, 16:80], 32, 2).reshape(n, 16, 16).to(torch.float32)
+    q = bitplanes(blocks[:, 16:80], 32, 2).reshape(n, 16, 16).to(torch.float32)
     return (dl * q - ml).reshape(n, QK_K)
 
 
@@ -222,14 +222,14 @@ def _dq_q2_k(blocks):
 def _dq_q3_k(blocks):
     n = blocks.shape[0]
     dev = blocks.device
-    d = _f16(blocks, 108)
+    d = f16_at(blocks, 108)
     scales = blocks[:, 96:108]
     lsc = (scales[:, :8].reshape(n, 1, 8) >> _shifts([0, 4], dev).view(1, 2, 1)).reshape(n, 16)
     hsc = (scales[:, 8:].reshape(n, 1, 4) >> _shifts([0, 2, 4, 6], dev).view(1, 4, 1)).reshape(n, 16)
     sc = ((lsc & 0x0F) | ((hsc & 0x03) << 4)).to(torch.int16) - 32
     dl = (d * sc.to(torch.float32)).reshape(n, 16, 1)
-    ql = _bitplanes(blocks[:, 32:96], 32, 2).reshape(n, 16, 16).to(torch.int16)
-    qh = _bitplanes(blocks[:, :32], 32, 1).reshape(n, 16, 16).to(torch.int16)
+    ql = bitplanes(blocks[:, 32:96], 32, 2).reshape(n, 16, 16).to(torch.int16)
+    qh = bitplanes(blocks[:, :32], 32, 1).reshape(n, 16, 16).to(torch.int16)
     q = (ql - ((qh ^ 1) << 2)).to(torch.float32)
     return (dl * q).reshape(n, QK_K)
 
@@ -240,10 +240,10 @@ def _dq_q3_k(blocks):
 # x = (d * scale) * q - (dmin * min)
 def _dq_q4_k(blocks):
     n = blocks.shape[0]
-    sc, mn = _scale_min_k4(blocks[:, 4:16])
-    dl = (_f16(blocks, 0) * sc.to(torch.float32)).reshape(n, 8, 1)
-    ml = (_f16(blocks, 2) * mn.to(torch.float32)).reshape(n, 8, 1)
-    q = _nibbles(blocks[:, 16:], 32).reshape(n, 8, 32).to(torch.float32)
+    sc, mn = scale_min_k4(blocks[:, 4:16])
+    dl = (f16_at(blocks, 0) * sc.to(torch.float32)).reshape(n, 8, 1)
+    ml = (f16_at(blocks, 2) * mn.to(torch.float32)).reshape(n, 8, 1)
+    q = nibbles(blocks[:, 16:], 32).reshape(n, 8, 32).to(torch.float32)
     return (dl * q - ml).reshape(n, QK_K)
 
 
@@ -252,11 +252,11 @@ def _dq_q4_k(blocks):
 # quants (as Q4_K).  x = (d * scale) * q - (dmin * min)
 def _dq_q5_k(blocks):
     n = blocks.shape[0]
-    sc, mn = _scale_min_k4(blocks[:, 4:16])
-    dl = (_f16(blocks, 0) * sc.to(torch.float32)).reshape(n, 8, 1)
-    ml = (_f16(blocks, 2) * mn.to(torch.float32)).reshape(n, 8, 1)
-    ql = _nibbles(blocks[:, 48:], 32).reshape(n, 8, 32)
-    qh = _bitplanes(blocks[:, 16:48], 32, 1).reshape(n, 8, 32)
+    sc, mn = scale_min_k4(blocks[:, 4:16])
+    dl = (f16_at(blocks, 0) * sc.to(torch.float32)).reshape(n, 8, 1)
+    ml = (f16_at(blocks, 2) * mn.to(torch.float32)).reshape(n, 8, 1)
+    ql = nibbles(blocks[:, 48:], 32).reshape(n, 8, 32)
+    qh = bitplanes(blocks[:, 16:48], 32, 1).reshape(n, 8, 32)
     q = (ql | (qh << 4)).to(torch.float32)
     return (dl * q - ml).reshape(n, QK_K)
 
@@ -268,9 +268,9 @@ def _dq_q5_k(blocks):
 def _dq_q6_k(blocks):
     n = blocks.shape[0]
     sc = blocks[:, 192:208].view(torch.int8).to(torch.float32)
-    dl = (_f16(blocks, 208) * sc).reshape(n, 16, 1)
-    ql = _nibbles(blocks[:, :128], 64).reshape(n, 8, 32)
-    qh = _bitplanes(blocks[:, 128:192], 32, 2).reshape(n, 8, 32)
+    dl = (f16_at(blocks, 208) * sc).reshape(n, 16, 1)
+    ql = nibbles(blocks[:, :128], 64).reshape(n, 8, 32)
+    qh = bitplanes(blocks[:, 128:192], 32, 2).reshape(n, 8, 32)
     q = (ql | (qh << 4)).to(torch.int16) - 32
     return (dl * q.reshape(n, 16, 16).to(torch.float32)).reshape(n, QK_K)
 
@@ -286,8 +286,8 @@ def _dq_iq4_xs(blocks):
     sh = (sh[:, :1] | (sh[:, 1:] << 8)) >> _shifts(list(range(0, 16, 2)), dev, torch.int32).view(1, 8)
     sl = (blocks[:, 4:8].reshape(n, 4, 1) >> _shifts([0, 4], dev).view(1, 1, 2)).reshape(n, 8)
     sc = ((sl & 0x0F).to(torch.int32) | ((sh & 0x03) << 4)) - 32
-    dl = (_f16(blocks, 0) * sc.to(torch.float32)).reshape(n, 8, 1)
-    q = _nibbles(blocks[:, 8:], 16).reshape(n, 8, 32)
+    dl = (f16_at(blocks, 0) * sc.to(torch.float32)).reshape(n, 8, 1)
+    q = nibbles(blocks[:, 8:], 16).reshape(n, 8, 32)
     return (dl * _kvalues(dev)[q.long()]).reshape(n, QK_K)
 
 

@@ -42,8 +42,6 @@ PRIVATE_IMPORTS: dict = {
     ("engine.bench.spec", "engine.bench.throughput", "_sync"):
         "the benches' device sync, inside one package; public when the benches print the runtime",
     ("engine.client", "models.chat", "_text"): "the prompt builder moving to engine/prompt.py takes it public",
-    **{("models.cpu_quant", "models.quant", n): "the GGML block decoders shared with the torch CPU formats, "
-       "which move to models/formats/" for n in ("_bitplanes", "_f16", "_nibbles", "_q5_quants", "_scale_min_k4")},
     ("models.gemma4_assistant", "models.gemma4", "_per_layer"):
         "the assistant is a Gemma 4 variant of the family file; public when models/ is reworked",
     # models/ops.py is being rebuilt around a runtime decided once at load (models/runtime.py), which

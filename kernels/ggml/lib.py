@@ -48,7 +48,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .env import env
+from ..env import env
 
 PINNED = "0.3.36"  # the llama-cpp-python release whose ggml this binding is written against
 F32 = 0  # GGML_TYPE_F32

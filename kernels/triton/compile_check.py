@@ -51,7 +51,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from .env import env
+from ..env import env
 
 __all__ = ["ARCHS", "Arch", "CompileResult", "KernelSpec", "bandwidth_cap", "compile_specs", "default_cache_dir",
            "gpu_pool", "spec_of", "specialize_value"]

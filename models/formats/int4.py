@@ -44,30 +44,30 @@ def _affine(blocks: torch.Tensor, name: str):
     """GGUF blocks [n, bytes] -> (q uint8 [n, values] in 0..2^bits-1, s, o float32 [n, groups],
     group, bits) with value = s·q - o per group of `group` values (the types' layouts are in
     models/quant.py)."""
-    from ..quant import _f16, _nibbles, _bitplanes, _q5_quants, _scale_min_k4
+    from ..quant import f16_at, nibbles, bitplanes, q5_quants, scale_min_k4
 
     n = blocks.shape[0]
     if name == "Q4_0":  # d f16, 16 bytes of nibbles: d·(q - 8)
-        d = _f16(blocks, 0)
-        return _nibbles(blocks[:, 2:], 16).reshape(n, 32), d, 8 * d, 32, 4
+        d = f16_at(blocks, 0)
+        return nibbles(blocks[:, 2:], 16).reshape(n, 32), d, 8 * d, 32, 4
     if name == "Q5_0":  # d f16, 5th bits, nibbles: d·(q - 16)
-        d = _f16(blocks, 0)
-        return _q5_quants(blocks[:, 2:6], blocks[:, 6:]).to(torch.uint8), d, 16 * d, 32, 5
+        d = f16_at(blocks, 0)
+        return q5_quants(blocks[:, 2:6], blocks[:, 6:]).to(torch.uint8), d, 16 * d, 32, 5
     if name == "Q8_0":  # d f16, int8 q: d·q = d·(u - 128), u = q + 128
-        d = _f16(blocks, 0)
+        d = f16_at(blocks, 0)
         return blocks[:, 2:] ^ 0x80, d, 128 * d, 32, 8  # the sign bit flipped: u = q + 128
     if name in ("Q4_K", "Q5_K"):  # d·sc·q - dmin·m per sub-block of 32
-        sc, mn = _scale_min_k4(blocks[:, 4:16])
-        s, o = _f16(blocks, 0) * sc.to(torch.float32), _f16(blocks, 2) * mn.to(torch.float32)
+        sc, mn = scale_min_k4(blocks[:, 4:16])
+        s, o = f16_at(blocks, 0) * sc.to(torch.float32), f16_at(blocks, 2) * mn.to(torch.float32)
         if name == "Q4_K":
-            return _nibbles(blocks[:, 16:], 32).reshape(n, 256), s, o, 32, 4
-        ql = _nibbles(blocks[:, 48:], 32).reshape(n, 8, 32)
-        qh = _bitplanes(blocks[:, 16:48], 32, 1).reshape(n, 8, 32)
+            return nibbles(blocks[:, 16:], 32).reshape(n, 256), s, o, 32, 4
+        ql = nibbles(blocks[:, 48:], 32).reshape(n, 8, 32)
+        qh = bitplanes(blocks[:, 16:48], 32, 1).reshape(n, 8, 32)
         return (ql | (qh << 4)).reshape(n, 256), s, o, 32, 5
     if name == "Q6_K":  # d·sc·(q - 32) per sub-block of 16
-        s = _f16(blocks, 208) * blocks[:, 192:208].view(torch.int8).to(torch.float32)
-        ql = _nibbles(blocks[:, :128], 64).reshape(n, 8, 32)
-        qh = _bitplanes(blocks[:, 128:192], 32, 2).reshape(n, 8, 32)
+        s = f16_at(blocks, 208) * blocks[:, 192:208].view(torch.int8).to(torch.float32)
+        ql = nibbles(blocks[:, :128], 64).reshape(n, 8, 32)
+        qh = bitplanes(blocks[:, 128:192], 32, 2).reshape(n, 8, 32)
         return (ql | (qh << 4)).reshape(n, 256), s, 32 * s, 16, 6
     raise ValueError(f"no CPU int4 repack for {name}")
 
