@@ -66,7 +66,7 @@ class EngineBackend:
                 "file": path.name, "path": str(path), "arch": lm.arch, "demo": self.model is None,
                 "device": device, "context_limit": status.get("context_limit"),
                 "draft": self.options.spec_draft_model,
-                # per-conversation KV files (engine/kv_sessions.py), None when off
+                # per-conversation KV files (engine/kv/sessions.py), None when off
                 "kv_dir": self.options.kv_dir, "kv_disk_budget": self.options.kv_disk_budget,
                 "budget_bytes": plan.budget if plan is not None else None,
                 "plan": plan_lines(plan, status)}
@@ -96,7 +96,7 @@ class EngineBackend:
 
 def exiting_on_signal(timeout: float = 1.0) -> None:
     """SIGTERM/SIGINT: closing engines wait at most `timeout` s for their KV files to be written."""
-    from engine import kv_sessions
+    from engine.kv import sessions as kv_sessions
     kv_sessions.EXIT_TIMEOUT = timeout
 
 

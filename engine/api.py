@@ -250,7 +250,7 @@ def engine_plan(lm: LoadedModel, opts: EngineOptions):
     """The memory plan (engine/memory_plan.MemoryPlan) for a loaded GGUF model under `opts`, with
     the KV formats and prefill chunk it assumed (the fitted one when the plan lowered it); plan is
     None for an HF folder (no tensor table)."""
-    from .kv_format import resolve_format
+    from .kv.format import resolve_format
     from .memory_plan import PlanOptions, default_budget, default_chunk, parse_size, plan_memory
 
     device = lm.model.device.type

@@ -154,7 +154,7 @@ class LocalClient(EngineClient):
             raise ValueError(f"--context-overflow must be error or truncate, not {context_overflow!r}")
         self.loaded, self.context_overflow = loaded, context_overflow
         if model_id is None:  # what a KV file must have been written for
-            from .kv_file import model_identity
+            from .kv.file import model_identity
             path = getattr(loaded, "path", None)
             model_id = model_identity(path) if path is not None and Path(path).exists() else ""
         self.engine = Engine(loaded.model, loaded.tokenizer, config, spec=spec, model_id=model_id,

@@ -25,16 +25,16 @@ from . import failpoints
 from .attention_backend import get_attention_backend
 from .batch_decode import BUCKETS, BatchDecoder
 from .dry import breaker_table
-from .kv_format import resolve_format
-from .kv_pool import HybridKVPool, KVPoolFull
+from .kv.format import resolve_format
+from .kv.pool import HybridKVPool, KVPoolFull
 from .media import describe_counts, media_kinds, prompt_media
-from .kv_sessions import KVDisk, KVSessions
+from .kv.sessions import KVDisk, KVSessions
 from .paragraph_stop import blank_line_hold, blank_line_stop
 from .prefix_cache import make_prefix_cache
 from .request import ErrorKind, Request, RequestState, StreamEvent
 from .runner import ModelRunner
 from .sampler import SamplingParams
-from .sequence_kv import SequenceKV
+from .kv.sequence import SequenceKV
 from .speculative import SpecConfig, SpecStats, accept, check_draft, draft_tokens, max_draft
 
 
@@ -134,7 +134,7 @@ class Engine:
         encoded at admission unless the cache covers them. `grammar`: an
         engine.constraints.GrammarState that masks every token sampled for it. `kv_auto`: the KV
         file of the prompt's longest saved prefix in `kv_dir` serves it, and the KV of prompt +
-        answer is saved there after (engine/kv_sessions.py). `cache_prompt` False: the prefix cache
+        answer is saved there after (engine/kv/sessions.py). `cache_prompt` False: the prefix cache
         serves none of it. `stop_at_blank_line`: finish at the first blank line after some text
         (engine/paragraph_stop.py: the base-model continuation mode)."""
         limit = self.context_limit
