@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Optional
 
 import torch
@@ -66,6 +66,14 @@ class EngineConfig:
         if self.max_running_requests < 1 or self.prefill_chunk < 1 or self.full_tokens < 1:
             raise ValueError(f"invalid engine settings: {self}")
 
+    @classmethod
+    def from_options(cls, options, **planned) -> "EngineConfig":
+        """From a front end's engine options (engine.api.EngineOptions: its flags), every field the
+        two share by name, then `planned`: what the memory plan decided (pool sizes, prefill chunk,
+        running requests, the KV formats `auto` resolved to)."""
+        shared = {f.name: getattr(options, f.name) for f in fields(cls) if hasattr(options, f.name)}
+        return cls(**{**shared, **planned})
+
 
 class Engine:
     def __init__(self, model, tokenizer=None, config: Optional[EngineConfig] = None,
@@ -111,10 +119,10 @@ class Engine:
         """Rebuild the pools with a new size or format (drops the prefix cache). Only when idle."""
         if self.running or self.waiting:
             raise RuntimeError("cannot rebuild the KV pools while requests are running")
-        for k, v in changes.items():
+        for k in changes:
             if not hasattr(self.config, k):
                 raise ValueError(f"unknown engine setting {k}")
-            setattr(self.config, k, v)
+        self.config = replace(self.config, **changes)  # checked again by its __post_init__
         self.sessions.save_dirty()
         self.sessions.flush()
         self.cache.clear()
