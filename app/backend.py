@@ -9,14 +9,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
-from engine.api import (EngineOptions, ErrorKind, GenerationParams, QueueFullError, SamplingParams,
-                        audio_from_base64, audio_marker, image_marker, split_thinking)
+from engine.api import (BASE_MODEL_DEFAULTS, EngineOptions, ErrorKind, GenerationParams, QueueFullError,
+                        SamplingParams, audio_from_base64, audio_marker, generation_params, image_marker,
+                        split_thinking)
 # structured output and tool calls for the API server (engine/constraints.py, engine/structured.py)
 from engine.constraints import ConstraintError, from_ollama_format, from_response_format
 from engine.media import as_audio_input, as_image_input  # path | bytes -> ImageInput / AudioInput, or a one-line ValueError
 from engine.structured import check_tool_request, ollama_tool_calls
 
-__all__ = ["EngineBackend", "EngineOptions", "GenerationParams", "SamplingParams", "Session", "size",
+__all__ = ["EngineBackend", "EngineOptions", "GenerationParams", "SamplingParams", "generation_params",
+           "BASE_MODEL_DEFAULTS", "Session", "size",
            "split_thinking", "plan_lines", "kv_pools", "exiting_on_signal", "as_image_input", "as_audio_input",
            "image_marker", "audio_marker", "audio_from_base64", "QueueFullError", "ErrorKind", "ConstraintError",
            "from_response_format", "from_ollama_format", "check_tool_request", "ollama_tool_calls"]
