@@ -93,7 +93,7 @@ def test_chat_continues_a_base_models_text_at_its_defaults_and_a_flag_wins(gemma
 
     shown = chat()
     (msgs, params, ids), = submitted
-    assert ids == tok.encode(PROMPT) and msgs[-1]["content"] == PROMPT  # no chat turns around it
+    assert ids == tok.encode(PROMPT) and msgs[0]["content"] == PROMPT  # no chat turns around it
     assert params.continue_text and params.stop_at_blank_line and params.sampling.dry_multiplier == 0.8
     assert params.sampling.temperature == 0.7  # chat's own default stays
     assert "your text is continued" in shown
