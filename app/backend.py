@@ -9,15 +9,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
-from engine.api import (EngineOptions, ErrorKind, GenerationParams, QueueFullError, SamplingParams,
-                        audio_from_base64, audio_marker, image_marker, load_error_kind, split_thinking)
+from engine.api import (BASE_MODEL_DEFAULTS, EngineOptions, ErrorKind, GenerationParams, QueueFullError,
+                        SamplingParams, audio_from_base64, audio_marker, generation_params, image_marker,
+                        load_error_kind, split_thinking)
 # structured output and tool calls for the API server (engine/constraints.py, engine/structured.py)
 from engine.constraints import ConstraintError, from_ollama_format, from_response_format
 from engine.memory_plan import fmt_size  # bytes -> "1.5 GiB": the one formatter (app and engine)
 from engine.media import as_audio_input, as_image_input  # path | bytes -> ImageInput / AudioInput, or a one-line ValueError
 from engine.structured import check_tool_request, ollama_tool_calls
 
-__all__ = ["EngineBackend", "EngineOptions", "GenerationParams", "SamplingParams", "Session", "size", "fmt_size",
+__all__ = ["EngineBackend", "EngineOptions", "GenerationParams", "SamplingParams", "generation_params",
+           "BASE_MODEL_DEFAULTS", "Session", "size", "fmt_size",
            "split_thinking", "plan_lines", "kv_pools", "exiting_on_signal", "as_image_input", "as_audio_input",
            "image_marker", "audio_marker", "audio_from_base64", "QueueFullError", "ErrorKind", "load_error_kind",
            "ConstraintError",
@@ -68,7 +70,7 @@ class EngineBackend:
                 "file": path.name, "path": str(path), "arch": lm.arch, "demo": self.model is None,
                 "device": device, "context_limit": status.get("context_limit"),
                 "draft": self.options.spec_draft_model,
-                # per-conversation KV files (engine/kv_sessions.py), None when off
+                # per-conversation KV files (engine/kv/sessions.py), None when off
                 "kv_dir": self.options.kv_dir, "kv_disk_budget": self.options.kv_disk_budget,
                 "budget_bytes": plan.budget if plan is not None else None,
                 "plan": plan_lines(plan, status)}
@@ -99,7 +101,7 @@ class EngineBackend:
 
 def exiting_on_signal(timeout: float = 1.0) -> None:
     """SIGTERM/SIGINT: closing engines wait at most `timeout` s for their KV files to be written."""
-    from engine import kv_sessions
+    from engine.kv import sessions as kv_sessions
     kv_sessions.EXIT_TIMEOUT = timeout
 
 

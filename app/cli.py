@@ -247,7 +247,7 @@ class Terminated(BaseException):
 
 
 def _on_signal(signum, frame) -> None:
-    from engine import kv_sessions
+    from engine.kv import sessions as kv_sessions
     kv_sessions.EXIT_TIMEOUT = 1.0  # end within ~2 s: a KV file still being written is dropped
     raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 

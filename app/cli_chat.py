@@ -61,7 +61,7 @@ def cmd_chat(a) -> int:
     """Plain line chat (no full-screen UI, no saved history); the history stays in the prefix cache."""
     from engine import api
 
-    from .cli_options import _device, _emit, _engine_options, _kv_note, _kv_path, _params, _start_client
+    from .cli_options import _device, _emit, _engine_options, _generation, _kv_note, _kv_path, _start_client
     path = api.resolve_model(a.model)
     print(f"edgegem: plain terminal chat on {path.name} (run `edgegem` for the full-screen app).")
     if a.model is None:
@@ -73,7 +73,13 @@ def cmd_chat(a) -> int:
     # --image / --audio: refused in one line before the engine starts
     pending = {"images": api.load_images(lm, a.image, a.image_tokens), "audio": api.load_audio(lm, a.audio)}
     client = _start_client(lm, _engine_options(a))
-    gen = api.GenerationParams(_params(a), thinking=a.thinking, kv_session=_kv_path(a), image_tokens=a.image_tokens)
+    # a base model (the demo): the conversation is one text it continues, with its defaults where no
+    # flag is given (engine/request_params.py), as the app does
+    base = api.model_kind(lm)[0] == "base"
+    gen = _generation(a, base, thinking=a.thinking, kv_session=_kv_path(a), image_tokens=a.image_tokens)
+    if base:
+        print("A base model: your text is continued, not answered"
+              + ("; each continuation ends at a blank line.\n" if gen.stop_at_blank_line else ".\n"))
     history = [{"role": "system", "content": a.system}] if a.system else []
     try:
         while True:

@@ -59,27 +59,36 @@ def _kv_session_arg(p: argparse.ArgumentParser) -> None:
                         "(only the rest is prefilled); after each answer the KV of prompt + answer is saved to it")
 
 def _sampling_args(p: argparse.ArgumentParser, temperature: float = 0.0) -> None:
-    p.add_argument("--max-tokens", type=int, default=256)
+    """Left unset (None), a flag takes the engine's default, a base model's where it has one
+    (engine/request_params.py: DRY on, 256 tokens, a blank-line stop); a value given always wins."""
+    p.add_argument("--max-tokens", type=int, help="the most tokens to write (default 256)")
     p.add_argument("--temperature", type=float, default=temperature)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, help="keep the K most likely tokens (default 0: off)")
+    p.add_argument("--top-p", type=float, help="keep the fewest tokens holding P of the probability (default 1.0)")
+    p.add_argument("--min-p", type=float, help="drop tokens under P times the top one's probability (default 0.0)")
+    p.add_argument("--repetition-penalty", type=float, help="penalty on tokens seen in the last 64 (default 1.0: off)")
+    p.add_argument("--presence-penalty", type=float, help="subtracted once from tokens seen in the last 64 (default 0.0)")
     p.add_argument("--seed", type=int)
-    g = p.add_argument_group("DRY and XTC (llama.cpp's flags and defaults; both off unless set)")
-    g.add_argument("--dry-multiplier", type=float, default=0.0, metavar="X",
-                   help="DRY: a token extending a repeat loses X * base^(length - allowed) (0: off; 0.8 is usual)")
-    g.add_argument("--dry-base", type=float, default=1.75, metavar="X", help="DRY base (>= 1)")
-    g.add_argument("--dry-allowed-length", type=int, default=2, metavar="N", help="DRY: repeats up to N are free")
-    g.add_argument("--dry-penalty-last-n", type=int, default=64, metavar="N",
-                   help="DRY: tokens scanned for repeats (-1: all, 0: off)")
+    p.add_argument("--stop-at-blank-line", action=argparse.BooleanOptionalAction,
+                   help="end the answer at the first blank line after some text (default: on for a base model, "
+                        "off for a chat model)")
+    g = p.add_argument_group("DRY and XTC (llama.cpp's flags and defaults: both off unless set; DRY on for "
+                             "a base model)")
+    g.add_argument("--dry-multiplier", type=float, metavar="X",
+                   help="DRY: a token extending a repeat loses X * base^(length - allowed) (0: off, the default; "
+                        "0.8 is usual and a base model's default)")
+    g.add_argument("--dry-base", type=float, metavar="X", help="DRY base (>= 1; default 1.75)")
+    g.add_argument("--dry-allowed-length", type=int, metavar="N", help="DRY: repeats up to N are free (default 2)")
+    g.add_argument("--dry-penalty-last-n", type=int, metavar="N",
+                   help="DRY: tokens scanned for repeats (-1: all, a base model's default; 0: off; default 64)")
     g.add_argument("--dry-sequence-breaker", action="append", metavar="S",
-                   help="a string that cuts repeats (repeatable; replaces the defaults \\n : \" *; `none`: no breakers)")
-    g.add_argument("--xtc-probability", type=float, default=0.0, metavar="P",
-                   help="XTC: chance per token of removing the top choices (0: off)")
-    g.add_argument("--xtc-threshold", type=float, default=0.1, metavar="P",
-                   help="XTC: tokens at least this likely are the top choices (all but the least likely go)")
+                   help="a string that cuts repeats (repeatable; replaces the defaults \\n : \" * (a base model: "
+                        ": \" *); `none`: no breakers)")
+    g.add_argument("--xtc-probability", type=float, metavar="P",
+                   help="XTC: chance per token of removing the top choices (0: off, the default)")
+    g.add_argument("--xtc-threshold", type=float, metavar="P",
+                   help="XTC: tokens at least this likely are the top choices (all but the least likely go; "
+                        "default 0.1)")
 
 def _image_args(p, what: str = "an image for the prompt (repeatable; placed before the text unless it has "
                                   "<|image|> markers)") -> None:
@@ -142,16 +151,23 @@ def _device(a) -> str:
     from engine.api import default_device
     return default_device() if a.device == "auto" else a.device
 
-def _params(a):
-    from engine.api import SamplingParams
+SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "repetition_penalty",
+                  "presence_penalty", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
+                  "xtc_probability", "xtc_threshold", "stop_at_blank_line")
+
+def _generation(a, base_model: bool = False, **request):
+    """The request's GenerationParams from the sampling flags (engine.api.generation_params: the
+    flags given over a base model's defaults over the engine's); `request`: its other fields."""
+    from engine.api import generation_params
+    fields = {k: getattr(a, k, None) for k in SAMPLING_FLAGS}
     breakers = a.dry_sequence_breaker
-    dry = {} if breakers is None else {"dry_sequence_breakers": () if breakers == ["none"] else tuple(breakers)}
-    return SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
-                          seed=a.seed, max_tokens=a.max_tokens, repetition_penalty=a.repetition_penalty,
-                          presence_penalty=a.presence_penalty, dry_multiplier=a.dry_multiplier,
-                          dry_base=a.dry_base, dry_allowed_length=a.dry_allowed_length,
-                          dry_penalty_last_n=a.dry_penalty_last_n, xtc_probability=a.xtc_probability,
-                          xtc_threshold=a.xtc_threshold, **dry)
+    if breakers is not None:
+        fields["dry_sequence_breakers"] = () if breakers == ["none"] else tuple(breakers)
+    return generation_params(fields, base_model, **request)
+
+def _params(a, base_model: bool = False):
+    """The sampling flags as the engine's SamplingParams (a base model's defaults where unset)."""
+    return _generation(a, base_model).sampling
 
 def _constraint(a):
     """--json-schema / --grammar FILE as an engine constraint (a bad file: one-line ValueError)."""

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from .cli_options import _constraint, _device, _emit, _engine_options, _kv_note, _kv_path, _params, _start_client
+from .cli_options import _constraint, _device, _emit, _engine_options, _generation, _kv_note, _kv_path, _start_client
 
 
 def cmd_score(a) -> int:
@@ -36,8 +36,10 @@ def cmd_run(a) -> int:
                         embed_weights=a.embed_weights, mmproj=a.mmproj)
     images = api.load_images(lm, a.image, a.image_tokens)  # refused in one line before the engine starts
     audio = api.load_audio(lm, a.audio)
-    gen = api.GenerationParams(_params(a), kv_session=_kv_path(a), image_tokens=a.image_tokens,
-                               constraint=constraint)
+    # a base model's text is continued (no chat turns), with its defaults where no flag is given;
+    # --raw continues the text as is on any model
+    base = api.model_kind(lm)[0] == "base"
+    gen = _generation(a, base, kv_session=_kv_path(a), image_tokens=a.image_tokens, constraint=constraint)
     client = _start_client(lm, _engine_options(a))
     try:
         out = api.run_prompt(client, lm, a.prompt, gen, raw=a.raw, system=a.system,

@@ -1,36 +1,41 @@
-"""What the CLI (and later the app's client) calls: open models, tokenize, score, generate, describe.
+"""What the front ends call: open a model, tokenize, score, start a client, run a prompt; and, from
+their own modules, the request's parameters (engine/request_params.py), the prompt
+(engine/prompt.py) and the inspection helpers (engine/inspection.py: describe a file, its memory
+plan, what a GPU runs).
 
 The app layer imports only `engine`; everything model-specific stays behind these functions.
 """
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 
-from kernels.arch import support
 from models.chat import split_thinking
 from models.gguf import GGUFError, GGUFFile
 from models.loader import LoadedModel, load_model, open_gguf
 from models.runtime import Runtime, choose_runtime
 
-from .client import GenerationError, GenerationParams, LocalClient, QueueFullError, audio_marker, image_marker
+from .client import GenerationError, LocalClient, QueueFullError
+from .inspection import describe, find_mmproj, gpu_support, memory_plan, open_layout
+from .prompt import audio_marker, image_marker, text_ids, user_turn
+from .prompt import prompt_ids as conversation_prompt_ids
 from .request import ErrorKind
+from .request_params import BASE_MODEL_DEFAULTS, GenerationParams, generation_params, model_kind
 from .sampler import SamplingParams
 from .scheduler import EngineConfig
 
-__all__ = ["GGUFError", "LoadedModel", "SamplingParams", "GenerationParams", "EngineOptions",
+__all__ = ["GGUFError", "LoadedModel", "SamplingParams", "GenerationParams", "EngineOptions", "find_mmproj",
            "demo_model_path", "resolve_model", "open_model", "tokenize", "score", "prompt_ids", "load_images",
            "load_audio", "audio_from_base64",
            "engine_config", "engine_plan", "split_thinking", "start_client", "run_prompt", "describe",
            "open_layout", "memory_plan", "gpu_support", "QueueFullError", "ErrorKind", "GenerationError",
            "load_error_kind",
            "image_marker", "audio_marker",
-           "model_kind", "runtime_info"]
+           "model_kind", "runtime_info", "generation_params", "BASE_MODEL_DEFAULTS"]
 
 
 def demo_model_path() -> Optional[Path]:
@@ -103,28 +108,6 @@ def load_error_kind(e: BaseException) -> ErrorKind:
     return ErrorKind.INTERNAL
 
 
-def model_kind(lm: LoadedModel) -> tuple[str, str]:
-    """("base" | "chat", why): a base model continues text (the app's continuation mode), a chat
-    model answers turns (models/model_kind.py has the rule and its reasons)."""
-    from models.model_kind import model_kind as kind
-
-    meta = getattr(lm.source, "metadata", None)
-    return kind(meta if isinstance(meta, dict) else {}, getattr(lm.chat, "template", None))
-
-
-def gpu_support(capability: tuple[int, int], triton_installed: bool = True):
-    """What runs on a GPU of this compute capability (kernels.arch.ArchSupport: Triton kernels or
-    the torch path and why, fp8 KV, the attention dots' operand type), for `edgegem doctor`."""
-    return support(tuple(capability), triton_installed)
-
-
-def find_mmproj(model) -> Optional[Path]:
-    """The mmproj GGUF beside a model file (its image/audio encoder, as `--mmproj` would name it), or None."""
-    from models.loader import find_mmproj as beside
-
-    return beside(model)
-
-
 def _mmproj_has(path: Path, mmproj: Optional[str], kind: str) -> bool:
     """Whether a GGUF model's mmproj (given, or beside it) holds a `kind` ("vision"/"audio") encoder."""
     from models.metadata import MetadataReader
@@ -149,8 +132,7 @@ def tokenize(path: Path, text: str, images=(), image_tokens: int = 280, mmproj: 
         return tok.encode(text)
     from models import gemma4_audio, gemma4_vision
 
-    from .media import NO_ENCODER, MediaKind, MediaRequestError, as_audio_input, as_image_input, expand_markers, \
-        place_markers
+    from .media import NO_ENCODER, MediaKind, MediaRequestError, as_audio_input, as_image_input
     kinds = {}
     for name, xs, module, enc in (("image", images, gemma4_vision, "vision"), ("audio", audio, gemma4_audio, "audio")):
         if not xs:
@@ -159,11 +141,8 @@ def tokenize(path: Path, text: str, images=(), image_tokens: int = 280, mmproj: 
             raise MediaRequestError(f"{Path(path).name}: {NO_ENCODER[name]}")
         begin, mark, end, _ = module.token_ids_from_vocab(tok.piece_to_id)
         kinds[name] = MediaKind(name, None, begin, mark, end)  # all expand_markers reads
-    inputs = {"image": [as_image_input(Path(p).expanduser(), image_tokens) for p in images],
-              "audio": [as_audio_input(Path(p).expanduser()) for p in audio]}
-    text = place_markers(place_markers(text, len(inputs["audio"]), gemma4_audio.AUDIO), len(inputs["image"]),
-                         gemma4_vision.IMAGE)
-    return expand_markers(tok.encode(text), inputs, kinds)
+    return text_ids(tok, text, kinds, [as_image_input(Path(p).expanduser(), image_tokens) for p in images],
+                    [as_audio_input(Path(p).expanduser()) for p in audio])
 
 
 def load_images(lm: LoadedModel, files, image_tokens: int = 280) -> list:
@@ -220,25 +199,15 @@ def prompt_ids(lm: LoadedModel, prompt: str, raw: bool = False, system: Optional
                thinking: bool = False, images=(), audio=()) -> list[int]:
     """Token ids for a prompt: chat-formatted by the model's template unless `raw`. `images`
     (ImageInput) and `audio` (AudioInput): a marker each (images, then clips, before the text
-    unless it has them), expanded to their blocks."""
-    tok = lm.tokenizer
-    if tok is None:
+    unless it has them), expanded to their blocks (engine/prompt.py)."""
+    if lm.tokenizer is None:
         raise GGUFError(lm.path, "the model has no tokenizer")
-    from models.gemma4_audio import AUDIO
-    from models.gemma4_vision import IMAGE
+    from .media import media_kinds
 
-    from .media import expand_markers, media_kinds, place_markers
-    prompt = place_markers(place_markers(prompt, len(audio), AUDIO), len(images), IMAGE)
-    if raw:
-        ids = tok.encode(prompt)
-    else:
-        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        text = lm.chat.render(msgs, add_generation_prompt=True, thinking=thinking)
-        ids = tok.encode(text, add_bos=not lm.chat.bos_in_template)
     kinds = media_kinds(lm.vision, getattr(lm, "audio", None))
-    if kinds or images or audio:
-        ids = expand_markers(ids, {"image": list(images), "audio": list(audio)}, kinds)
-    return ids
+    if raw:
+        return text_ids(lm.tokenizer, prompt, kinds, images, audio)
+    return conversation_prompt_ids(lm, user_turn(prompt, system, images, audio), kinds, thinking)[0]
 
 
 @dataclass
@@ -274,7 +243,7 @@ def engine_plan(lm: LoadedModel, opts: EngineOptions):
     """The memory plan (engine/memory_plan.MemoryPlan) for a loaded GGUF model under `opts`, with
     the KV formats and prefill chunk it assumed (the fitted one when the plan lowered it); plan is
     None for an HF folder (no tensor table)."""
-    from .kv_format import resolve_format
+    from .kv.format import resolve_format
     from .memory_plan import PlanOptions, default_budget, default_chunk, parse_size, plan_memory
 
     device = lm.model.device.type
@@ -305,11 +274,8 @@ def engine_config(lm: LoadedModel, opts: EngineOptions) -> EngineConfig:
         running = plan.options["max_running"]
         if lm.model.device.type == "cpu" and not opts.gpu_memory_budget:
             full = min(full, CPU_DEFAULT_FULL_TOKENS)
-    return EngineConfig(max_running_requests=running, prefill_chunk=chunk,
-                        fast_prefill=opts.fast_prefill, cache_type=opts.cache_type, kv_cache_dtype=kv,
-                        swa_kv_cache_dtype=swa, full_tokens=full, window_tokens=window,
-                        attention_backend=opts.attention_backend, kv_save=opts.kv_save, kv_dir=opts.kv_dir,
-                        kv_disk_budget=opts.kv_disk_budget)
+    return EngineConfig.from_options(opts, max_running_requests=running, prefill_chunk=chunk, kv_cache_dtype=kv,
+                                     swa_kv_cache_dtype=swa, full_tokens=full, window_tokens=window)
 
 
 def load_draft(path: str, lm: LoadedModel, spec_tokens: int = 2, p_min: float = 0.0):
@@ -344,10 +310,7 @@ def run_prompt(client: LocalClient, lm: LoadedModel, prompt: str, gen: Generatio
         rid = client.submit_ids(prompt_ids(lm, prompt, raw=True, images=images, audio=audio) if images or audio else
                                 lm.tokenizer.encode(prompt), gen, images=images, audio=audio)
     else:
-        user = {"role": "user", "content": prompt, **({"images": list(images)} if images else {}),
-                **({"audio": list(audio)} if audio else {})}
-        msgs = ([{"role": "system", "content": system}] if system else []) + [user]
-        rid = client.submit(msgs, gen)
+        rid = client.submit(user_turn(prompt, system, images, audio), gen)
     ids, text, last = [], "", None
     for ev in client.stream(rid):
         ids += ev.token_ids
@@ -359,73 +322,3 @@ def run_prompt(client: LocalClient, lm: LoadedModel, prompt: str, gen: Generatio
         raise GenerationError(last.error, last.error_kind)
     return {"prompt_ids": client.last_prompt_ids(rid), "ids": ids, "text": text,
             "finish_reason": last.finish_reason, "timings": last.stats}
-
-
-def open_layout(model: Optional[str] = None, synthetic: Optional[str] = None):
-    """A GGUF file (metadata and tensor table, memory-mapped), or a synthetic E2B/E4B layout."""
-    if synthetic:
-        from models.synthetic import synthetic_layout
-        return synthetic_layout(synthetic)
-    if not model:
-        raise ValueError("give a MODEL file or --synthetic e2b|e4b")
-    return open_gguf(Path(model).expanduser())
-
-
-def memory_plan(layout, opt, cfg=None) -> dict[str, Any]:
-    """The memory plan (engine/memory_plan.py) plus the max context for every KV format. Without
-    an explicit budget a model that does not fit the default one gives {"error": ...} instead of
-    raising, so `info` still shows the architecture."""
-    from dataclasses import replace
-
-    from .memory_plan import BudgetTooSmall, default_budget, max_context_by_format, plan_memory
-    explicit = opt.budget is not None
-    if not explicit:
-        budget, source = default_budget(opt.device)
-        opt = replace(opt, budget=budget)
-    try:
-        p = plan_memory(layout, opt, cfg)
-    except BudgetTooSmall as e:
-        if explicit:
-            raise
-        return {"error": str(e), "budget": opt.budget, "budget_source": source, "needed": e.needed}
-    if not explicit:
-        p.budget_source = source
-    return {**p.to_dict(), "max_context_by_format": max_context_by_format(layout, opt, cfg)}
-
-
-def describe(path, plan=None) -> dict[str, Any]:
-    """Architecture, layer plan and tensor types/sizes of a GGUF (a path or an opened layout),
-    without loading weights; with `plan` (memory_plan.PlanOptions) also the memory plan."""
-    f = path if hasattr(path, "tensors") else open_gguf(path)
-    arch = f.architecture
-    if arch == "gemma4":
-        from models.gemma4 import Gemma4Config
-        cfg = Gemma4Config.from_gguf(f)
-        layers = [{"layer": i, "type": "sliding" if cfg.is_sliding[i] else "full",
-                   "head_dim": cfg.head_dim[i], "n_head": cfg.n_head[i], "n_kv_head": cfg.n_kv_head[i],
-                   "ffn": cfg.ffn_width[i], "kv_source": cfg.kv_source(i)} for i in range(cfg.n_layer)]
-        extra = {"ple_width": cfg.ple_width, "kv_shared_layers": len(cfg.kv_shared_layers),
-                 "final_softcap": cfg.final_softcap, "n_expert": cfg.n_expert}
-    else:
-        from models.gemma3 import Gemma3Config
-        cfg = Gemma3Config.from_gguf(f)
-        layers = [{"layer": i, "type": "sliding" if cfg.is_sliding[i] else "full", "head_dim": cfg.head_dim,
-                   "n_head": cfg.n_head, "n_kv_head": cfg.n_kv_head, "ffn": cfg.ffn_width, "kv_source": i}
-                  for i in range(cfg.n_layer)]
-        extra = {"final_softcap": cfg.final_softcap}
-    by_type: Counter = Counter()
-    bytes_by_type: Counter = Counter()
-    for t in f:
-        by_type[t.type_name] += 1
-        bytes_by_type[t.type_name] += t.n_bytes
-    out = {
-        "file": str(f.path), "architecture": arch, "name": f.get("general.name"),
-        "n_layer": cfg.n_layer, "d_model": cfg.d_model, "vocab_size": cfg.vocab_size,
-        "context_length": cfg.context_length, "sliding_window": cfg.sliding_window, **extra,
-        "layers": layers,
-        "tensor_types": {k: {"tensors": by_type[k], "bytes": bytes_by_type[k]} for k in sorted(by_type)},
-        "total_bytes": sum(bytes_by_type.values()),
-    }
-    if plan is not None:
-        out["plan"] = memory_plan(f, plan, cfg)
-    return out

@@ -15,7 +15,7 @@ import torch
 
 from models.ops import attention
 
-from .kv_pool import KVPool
+from .kv.pool import KVPool
 
 
 class AttentionBackend(abc.ABC):

@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from . import failpoints
-from .kv_pool import HybridKVPool
-from .sequence_kv import SequenceKV
+from .kv.pool import HybridKVPool
+from .kv.sequence import SequenceKV
 
 BUCKETS = (1, 2, 4)
 POS_PAD = 1 << 30  # position of unused table entries: after every query, so never visible

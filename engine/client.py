@@ -2,8 +2,9 @@
 
 `LocalClient` runs an `Engine` in one background thread (the only thread that touches it);
 callers post commands and read per-request event queues, so a UI thread never blocks on the model.
-Conversations are rendered with the model's chat format here; with `--context-overflow truncate`
-the oldest whole turns after the system prompt are dropped until the prompt fits.
+Conversations become prompts in engine/prompt.py (the model's chat format, or a base model's text);
+with `--context-overflow truncate` the oldest whole turns after the system prompt are dropped until
+the prompt fits.
 Front ends that wait in an event loop (app/server/) pass `on_event`, called on the engine thread
 after each event is queued, and drain with `poll`; `queue_limit` bounds the engine's wait queue.
 """
@@ -14,41 +15,15 @@ import atexit
 import queue
 import threading
 import weakref
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-from .media import as_audio_input, as_image_input, expand_markers, place_markers
+from .media import as_audio_input, as_image_input
+from .prompt import prompt_ids
 from .request import ErrorKind, StreamEvent
-from .sampler import SamplingParams
-from .scheduler import ContextOverflowError, Engine, EngineConfig
-from .constraints import Constraint
+from .request_params import GenerationParams, model_kind
+from .scheduler import Engine, EngineConfig
 from .structured import request_grammar, tool_events_for
-
-
-@dataclass(frozen=True)
-class GenerationParams:
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    thinking: bool = False
-    stop_strings: tuple[str, ...] = ()
-    kv_session: Optional[str] = None  # a KV file: serves the prompt's common prefix, saved after
-    image_tokens: int = 280  # soft-token budget of images given as paths/bytes: 70|140|280|560|1120
-    # structured output (engine/constraints.py: json_schema_constraint, from_response_format, ...)
-    constraint: Optional[Constraint] = None
-    # OpenAI function tools, rendered by the chat template; tool_choice: "auto" | "none" |
-    # "required" | {"type": "function", "function": {"name": ...}} (engine/structured.py)
-    tools: Optional[Sequence[dict]] = None
-    tool_choice: Any = None
-    kv_auto: bool = False  # the engine's kv_dir: the file the prompt extends serves it, saved there after
-    # False: the prefix cache serves none of the prompt (it is computed afresh, so a seeded request
-    # repeats exactly: reused KV sits in other slot runs, and attention summed over two runs
-    # rounds differently from one, which llama.cpp's Q8 activations can turn into another token)
-    cache_prompt: bool = True
-    # A base model (engine.api.model_kind): the messages are one text to continue, their contents
-    # joined (engine.client.continuation_text), no chat template; and, usually with it, the
-    # answer ends at the first blank line after a paragraph (engine/paragraph_stop.py).
-    continue_text: bool = False
-    stop_at_blank_line: bool = False
 
 
 KEEP_PROMPTS = 1024  # last_prompt_ids answers for this many recent requests (a server makes many)
@@ -82,50 +57,6 @@ class _NotifyingQueue(queue.Queue):
             pass
 
 
-def _with_media_markers(message: dict, image_tokens: int) -> dict:
-    """A message with `images` / `audio` turned into ImageInput / AudioInput and a `<|image|>` /
-    `<|audio|>` marker each in its text (images first, then clips, then the text, unless the text
-    places them)."""
-    if not message.get("images") and not message.get("audio"):
-        return message
-    from models.chat import _text
-    from models.gemma4_audio import AUDIO
-    from models.gemma4_vision import IMAGE
-
-    images = [as_image_input(im, image_tokens) for im in message.get("images", ())]
-    audio = [as_audio_input(clip) for clip in message.get("audio", ())]
-    text = place_markers(place_markers(_text(message), len(audio), AUDIO), len(images), IMAGE)
-    return {**message, "images": images, "audio": audio, "content": text}
-
-
-def image_marker() -> str:
-    """The text that stands for one image in a message (Gemma-4's `<|image|>`): images are placed
-    there, in order (messages without markers get their images before the text)."""
-    from models.gemma4_vision import IMAGE
-    return IMAGE
-
-
-def audio_marker() -> str:
-    """The text that stands for one audio clip in a message (Gemma-4's `<|audio|>`), as image_marker."""
-    from models.gemma4_audio import AUDIO
-    return AUDIO
-
-
-def continuation_text(messages: Sequence[dict]) -> str:
-    """A conversation as one text to continue (a base model): each answer continues the text
-    before it as written; a user message after others starts a new paragraph (unless the text
-    already ends with a newline). System messages are text like the rest."""
-    from models.chat import _text
-
-    out = ""
-    for m in messages:
-        text = _text(m)
-        if out and m.get("role") != "assistant" and not out.endswith("\n"):
-            out += "\n\n"
-        out += text
-    return out
-
-
 class EngineClient(abc.ABC):
     @abc.abstractmethod
     def submit(self, messages: Sequence[dict], params: GenerationParams) -> int: ...
@@ -154,7 +85,7 @@ class LocalClient(EngineClient):
             raise ValueError(f"--context-overflow must be error or truncate, not {context_overflow!r}")
         self.loaded, self.context_overflow = loaded, context_overflow
         if model_id is None:  # what a KV file must have been written for
-            from .kv_file import model_identity
+            from .kv.file import model_identity
             path = getattr(loaded, "path", None)
             model_id = model_identity(path) if path is not None and Path(path).exists() else ""
         self.engine = Engine(loaded.model, loaded.tokenizer, config, spec=spec, model_id=model_id,
@@ -175,32 +106,9 @@ class LocalClient(EngineClient):
     # --- prompt building ---------------------------------------------------------------------
     def _prompt_ids(self, messages: Sequence[dict], thinking: bool, image_tokens: int = 280, tools=None,
                     continue_text: bool = False) -> tuple[list[int], dict]:
-        """(ids, media): the rendered conversation, each message's `images` and `audio`
-        (ImageInput / AudioInput, paths or bytes) placed as markers (before its text unless the
-        text has them) and expanded to their blocks; media of turns dropped by truncation go
-        with them. `media`: {"image": [...], "audio": [...]} in prompt order. `tools`: rendered
-        by the chat template. `continue_text`: no template, the contents joined (a base model)."""
-        lm, msgs = self.loaded, [_with_media_markers(m, image_tokens) for m in messages]
-        limit = self.engine.context_limit
-        while True:
-            extra = {"tools": tools} if tools else {}   # chat formats without tool support never see the key
-            if continue_text:
-                ids = lm.tokenizer.encode(continuation_text(msgs))  # BOS as the tokenizer adds it
-            else:
-                text = lm.chat.render(msgs, add_generation_prompt=True, thinking=thinking, **extra)
-                ids = lm.tokenizer.encode(text, add_bos=not lm.chat.bos_in_template)
-            media = {k: [x for m in msgs for x in m.get(key, ())] for k, key in (("image", "images"), ("audio", "audio"))}
-            if any(media.values()) or self.engine.media_kinds:
-                ids = expand_markers(ids, media, self.engine.media_kinds)
-            if len(ids) < limit or self.context_overflow == "error":
-                return ids, media
-            first = 1 if msgs and msgs[0].get("role") == "system" else 0
-            # Drop the oldest whole turn (a user message and the replies after it), keep the last.
-            nxt = next((i for i in range(first + 1, len(msgs)) if msgs[i].get("role") == "user"), None)
-            if nxt is None:
-                raise ContextOverflowError(
-                    f"the last message alone ({len(ids)} tokens) does not fit the {limit}-token context")
-            msgs = msgs[:first] + msgs[nxt:]
+        """(ids, media) of a conversation (engine/prompt.py), truncated to the context as configured."""
+        return prompt_ids(self.loaded, messages, self.engine.media_kinds, thinking, image_tokens, tools,
+                          continue_text, self.engine.context_limit, self.context_overflow == "truncate")
 
     # --- the interface ---------------------------------------------------------------------
     def submit(self, messages: Sequence[dict], params: GenerationParams = GenerationParams(),
@@ -263,12 +171,15 @@ class LocalClient(EngineClient):
     def token_bytes(self, token_id: int) -> bytes:
         return self.loaded.tokenizer.token_bytes(token_id)
 
-    def chat_prompt_ids(self, messages: Sequence[dict], thinking: bool = False) -> list[int]:
-        """The ids `submit` would send for a text conversation (rendered, truncation as configured)."""
-        return self._prompt_ids(messages, thinking)[0]
+    def chat_prompt_ids(self, messages: Sequence[dict], thinking: bool = False, continue_text: bool = False
+                        ) -> list[int]:
+        """The ids `submit` would send for a text conversation (rendered, truncation as configured;
+        `continue_text`: a base model's, the contents joined)."""
+        return self._prompt_ids(messages, thinking, continue_text=continue_text)[0]
 
     def model_info(self) -> dict:
-        """What a server says about the model: names, file, family, sizes, context, capabilities."""
+        """What a server says about the model: names, file, family, sizes, context, capabilities, and
+        whether it is a base model (engine/request_params.py: the rule a base model's requests get)."""
         lm = self.loaded
         src = lm.source
         meta = getattr(src, "metadata", {}) or {}
@@ -282,6 +193,7 @@ class LocalClient(EngineClient):
                 quant = LlamaFileType(meta["general.file_type"]).name.removeprefix("MOSTLY_").removeprefix("ALL_")
             except ValueError:
                 pass
+        kind, kind_reason = model_kind(lm)
         return {"name": meta.get("general.name") or path.stem, "file": path.name, "path": str(path),
                 "arch": lm.arch, "chat_family": getattr(lm.chat, "family", None),
                 "chat_template": getattr(lm.chat, "template", None),
@@ -289,6 +201,7 @@ class LocalClient(EngineClient):
                 "quantization": quant, "context_length": self.engine.context_limit,
                 "vocab_size": lm.config.vocab_size, "vision": self.engine.vision is not None,
                 "audio": self.engine.audio is not None,
+                "kind": kind, "kind_reason": kind_reason,  # "base": completions continue the text
                 # the runtime chosen at load (models/runtime.py): doctor, info and the app print it
                 "runtime": lm.runtime.value, "runtime_detail": lm.runtime.detail}
 

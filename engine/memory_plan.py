@@ -34,7 +34,7 @@ import re
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
-from .kv_format import FORMAT_NAMES, FormatUnsupported, owning_layers, pool_unit_bytes, resolve_format
+from .kv.format import FORMAT_NAMES, FormatUnsupported, owning_layers, pool_unit_bytes, resolve_format
 
 MiB, GiB = 2 ** 20, 2 ** 30
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": MiB, "mib": MiB, "mb": 10**6,

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from .kv_pool import HybridKVPool
+from .kv.pool import HybridKVPool
 
 _clock = itertools.count()
 

@@ -80,7 +80,7 @@ class Request:
     t_done: Optional[float] = None
     abort_requested: bool = False
     h: object = None  # speculative decoding: the target's post-norm state at the last KV position
-    kv_session: Optional[str] = None  # a KV file (engine/kv_sessions.py): restored before, saved after
+    kv_session: Optional[str] = None  # a KV file (engine/kv/sessions.py): restored before, saved after
     restored_len: int = 0  # prompt tokens whose KV came from that file
     kv_error: Optional[str] = None  # why the file was not used (one line)
     kv_checked: bool = False

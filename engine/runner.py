@@ -14,7 +14,7 @@ from models.decoder import FiniteWatch
 from models.ops import cpu_chains
 
 from . import failpoints
-from .sequence_kv import SequenceKV
+from .kv.sequence import SequenceKV
 
 
 class ModelRunner:

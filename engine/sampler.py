@@ -16,8 +16,8 @@ A seeded `torch.Generator` per request makes sampled runs repeatable.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, fields
+from typing import Mapping, Optional
 
 import torch
 
@@ -59,6 +59,24 @@ class SamplingParams:
                 isinstance(b, str) for b in self.dry_sequence_breakers):
             raise ValueError("dry_sequence_breakers must be a list of strings")
         object.__setattr__(self, "dry_sequence_breakers", tuple(self.dry_sequence_breakers))
+
+    @classmethod
+    def from_request(cls, values: Mapping) -> "SamplingParams":
+        """The one way a front end builds these: `values` by field name (a flag, a setting or an API
+        field, as parsed or as stored: "0.7" and 0.7 alike); None or absent keeps the default, keys
+        that are no field (a settings dict's others) are ignored. A bad value: one-line ValueError."""
+        out = {}
+        for f in fields(cls):
+            v = values.get(f.name)
+            if v is None:
+                continue
+            if f.name == "dry_sequence_breakers":
+                out[f.name] = tuple(v) if not isinstance(v, str) else v  # a bare string is refused below
+            elif isinstance(f.default, float):
+                out[f.name] = float(v)
+            else:  # the int fields, and seed / logprobs (None by default)
+                out[f.name] = int(v)
+        return cls(**out)
 
     @property
     def dry_on(self) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Optional
 
 import torch
@@ -25,16 +25,16 @@ from . import failpoints
 from .attention_backend import get_attention_backend
 from .batch_decode import BUCKETS, BatchDecoder
 from .dry import breaker_table
-from .kv_format import resolve_format
-from .kv_pool import HybridKVPool, KVPoolFull
+from .kv.format import resolve_format
+from .kv.pool import HybridKVPool, KVPoolFull
 from .media import describe_counts, media_kinds, prompt_media
-from .kv_sessions import KVDisk, KVSessions
+from .kv.sessions import KVDisk, KVSessions
 from .paragraph_stop import blank_line_hold, blank_line_stop
 from .prefix_cache import make_prefix_cache
 from .request import ErrorKind, Request, RequestState, StreamEvent
 from .runner import ModelRunner
 from .sampler import SamplingParams
-from .sequence_kv import SequenceKV
+from .kv.sequence import SequenceKV
 from .speculative import SpecConfig, SpecStats, accept, check_draft, draft_tokens, max_draft
 
 
@@ -65,6 +65,14 @@ class EngineConfig:
     def __post_init__(self):
         if self.max_running_requests < 1 or self.prefill_chunk < 1 or self.full_tokens < 1:
             raise ValueError(f"invalid engine settings: {self}")
+
+    @classmethod
+    def from_options(cls, options, **planned) -> "EngineConfig":
+        """From a front end's engine options (engine.api.EngineOptions: its flags), every field the
+        two share by name, then `planned`: what the memory plan decided (pool sizes, prefill chunk,
+        running requests, the KV formats `auto` resolved to)."""
+        shared = {f.name: getattr(options, f.name) for f in fields(cls) if hasattr(options, f.name)}
+        return cls(**{**shared, **planned})
 
 
 class Engine:
@@ -111,10 +119,10 @@ class Engine:
         """Rebuild the pools with a new size or format (drops the prefix cache). Only when idle."""
         if self.running or self.waiting:
             raise RuntimeError("cannot rebuild the KV pools while requests are running")
-        for k, v in changes.items():
+        for k in changes:
             if not hasattr(self.config, k):
                 raise ValueError(f"unknown engine setting {k}")
-            setattr(self.config, k, v)
+        self.config = replace(self.config, **changes)  # checked again by its __post_init__
         self.sessions.save_dirty()
         self.sessions.flush()
         self.cache.clear()
@@ -134,7 +142,7 @@ class Engine:
         encoded at admission unless the cache covers them. `grammar`: an
         engine.constraints.GrammarState that masks every token sampled for it. `kv_auto`: the KV
         file of the prompt's longest saved prefix in `kv_dir` serves it, and the KV of prompt +
-        answer is saved there after (engine/kv_sessions.py). `cache_prompt` False: the prefix cache
+        answer is saved there after (engine/kv/sessions.py). `cache_prompt` False: the prefix cache
         serves none of it. `stop_at_blank_line`: finish at the first blank line after some text
         (engine/paragraph_stop.py: the base-model continuation mode)."""
         limit = self.context_limit

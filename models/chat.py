@@ -14,7 +14,7 @@ from .chat_sandbox import ChatTemplateError, compile_template, render_budget, re
 from .metadata import MetadataReader
 from .tool_format import ToolFormatError, has_tool_parts, prepare_tool_messages, render_gemma4_tools
 
-__all__ = ["ChatFormat", "ChatTemplateError", "Message", "split_thinking",
+__all__ = ["ChatFormat", "ChatTemplateError", "Message", "message_text", "split_thinking",
            "GEMMA4_STOP_STRINGS", "GEMMA3_STOP_STRINGS"]
 
 # End-of-generation tokens (§5.3: llama.cpp's EOG set for gemma4; Gemma 3 ends turns with <end_of_turn>).
@@ -30,7 +30,7 @@ class Message:
     thinking: str | None = None  # reasoning of an assistant turn; never re-rendered into the prompt
 
 
-def _text(m: Mapping[str, Any]) -> str:
+def message_text(m: Mapping[str, Any]) -> str:
     """A message's text: a string, or the text parts of an OpenAI-style content list."""
     c = m.get("content")
     if c is None or isinstance(c, str):
@@ -64,12 +64,12 @@ def _render_gemma4(msgs: list[dict], gen: bool, thinking: bool, bos: str) -> str
     out = [bos]
     system = None
     if msgs[0]["role"] in ("system", "developer"):
-        system, msgs = _text(msgs[0]).strip(), msgs[1:]
+        system, msgs = message_text(msgs[0]).strip(), msgs[1:]
     if thinking or system is not None:
         out.append("<|turn>system\n" + ("<|think|>\n" if thinking else "") + (system or "") + "<turn|>\n")
     for m in msgs:
         role = "model" if m["role"] == "assistant" else m["role"]
-        body = _strip_thinking(_text(m)) if role == "model" else _text(m).strip()
+        body = _strip_thinking(message_text(m)) if role == "model" else message_text(m).strip()
         out.append(f"<|turn>{role}\n{body}<turn|>\n")
     if gen:
         out.append("<|turn>model\n")   # E-series: no empty thought channel after it
@@ -80,12 +80,12 @@ def _render_gemma3(msgs: list[dict], gen: bool, thinking: bool, bos: str) -> str
     """Google's Gemma 3 template: no system role, so the system text prefixes the first user turn."""
     out, prefix = [bos], ""
     if msgs[0]["role"] == "system":
-        prefix, msgs = _text(msgs[0]) + "\n\n", msgs[1:]
+        prefix, msgs = message_text(msgs[0]) + "\n\n", msgs[1:]
     for i, m in enumerate(msgs):
         if (m["role"] == "user") != (i % 2 == 0):
             raise ChatTemplateError("chat template error: Conversation roles must alternate user/assistant/...")
         role = "model" if m["role"] == "assistant" else m["role"]
-        out.append(f"<start_of_turn>{role}\n{prefix if i == 0 else ''}{_text(m).strip()}<end_of_turn>\n")
+        out.append(f"<start_of_turn>{role}\n{prefix if i == 0 else ''}{message_text(m).strip()}<end_of_turn>\n")
     if gen:
         out.append("<start_of_turn>model\n")
     return "".join(out)

@@ -59,7 +59,7 @@ def _kind(a: argparse.Action) -> str:
 
 def _choices(a: argparse.Action) -> list[str]:
     if a.dest in KV_DESTS:
-        from engine.kv_format import FORMAT_NAMES
+        from engine.kv import FORMAT_NAMES
         return list(FORMAT_NAMES)
     return [str(c) for c in a.choices or []]
 

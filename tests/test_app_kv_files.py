@@ -113,7 +113,7 @@ async def test_settings_show_the_disk_use_and_clear_it(tmp_path, tiny_path):
 async def test_a_full_disk_while_saving_keeps_the_chat_and_the_database(tmp_path, tiny_path, monkeypatch):
     import errno
 
-    from engine import kv_file
+    from engine.kv import file as kv_file
 
     def enospc(snap, path, **kw):
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -21,7 +21,7 @@ import torch  # noqa: E402
 from engine.batch_decode import BatchDecoder, bucket_of, capacity_of  # noqa: E402
 from engine.sampler import SamplingParams  # noqa: E402
 from engine.scheduler import Engine, EngineConfig  # noqa: E402
-from engine.sequence_kv import SequenceKV  # noqa: E402
+from engine.kv import SequenceKV  # noqa: E402
 from engine.speculative import SpecConfig  # noqa: E402
 from models.gemma3 import Gemma3Config, Gemma3Model  # noqa: E402
 from models.gemma4_assistant import load_gemma4_assistant  # noqa: E402

@@ -1,4 +1,4 @@
-"""Base models: told from chat models (models/model_kind.py), continued as text (engine.client
+"""Base models: told from chat models (models/model_kind.py), continued as text (engine.prompt
 continuation_text), stopped at a blank line after a paragraph (engine/paragraph_stop.py); and the
 demo at the app's base-model defaults (DRY on) does not loop."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from engine.client import continuation_text
+from engine.prompt import continuation_text
 from engine.paragraph_stop import blank_line_hold, blank_line_stop
 from models.model_kind import model_kind
 

@@ -58,7 +58,7 @@ def test_cuda_graph_replay_equals_eager(tmp_path, kv, quantized):
     verify for B = 2) replays to the eager static-buffer forward's logits, with host embedding
     tables (gathered outside the graph); the engine's greedy tokens do not depend on graphs."""
     from engine.batch_decode import BatchDecoder
-    from engine.sequence_kv import SequenceKV
+    from engine.kv import SequenceKV
 
     path = write_tiny_gemma4(tmp_path / "f.gguf", TinySpec(), seed=17)
     if quantized:

@@ -218,7 +218,7 @@ def test_decode_attention_over_slot_runs_equals_one_gather():
 def test_decode_reads_window_runs_in_place_after_chunked_prefill(tiny, monkeypatch):
     """After a chunked prefill the window slots come back in order (a few runs), so decode steps
     read them in place instead of gathering; the tokens equal the reference."""
-    import engine.sequence_kv as skv
+    import engine.kv.sequence as skv
 
     seen = []
     parts = skv.SequenceKV._parts

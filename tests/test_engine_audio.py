@@ -96,7 +96,7 @@ def test_a_different_clip_with_the_same_ids_never_reuses(tiny):
 
 
 def test_kv_files_carry_the_clip_keys(tiny, tmp_path):
-    from engine import kv_file
+    from engine.kv import file as kv_file
 
     lm, a, b = tiny["lm"], tiny["a"], tiny["b"]
     f = tmp_path / "conv.safetensors"

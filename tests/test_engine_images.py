@@ -104,7 +104,7 @@ def test_kv_files_carry_the_image_keys(tiny, tmp_path):
     f = tmp_path / "conv.safetensors"
     ids = _prompt(a)
     _ask(_engine(lm), ids, [a], kv=f)
-    from engine import kv_file
+    from engine.kv import file as kv_file
     tokens, _ = kv_file.load(f, "m", _engine(lm).sessions.layout())
     assert image_key(a.digest) in tokens and IMG not in tokens
     g = tmp_path / "copy.safetensors"  # asking with a file saves over it: ask B with a copy

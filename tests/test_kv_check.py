@@ -10,7 +10,7 @@ import pytest
 
 from app.cli import main
 from engine.bench import kv_quality as kvc
-from engine.kv_format import FormatUnsupported, resolve_format
+from engine.kv import FormatUnsupported, resolve_format
 from models.loader import load_model
 from tiny_models import TinySpec, write_tiny_gemma4
 

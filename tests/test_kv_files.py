@@ -1,4 +1,4 @@
-"""KV files (engine/kv_file.py, engine/kv_sessions.py): a conversation's KV saved and restored, byte
+"""KV files (engine/kv/file.py, engine/kv/sessions.py): a conversation's KV saved and restored, byte
 for byte, with the same greedy continuation as without; bad files refused in one line; crashes and
 full disks lose nothing."""
 from __future__ import annotations
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine import kv_file
-from engine.kv_sessions import KVDisk
+from engine.kv import file as kv_file
+from engine.kv import KVDisk
 from engine.sampler import SamplingParams
 from engine.scheduler import Engine, EngineConfig
 from models.loader import load_model
@@ -189,7 +189,7 @@ def test_kill_during_a_save_leaves_no_file_a_restore_would_use(tiny, tmp_path):
     script = textwrap.dedent(f"""
         import sys, time, torch
         sys.path[:0] = {sys.path!r}
-        from engine import kv_file
+        from engine.kv import file as kv_file
         snap = kv_file.KVSnapshot([1, 2, 3], {{"tokens": torch.tensor([1, 2, 3]),
                                   "full.0.k": torch.randn(3, 1, 64)}}, {{"edgegem_kv": "1"}})
         def hang(tmp):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kv_format import KVFormat, pool_unit_bytes, resolve_format
-from engine.kv_pool import HybridKVPool, KVPool, KVPoolFull
+from engine.kv import KVFormat, pool_unit_bytes, resolve_format
+from engine.kv import HybridKVPool, KVPool, KVPoolFull
 from engine.runner import ModelRunner
-from engine.sequence_kv import SequenceKV
+from engine.kv import SequenceKV
 from models.loader import load_model
 from tiny_models import TinySpec, write_tiny_gemma4
 

@@ -30,18 +30,18 @@ PRIVATE_IMPORTS: dict = {
         "_kv_session_arg", "_memory_args", "_sampling_args")},
     ("app.cli_bench", "app.cli_options", "_int_list"): "the command line's shared option handling",
     **{("app.cli_chat", "app.cli_options", n): "the command line's shared option handling" for n in (
-        "_device", "_emit", "_engine_options", "_kv_note", "_kv_path", "_params", "_start_client")},
+        "_device", "_emit", "_engine_options", "_kv_note", "_kv_path", "_start_client")},
     ("app.cli_info", "app.cli_options", "_draft_path"): "the command line's shared option handling",
+    **{(m, "app.cli_options", "_generation"): "the command line's shared option handling"
+       for m in ("app.cli_chat", "app.cli_run")},
     **{("app.cli_run", "app.cli_options", n): "the command line's shared option handling" for n in (
-        "_constraint", "_device", "_emit", "_engine_options", "_kv_note", "_kv_path", "_params",
-        "_start_client")},
+        "_constraint", "_device", "_emit", "_engine_options", "_kv_note", "_kv_path", "_start_client")},
     **{("app.cli_serve", "app.cli_options", n): "the command line's shared option handling" for n in (
         "_device", "_engine_options", "_start_client")},
     ("engine.bench.gemv", "models.synthetic", "_random_quant_bytes"):
         "the GEMV bench's random blocks are the synthetic model's; to be made public with models/ changes",
     ("engine.bench.spec", "engine.bench.throughput", "_sync"):
         "the benches' device sync, inside one package; public when the benches print the runtime",
-    ("engine.client", "models.chat", "_text"): "the prompt builder moving to engine/prompt.py takes it public",
     ("models.gemma4_assistant", "models.gemma4", "_per_layer"):
         "the assistant is a Gemma 4 variant of the family file; public when models/ is reworked",
     # models/ops.py is being rebuilt around a runtime decided once at load (models/runtime.py), which

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from gguf import GGUFWriter
 
-from engine.kv_format import owning_layers, pool_unit_bytes, resolve_format
+from engine.kv import owning_layers, pool_unit_bytes, resolve_format
 from engine.memory_plan import (GiB, MiB, BudgetTooSmall, PlanOptions, fmt_size, max_context_by_format,
                                 parse_size, plan_memory)
 from models.synthetic import synthetic_layout
@@ -216,7 +216,7 @@ def test_the_free_slot_list_costs_nothing_per_slot():
 
     import torch
 
-    from engine.kv_pool import KVPool
+    from engine.kv import KVPool
 
     tracemalloc.start()
     try:

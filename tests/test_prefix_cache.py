@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from engine.generate import generate
-from engine.kv_format import resolve_format
-from engine.kv_pool import HybridKVPool
+from engine.kv import resolve_format
+from engine.kv import HybridKVPool
 from engine.prefix_cache import RadixCache
 from engine.sampler import SamplingParams
 from engine.scheduler import Engine, EngineConfig

@@ -1,5 +1,5 @@
 """`edgegem serve --kv-dir D`: each finished API conversation's KV is saved under D, keyed by the
-hash of its tokens (engine/kv_index.py); a later request whose prompt extends it restores it
+hash of its tokens (engine/kv/index.py); a later request whose prompt extends it restores it
 instead of prefilling, also after a server restart, and writes the same answer a cold prefill
 does. A conversation keeps one file."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("openai")
 
 from engine import api  # noqa: E402
-from engine.kv_index import KVIndex, digest  # noqa: E402
+from engine.kv.index import KVIndex, digest  # noqa: E402
 from server_helpers import LiveServer  # noqa: E402
 from tiny_models import TinySpec, write_tiny_gemma4  # noqa: E402
 
@@ -88,5 +88,5 @@ def test_the_index_finds_the_longest_saved_prefix_by_whole_tokens_or_prompt(lm, 
 
 
 def _tokens(path):
-    from engine.kv_index import file_tokens
+    from engine.kv.index import file_tokens
     return file_tokens(path)

@@ -52,10 +52,12 @@ def test_options_stop_seed_and_model_name_stems(ol):
     assert seeded[0] == seeded[1]
 
 
-def test_generate_templated_raw_and_context_continuation(ol, server):
+def test_generate_continued_raw_and_context_continuation(ol, server):
     g = ol.generate(model=MODEL, prompt="Tell me about the sea.", options=GREEDY)
-    chat = ol.chat(model=MODEL, messages=ASK, options=GREEDY)
-    assert g.response == chat.message.content  # the prompt goes through the chat template
+    # the demo is a base model: its prompt is continued as text, no chat turns around it (the chat
+    # template on a chat model: test_generate_on_a_chat_model_goes_through_the_chat_template)
+    prompt = server.client.tokenize("Tell me about the sea.", add_special=True)
+    assert list(g.context[:len(prompt)]) == prompt and g.prompt_eval_count == len(prompt)
     streamed = "".join(p.response for p in ol.generate(model=MODEL, prompt="Tell me about the sea.",
                                                         options=GREEDY, stream=True))
     assert streamed == g.response
@@ -109,6 +111,43 @@ def tiny_server(tmp_path_factory):
     s = LiveServer(api.open_model(path, exact=False), api.EngineOptions(max_running_requests=2))
     yield s
     s.close()
+
+
+def test_generate_on_a_chat_model_goes_through_the_chat_template(tiny_server):
+    ol = tiny_server.ollama()
+    greedy = {"temperature": 0, "num_predict": 6}
+    g = ol.generate(model="tiny-gemma4", prompt="Tell me about the sea.", options=greedy)
+    chat = ol.chat(model="tiny-gemma4", messages=ASK, options=greedy)
+    assert g.response == chat.message.content and g.prompt_eval_count == chat.prompt_eval_count
+
+
+def _spy_submits(monkeypatch, client, name):
+    """The GenerationParams of each `client.<name>` call (submit or submit_ids), in order."""
+    seen, real = [], getattr(client, name)
+    monkeypatch.setattr(client, name, lambda first, params, *a, **k: (seen.append(params), real(first, params, *a,
+                                                                                                   **k))[1])
+    return seen
+
+
+def test_generate_on_a_base_model_takes_its_defaults_unless_the_options_set_them(server, tiny_server, monkeypatch):
+    h = server.http()
+    seen = _spy_submits(monkeypatch, server.client, "submit")
+    body = {"model": MODEL, "prompt": "The lighthouse", "stream": False}
+    h.post("/api/generate", json={**body, "options": {"num_predict": 4}}).raise_for_status()
+    h.post("/api/generate", json={**body, "options": {"num_predict": 4, "dry_multiplier": 0, "temperature": 0,
+                                                      "stop_at_blank_line": False}}).raise_for_status()
+    base, mine = seen
+    assert base.continue_text and base.stop_at_blank_line and not base.thinking
+    s = base.sampling
+    assert (s.dry_multiplier, s.dry_penalty_last_n, s.dry_sequence_breakers) == (0.8, -1, (":", "\"", "*"))
+    assert (s.temperature, s.top_k, s.top_p, s.repetition_penalty, s.max_tokens) == (0.8, 40, 0.9, 1.1, 4)  # Ollama's
+    assert mine.continue_text and not mine.stop_at_blank_line  # what the options set wins
+    assert (mine.sampling.dry_multiplier, mine.sampling.temperature, mine.sampling.dry_penalty_last_n) == (0, 0, -1)
+    chat_model = _spy_submits(monkeypatch, tiny_server.client, "submit")
+    tiny_server.http().post("/api/generate", json={"model": "tiny-gemma4", "prompt": "x", "stream": False,
+                                                   "options": {"num_predict": 2}}).raise_for_status()
+    (p,) = chat_model
+    assert not p.continue_text and not p.stop_at_blank_line and p.sampling.dry_multiplier == 0.0
 
 
 def test_a_gemma4_model_shows_thinking_and_think_reaches_the_template(tiny_server):

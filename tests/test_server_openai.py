@@ -71,6 +71,24 @@ def test_completions_default_to_16_tokens_as_openai(oa):
     assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
 
 
+def test_completions_on_a_base_model_take_its_defaults_unless_the_request_sets_them(oa, server, monkeypatch):
+    """The demo is a base model: /v1/completions takes the engine's base-model defaults (DRY on, a
+    blank-line stop) where the request sets none; OpenAI's own defaults and the fields set stay."""
+    seen, submit_ids = [], server.client.submit_ids
+    monkeypatch.setattr(server.client, "submit_ids", lambda ids, params, *a, **k: (seen.append(params),
+                                                                                   submit_ids(ids, params, *a, **k))[1])
+    oa.completions.create(model=MODEL, prompt="The lighthouse", max_tokens=4)
+    oa.completions.create(model=MODEL, prompt="The lighthouse", max_tokens=4, temperature=0,
+                          extra_body={"dry_multiplier": 0, "dry_sequence_breakers": ["\n"], "stop_at_blank_line": False})
+    base, mine = seen
+    s = base.sampling
+    assert base.stop_at_blank_line and (s.dry_multiplier, s.dry_penalty_last_n) == (0.8, -1)
+    assert s.dry_sequence_breakers == (":", "\"", "*") and (s.temperature, s.top_p, s.max_tokens) == (1.0, 1.0, 4)
+    assert not mine.stop_at_blank_line and mine.sampling.temperature == 0  # set by the request: as given
+    assert (mine.sampling.dry_multiplier, mine.sampling.dry_sequence_breakers) == (0.0, ("\n",))
+    assert mine.sampling.dry_penalty_last_n == -1  # the base default the request left alone
+
+
 def test_stop_strings_end_the_answer_before_them_and_are_never_streamed(oa):
     full = _chat(oa, max_tokens=24).choices[0].message.content
     words = full.split()
@@ -148,7 +166,9 @@ def _logprobs_checks(oa, server, lm):
     # the same tokens and log-probabilities (float32 rounding apart: KV in other slot runs)
     assert [s.token for s in streamed] == [c.token for c in content]
     assert all(math.isclose(s.logprob, c.logprob, abs_tol=LOGPROB_TOL) for s, c in zip(streamed, content))
-    comp = oa.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0, logprobs=2)
+    # the demo is a base model: its completions stop at a blank line unless the request says not to
+    comp = oa.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0, logprobs=2,
+                                 extra_body={"stop_at_blank_line": False})
     lp = comp.choices[0].logprobs
     assert len(lp.tokens) == 4 == len(lp.token_logprobs) and all(len(t) == 2 for t in lp.top_logprobs)
     assert "".join(lp.tokens) == comp.choices[0].text and lp.text_offset[0] == 0

@@ -112,8 +112,8 @@ def test_kv_bytes_formula():
     """Full layers read context + 1 tokens, sliding ones at most the window; shared layers re-read
     their source's slab."""
     from engine.bench import kv_bytes_read
-    from engine.kv_format import resolve_format
-    from engine.kv_pool import HybridKVPool
+    from engine.kv import resolve_format
+    from engine.kv import HybridKVPool
     from models.gemma4 import Gemma4Config
 
     cfg = Gemma4Config.from_gguf(synthetic_layout("tiny"))

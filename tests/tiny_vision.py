@@ -182,6 +182,9 @@ def write_text_gguf(folder: Path, path: Path, special: dict | None = None) -> Pa
     if "global_head_dim" in c:
         hd_f = c["global_head_dim"]
     w = GGUFWriter(str(path), arch=arch)
+    # a chat model (models/model_kind.py), as the E2B-it it stands for: without it the file has no
+    # template and no fine-tune word, so `run`, `chat` and the app would continue its text
+    w.add_string("general.finetune", "it")
     w.add_uint32(f"{arch}.block_count", L)
     w.add_uint32(f"{arch}.context_length", 4096)
     w.add_uint32(f"{arch}.embedding_length", c["hidden_size"])

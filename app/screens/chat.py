@@ -21,7 +21,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
-from app.backend import ErrorKind, GenerationParams, SamplingParams, split_thinking
+from app.backend import ErrorKind, GenerationParams, generation_params, split_thinking
 from app.messages import GenerationDone
 from app.screens.chat_commands import ChatCommandsMixin, one_line
 from app.screens.chat_media import MediaInputMixin
@@ -58,22 +58,12 @@ class Generation:
 
 
 def sampling_params(s: dict, continue_text: bool = False) -> GenerationParams:
-    """A conversation's settings -> the request's parameters; `continue_text`: a base model (the
-    messages are one text the model continues, engine.client.continuation_text)."""
+    """A conversation's settings -> the request's parameters (the engine's generation_params, over
+    the chat defaults); `continue_text`: a base model (the messages are one text the model
+    continues, engine.prompt.continuation_text; its defaults where `s` sets nothing)."""
     s = {**DEFAULT_SETTINGS, **s}
-    return GenerationParams(SamplingParams(temperature=float(s["temperature"]), top_k=int(s["top_k"]),
-                                           top_p=float(s["top_p"]), min_p=float(s["min_p"]),
-                                           max_tokens=int(s["max_tokens"]),
-                                           repetition_penalty=float(s["repetition_penalty"]),
-                                           seed=None if s.get("seed") is None else int(s["seed"]),
-                                           dry_multiplier=float(s["dry_multiplier"]), dry_base=float(s["dry_base"]),
-                                           dry_allowed_length=int(s["dry_allowed_length"]),
-                                           dry_penalty_last_n=int(s["dry_penalty_last_n"]),
-                                           dry_sequence_breakers=tuple(s["dry_sequence_breakers"]),
-                                           xtc_probability=float(s["xtc_probability"]),
-                                           xtc_threshold=float(s["xtc_threshold"])),
-                            thinking=bool(s["thinking"]) and not continue_text, image_tokens=int(s["image_tokens"]),
-                            continue_text=continue_text, stop_at_blank_line=bool(s["stop_at_blank_line"]))
+    return generation_params(s, base_model=continue_text, defaults=DEFAULT_SETTINGS, thinking=bool(s["thinking"]),
+                             image_tokens=int(s["image_tokens"]))
 
 
 class ChatScreen(MediaInputMixin, RecordMixin, ChatCommandsMixin, Screen[None]):

@@ -95,7 +95,7 @@ class ChatCommandsMixin:
         self.app.push_screen(SettingsScreen(self.settings, self.app.engine_flags(), self._kv_figures(),
                                             self._kv_disk(), self._clear_kv_disk, mode=mode), done)
 
-    # --- conversations' KV on disk (engine/kv_sessions.py) ---------------------------------------
+    # --- conversations' KV on disk (engine/kv/sessions.py) ---------------------------------------
     def _kv_session(self, conversation_id: int) -> Optional[str]:
         """The KV file of a conversation under <data-dir>/kv/, None when KV files are off."""
         folder = self.session.info.get("kv_dir")

@@ -11,7 +11,7 @@ from textual.containers import Grid, Horizontal, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, Static, Switch, TextArea
 
-from app.backend import SamplingParams, fmt_size
+from app.backend import BASE_MODEL_DEFAULTS, SamplingParams, fmt_size
 from app.screens.kv_check import figure_lines
 
 # Per-conversation defaults: llama.cpp-like chat sampling (DRY and XTC off, as llama.cpp has them).
@@ -20,14 +20,10 @@ DEFAULT_SETTINGS = {"system": "", "temperature": 0.7, "top_p": 0.95, "top_k": 64
                     "dry_multiplier": 0.0, "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": 64,
                     "dry_sequence_breakers": list(SamplingParams().dry_sequence_breakers),
                     "xtc_probability": 0.0, "xtc_threshold": 0.1, "stop_at_blank_line": False}
-# Over those for a base model (the text-continuation mode): DRY on at the multiplier koboldcpp and
-# SillyTavern suggest, over the whole text (a paragraph-long loop escapes a 64-token window), and
-# without the newline breaker: with it the demo looped on short lines ("--\n--\n...": a match
-# never reaches past a newline, so a one-token line is never penalized; 28 repeats of one 8-gram
-# in 200 tokens at seed 0, none over 1 without it, 10 seeds); a continuation of a paragraph or
-# so, ending at a blank line.
-BASE_SETTINGS = {"dry_multiplier": 0.8, "dry_penalty_last_n": -1, "dry_sequence_breakers": [":", "\"", "*"],
-                 "max_tokens": 256, "stop_at_blank_line": True}
+# Over those for a base model (the text-continuation mode): the engine's base-model defaults, the
+# ones `edgegem run`, `chat` and the server's completion endpoints take too (DRY on over the whole
+# text, a paragraph or so, ending at a blank line: engine/request_params.py says why).
+BASE_SETTINGS = {**BASE_MODEL_DEFAULTS, "dry_sequence_breakers": list(BASE_MODEL_DEFAULTS["dry_sequence_breakers"])}
 IMAGE_BUDGETS = (70, 140, 280, 560, 1120)  # soft tokens per image (engine.media); 280: 256 for a square
 # name -> (label, type, lower bound, upper bound)
 NUMBERS = {"temperature": ("Temperature", float, 0.0, 5.0), "top_p": ("Top-p", float, 0.0, 1.0),

@@ -121,8 +121,11 @@ def router(state: ServerState) -> APIRouter:
         client = state.client()
         if not req.prompt and not req.images and not req.context:  # Ollama: load the model, answer done
             return {"model": model, "created_at": _now(), "response": "", "done": True, "done_reason": "load"}
-        limit = state.info()["context_length"]
-        msgs, images, gen_params = await run_in_threadpool(P.ollama_generate, req, limit, cfg)
+        info = state.info()
+        # a base model: the prompt (and system) continued as one text, with its defaults where the options
+        # set none (engine/request_params.py); the chat template otherwise
+        msgs, images, gen_params = await run_in_threadpool(P.ollama_generate, req, info["context_length"], cfg,
+                                                           info.get("kind") == "base")
         ids = await run_in_threadpool(_generate_ids, client, state, req, msgs, gen_params)
         t0 = time.perf_counter()
         if ids is None:
@@ -166,8 +169,8 @@ def _generate_ids(client, state: ServerState, req: GenerateRequest, msgs, gen_pa
         raise APIError(400, f"context: token ids must be 0..{vocab - 1}", "context")
     if req.raw:
         new = client.tokenize(req.prompt, add_special=not context)
-    else:  # the templated turn, without the BOS the context already has
-        new = client.chat_prompt_ids(msgs, gen_params.thinking)
+    else:  # the templated turn (a base model's: the text), without the BOS the context already has
+        new = client.chat_prompt_ids(msgs, gen_params.thinking, continue_text=gen_params.continue_text)
         bos = client.tokenize("", add_special=True)
         if bos and new[:len(bos)] == bos:
             new = new[len(bos):]

@@ -24,6 +24,8 @@ class Options(AntiRepeatFields):  # DRY/XTC by llama.cpp's names (Ollama has non
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
     num_ctx: Optional[int] = Field(None, ge=0)  # the context is the engine's (its KV pool): ignored
+    # end at the first blank line after some text (not set: on for a base model's /api/generate)
+    stop_at_blank_line: Optional[StrictBool] = None
 
 
 class _Body(BaseModel):

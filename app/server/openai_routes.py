@@ -102,8 +102,9 @@ def router(state: ServerState) -> APIRouter:
     async def completions(req: CompletionRequest, request: Request):
         model_id = state.check_model(req.model)
         client = state.client()
-        limit = state.info()["context_length"]
-        gen_params = P.openai_completion(req, limit, cfg)
+        info = state.info()
+        # a base model's completion takes its defaults (engine/request_params.py) where the request sets none
+        gen_params = P.openai_completion(req, info["context_length"], cfg, info.get("kind") == "base")
         prompt = P.completion_prompt(req)
         if isinstance(prompt, str):
             ids = await run_in_threadpool(client.tokenize, prompt, True)

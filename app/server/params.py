@@ -4,13 +4,16 @@ images and audio clips, tools / tool_choice / tool messages, and structured outp
 
 Defaults follow each API: OpenAI's temperature 1 and top_p 1; Ollama's temperature 0.8, top_k 40,
 top_p 0.9, repeat_penalty 1.1 over 64 tokens. A request without a token limit may write up to the
-context (or --default-max-tokens)."""
+context (or --default-max-tokens). On a base model the completion endpoints (`/v1/completions`,
+`/api/generate`) take the engine's base-model rule (engine/request_params.py: the text continued,
+DRY on, a stop at the first blank line) where the request sets none of those fields; the token
+limit stays the API's (OpenAI's 16 for a completion)."""
 from __future__ import annotations
 
 from typing import Optional
 
-from app.backend import (ConstraintError, GenerationParams, SamplingParams, audio_from_base64, audio_marker,
-                         check_tool_request, from_ollama_format, from_response_format, image_marker)
+from app.backend import (ConstraintError, GenerationParams, audio_from_base64, audio_marker, check_tool_request,
+                         from_ollama_format, from_response_format, generation_params, image_marker)
 
 from . import media
 from .dry_xtc import anti_repeat
@@ -48,14 +51,14 @@ def _stops(stop) -> tuple[str, ...]:
     return stops
 
 
-def _sampling(limit: int, default_max: Optional[int], *, max_tokens=None, temperature, top_p, top_k=0,
-              min_p=0.0, seed=None, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
-              penalty_last_n=64, logprobs=None, **dry_xtc) -> SamplingParams:
-    n = max_tokens if max_tokens is not None else (default_max or limit)
-    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                          max_tokens=min(n, limit), repetition_penalty=repetition_penalty,
-                          presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                          penalty_last_n=penalty_last_n, logprobs=logprobs, **dry_xtc)
+def _generation(limit: int, default_max: Optional[int], fields: dict, defaults: dict, base_model: bool = False,
+                **request) -> GenerationParams:
+    """The request's GenerationParams (engine.api.generation_params): `fields` as the request set
+    them (None: not set) over a base model's defaults over the API's `defaults`. The token limit
+    is the API's either way: the request's, else --default-max-tokens, else the context."""
+    n = fields.pop("max_tokens", None)
+    n = n if n is not None else (default_max or limit)
+    return generation_params({**fields, "max_tokens": min(n, limit)}, base_model, defaults, **request)
 
 
 def _one_choice(n, best_of=None) -> None:
@@ -65,16 +68,19 @@ def _one_choice(n, best_of=None) -> None:
         raise APIError(400, f"best_of must be 1, not {best_of}", "best_of")
 
 
-def _openai_common(req, limit: int, default_max: Optional[int], max_tokens, logprobs) -> SamplingParams:
+OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0}
+
+
+def _openai_fields(req, max_tokens, logprobs) -> dict:
+    """The sampling fields an OpenAI request sets (a 0 penalty or min_p: not set, as before)."""
     _one_choice(req.n, getattr(req, "best_of", None))
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported", "logit_bias")
-    return _sampling(limit, default_max, max_tokens=max_tokens,
-                     temperature=1.0 if req.temperature is None else req.temperature,
-                     top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, min_p=req.min_p or 0.0,
-                     seed=req.seed, repetition_penalty=req.repetition_penalty or 1.0,
-                     presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-                     logprobs=logprobs, **anti_repeat(req))
+    return {"max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
+            "min_p": req.min_p or None, "seed": req.seed, "repetition_penalty": req.repetition_penalty or None,
+            "presence_penalty": req.presence_penalty or None, "frequency_penalty": req.frequency_penalty or None,
+            "logprobs": logprobs, "stop_at_blank_line": getattr(req, "stop_at_blank_line", None),
+            **anti_repeat(req)}
 
 
 # --- OpenAI -----------------------------------------------------------------------------------------
@@ -150,24 +156,26 @@ def openai_chat(req: ChatCompletionRequest, limit: int, cfg, info: Optional[dict
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    sampling = _openai_common(req, limit, cfg.default_max_tokens, max_tokens,
-                              (req.top_logprobs or 0) if req.logprobs else None)
+    fields = _openai_fields(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
     msgs = openai_messages(req, cfg.max_image_pixels, info)
-    return msgs, GenerationParams(sampling, thinking=openai_thinking(req), stop_strings=_stops(req.stop),
-                                  kv_auto=cfg.kv_auto and req.cache_prompt, image_tokens=cfg.image_tokens,
-                                  cache_prompt=req.cache_prompt, constraint=constraint,
-                                  tools=req.tools or None, tool_choice=req.tool_choice)
+    return msgs, _generation(limit, cfg.default_max_tokens, fields, OPENAI_DEFAULTS, thinking=openai_thinking(req),
+                             stop_strings=_stops(req.stop), kv_auto=cfg.kv_auto and req.cache_prompt,
+                             image_tokens=cfg.image_tokens, cache_prompt=req.cache_prompt, constraint=constraint,
+                             tools=req.tools or None, tool_choice=req.tool_choice)
 
 
-def openai_completion(req: CompletionRequest, limit: int, cfg) -> GenerationParams:
+def openai_completion(req: CompletionRequest, limit: int, cfg, base_model: bool = False) -> GenerationParams:
+    """`base_model`: the model's kind is "base" (client.model_info): the base-model defaults where
+    the request sets nothing (the prompt is continued as given either way)."""
     if req.suffix:
         raise APIError(400, "suffix (fill-in-the-middle) is not supported", "suffix")
     if req.echo and req.logprobs is not None:
         raise APIError(400, "echo with logprobs (the prompt's logprobs) is not supported", "echo")
     # OpenAI's completions default is 16 tokens
     max_tokens = req.max_tokens if req.max_tokens is not None else (cfg.default_max_tokens or 16)
-    sampling = _openai_common(req, limit, cfg.default_max_tokens, max_tokens, req.logprobs)
-    return GenerationParams(sampling, stop_strings=_stops(req.stop), cache_prompt=req.cache_prompt)
+    fields = _openai_fields(req, max_tokens, req.logprobs)
+    return _generation(limit, cfg.default_max_tokens, fields, OPENAI_DEFAULTS, base_model,
+                       stop_strings=_stops(req.stop), cache_prompt=req.cache_prompt)
 
 
 def completion_prompt(req: CompletionRequest):
@@ -184,18 +192,20 @@ def completion_prompt(req: CompletionRequest):
 
 # --- Ollama -----------------------------------------------------------------------------------------
 
-def ollama_sampling(options: Optional[Options], limit: int, default_max: Optional[int],
-                    logprobs: Optional[int]) -> tuple[SamplingParams, tuple[str, ...]]:
+OLLAMA_DEFAULTS = {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "repetition_penalty": 1.1}
+
+
+def ollama_fields(options: Optional[Options], limit: int, logprobs: Optional[int]) -> tuple[dict, tuple[str, ...]]:
+    """(the sampling fields Ollama `options` set, its stop strings)."""
     o = options or Options()
     n = o.num_predict if o.num_predict is not None and o.num_predict >= 0 else None
     last_n = 64 if o.repeat_last_n is None else (limit if o.repeat_last_n == -1 else o.repeat_last_n)
-    sampling = _sampling(limit, default_max, max_tokens=n, temperature=0.8 if o.temperature is None else o.temperature,
-                         top_p=0.9 if o.top_p is None else o.top_p, top_k=40 if o.top_k is None else o.top_k,
-                         min_p=o.min_p or 0.0, seed=o.seed if o.seed is not None and o.seed >= 0 else None,
-                         repetition_penalty=1.1 if o.repeat_penalty is None else o.repeat_penalty,
-                         presence_penalty=o.presence_penalty or 0.0, frequency_penalty=o.frequency_penalty or 0.0,
-                         penalty_last_n=last_n, logprobs=logprobs, **anti_repeat(o))
-    return sampling, _stops(o.stop)
+    fields = {"max_tokens": n, "temperature": o.temperature, "top_p": o.top_p, "top_k": o.top_k,
+              "min_p": o.min_p or None, "seed": o.seed if o.seed is not None and o.seed >= 0 else None,
+              "repetition_penalty": o.repeat_penalty, "presence_penalty": o.presence_penalty or None,
+              "frequency_penalty": o.frequency_penalty or None, "penalty_last_n": last_n, "logprobs": logprobs,
+              "stop_at_blank_line": o.stop_at_blank_line, **anti_repeat(o)}
+    return fields, _stops(o.stop)
 
 
 def _ollama_logprobs(req) -> Optional[int]:
@@ -224,13 +234,16 @@ def ollama_chat(req: OllamaChat, limit: int, cfg, info: Optional[dict] = None) -
         if m.role == "tool" and m.tool_name:
             msg["name"] = m.tool_name
         msgs.append(msg)
-    sampling, stops = ollama_sampling(req.options, limit, cfg.default_max_tokens, _ollama_logprobs(req))
-    return msgs, GenerationParams(sampling, thinking=bool(req.think), stop_strings=stops, kv_auto=cfg.kv_auto,
-                                  image_tokens=cfg.image_tokens, constraint=constraint, tools=req.tools or None)
+    fields, stops = ollama_fields(req.options, limit, _ollama_logprobs(req))
+    return msgs, _generation(limit, cfg.default_max_tokens, fields, OLLAMA_DEFAULTS, thinking=bool(req.think),
+                             stop_strings=stops, kv_auto=cfg.kv_auto, image_tokens=cfg.image_tokens,
+                             constraint=constraint, tools=req.tools or None)
 
 
-def ollama_generate(req: GenerateRequest, limit: int, cfg) -> tuple[list[dict], list[bytes], GenerationParams]:
-    """(messages for a templated prompt, or [] for raw, images, params)."""
+def ollama_generate(req: GenerateRequest, limit: int, cfg, base_model: bool = False
+                    ) -> tuple[list[dict], list[bytes], GenerationParams]:
+    """(messages for a templated prompt, or [] for raw, images, params). `base_model`: the
+    base-model rule (the messages continued as one text, its defaults where the options set none)."""
     constraint = _constraint(from_ollama_format, req.format, "format")
     if req.suffix:
         raise APIError(400, "suffix (fill-in-the-middle) is not supported", "suffix")
@@ -238,9 +251,10 @@ def ollama_generate(req: GenerateRequest, limit: int, cfg) -> tuple[list[dict], 
         raise APIError(400, "template: a custom prompt template is not supported (the model's own is used)",
                        "template")
     images = ollama_images(req.images, cfg.max_image_pixels, "images")
-    sampling, stops = ollama_sampling(req.options, limit, cfg.default_max_tokens, _ollama_logprobs(req))
-    params = GenerationParams(sampling, thinking=bool(req.think), stop_strings=stops, image_tokens=cfg.image_tokens,
-                              constraint=constraint)
+    fields, stops = ollama_fields(req.options, limit, _ollama_logprobs(req))
+    params = _generation(limit, cfg.default_max_tokens, fields, OLLAMA_DEFAULTS, base_model,
+                         thinking=bool(req.think), stop_strings=stops, image_tokens=cfg.image_tokens,
+                         constraint=constraint)
     if req.raw:
         return [], images, params
     msgs = ([{"role": "system", "content": req.system}] if req.system else [])

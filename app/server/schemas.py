@@ -114,6 +114,8 @@ class CompletionRequest(_Sampling):
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: Optional[StrictStr] = None
     best_of: Optional[int] = None
+    # end at the first blank line after some text (not set: on for a base model, engine/request_params.py)
+    stop_at_blank_line: Optional[StrictBool] = None
 
 
 class TokenizeRequest(_Body):

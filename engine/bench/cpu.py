@@ -107,7 +107,7 @@ def _run_loop(path: str, prompt: list[int], n_decode: int, threads: int) -> dict
 def _run_engine(path: str, prompt: list[int], n_decode: int, threads: int, fast_prefill: bool = True) -> dict:
     """Through the client thread, as `edgegem run` and the app drive it."""
     from .. import api
-    from ..client import GenerationParams
+    from ..request_params import GenerationParams
     from ..sampler import SamplingParams
 
     t0 = time.perf_counter()

@@ -69,7 +69,7 @@ def profile_decode(lm, context: int = 1024, steps: int = 16, aten_rows: int = 12
     from .. import cpu_runtime
     from ..scheduler import Engine, EngineConfig
     from ..sampler import SamplingParams
-    from ..sequence_kv import SequenceKV
+    from ..kv.sequence import SequenceKV
 
     model = lm.model
     eng = Engine(model, None, EngineConfig(full_tokens=max(4096, context + steps + 64)))

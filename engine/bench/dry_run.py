@@ -44,8 +44,8 @@ def dry_model(variant: str, dtype=torch.bfloat16):
 
 
 def _pools(model, context: int, rows: int, batch: int, kv: str, swa_kv: Optional[str]):
-    from ..kv_format import resolve_format
-    from ..kv_pool import HybridKVPool
+    from ..kv.format import resolve_format
+    from ..kv.pool import HybridKVPool
 
     cfg = model.cfg
     fmt = resolve_format(kv, "cuda")
@@ -57,7 +57,7 @@ def _pools(model, context: int, rows: int, batch: int, kv: str, swa_kv: Optional
 
 
 def _sequences(model, pools, backend, batch: int, context: int):
-    from ..sequence_kv import SequenceKV
+    from ..kv.sequence import SequenceKV
 
     kvs = []
     for _ in range(batch):

@@ -22,10 +22,10 @@ from typing import Callable, Optional
 
 import torch
 
-from ..kv_format import FormatUnsupported, pool_unit_bytes, resolve_format
-from ..kv_pool import HybridKVPool
+from ..kv.format import FormatUnsupported, pool_unit_bytes, resolve_format
+from ..kv.pool import HybridKVPool
 from ..runner import ModelRunner
-from ..sequence_kv import SequenceKV
+from ..kv.sequence import SequenceKV
 
 CANDIDATES = ("bf16", "fp16", "fp32", "int8_per_token_head", "fp8_per_token_head")
 DEFAULT_TOKENS = 1024  # twice Gemma's 512-token sliding window: half the positions read evicted-window KV

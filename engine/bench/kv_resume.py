@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from ..kv_file import model_identity
+from ..kv.file import model_identity
 from ..sampler import SamplingParams
 from ..scheduler import Engine, EngineConfig
 from .kv_quality import DEFAULT_TEXT
@@ -47,7 +47,7 @@ def _ttft(eng: Engine, prompt: list[int], kv: Optional[Path]):
 def kv_resume_bench(lm, lengths=(2048, 8192, 32000), fmt: str = "auto", formats=FORMATS,
                     progress: Callable[[str], None] = lambda s: None) -> dict:
     """Cold prefill vs resume from a KV file for each length, and file bytes per token per format."""
-    from ..kv_format import resolve_format
+    from ..kv.format import resolve_format
 
     device = lm.model.device
     fmt = resolve_format(fmt, device).name

@@ -278,7 +278,7 @@ def static_report(variant: str, arch: str = "sm_86", kv: str = "bf16", cache_dir
     "table" holds the human-readable form."""
     from kernels.triton.compile_check import ARCHS
 
-    from ..kv_format import resolve_format
+    from ..kv.format import resolve_format
 
     kv = resolve_format(kv, "cuda").name
     if arch not in ARCHS:

@@ -106,7 +106,7 @@ def gpu_bench(model=None, device="cuda", budget=None, kv_cache_dtype: str = "aut
     is measured (`edgegem bench --rows` prints them), so a run stopped part-way keeps its rows."""
     from kernels.triton.launch import interpreting
 
-    from ..kv_format import resolve_format
+    from ..kv.format import resolve_format
     from ..memory_plan import PlanOptions, parse_size, plan_memory
     from ..sampler import SamplingParams
     from ..scheduler import Engine, EngineConfig

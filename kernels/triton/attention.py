@@ -1,6 +1,6 @@
 """Attention over token-granular KV slabs: decode (one query per sequence, split-K) and extend.
 
-KV layout (engine/kv_pool.py): k_slab, v_slab [capacity, n_kv, hd] in bf16 / fp16 / fp32 / int8 /
+KV layout (engine/kv/pool.py): k_slab, v_slab [capacity, n_kv, hd] in bf16 / fp16 / fp32 / int8 /
 float8_e4m3fn; the 8-bit formats add k_scale, v_scale [capacity, n_kv] fp32 (value = q · scale, one
 scale per token per head). A sequence's keys are a list of slot indices into the slab plus their
 absolute positions; the slab may belong to another layer (KV-shared layers pass their source's).

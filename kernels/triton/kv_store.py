@@ -1,6 +1,6 @@
 """Store one forward's K/V rows into token-granular KV slabs, quantizing 8-bit formats on the fly.
 
-Slab layout (engine/kv_pool.py): values k_slab, v_slab [capacity, n_kv, hd] in the format's dtype
+Slab layout (engine/kv/pool.py): values k_slab, v_slab [capacity, n_kv, hd] in the format's dtype
 (bf16 / fp16 / fp32 / int8 / float8_e4m3fn); 8-bit formats add k_scale, v_scale [capacity, n_kv] fp32,
 one scale per token per head:
     int8: scale = max(amax, 1e-12) / 127, q = clamp(round_half_even(x / scale), -127, 127)

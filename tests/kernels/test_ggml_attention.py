@@ -1,6 +1,6 @@
 """A CPU decode step's attention on llama.cpp's kernel (kernels/ggml/attention.py: ggml's
 flash_attn_ext over a masked window of a KV slab) against its float64 reference, and the engine's
-windows (engine/sequence_kv.SequenceKV._masked) over the pools' slots.
+windows (engine/kv/sequence.SequenceKV._masked) over the pools' slots.
 
 Tolerances follow the formats: float32 K/V: float32 sums in another order (online softmax, expf),
 ~1e-6 of the output's scale; float16 K/V: ggml accumulates V in float16 (2^-11 relative a step,
@@ -94,9 +94,9 @@ def tiny(tmp_path_factory):
 
 
 def _sequence(tiny, full_slots, fmt="fp32"):
-    from engine.kv_format import resolve_format
-    from engine.kv_pool import HybridKVPool
-    from engine.sequence_kv import SequenceKV
+    from engine.kv import resolve_format
+    from engine.kv import HybridKVPool
+    from engine.kv import SequenceKV
     from models.loader import load_model
 
     cfg = load_model(tiny, with_tokenizer=False).model.cfg

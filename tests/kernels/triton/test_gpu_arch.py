@@ -17,7 +17,7 @@ import torch  # noqa: E402
 from engine import api  # noqa: E402
 from engine.attention_backend import get_attention_backend  # noqa: E402
 from engine.batch_decode import capacity_of, decode_splits as table_splits  # noqa: E402
-from engine.kv_format import FormatUnsupported, resolve_format  # noqa: E402
+from engine.kv import FormatUnsupported, resolve_format  # noqa: E402
 from kernels import arch  # noqa: E402
 from kernels.triton.attention import (MERGE_SHARE, SPLIT_MIN_KEYS, decode_attention, decode_splits, extend_attention,  # noqa: E402
                                merge_read_bytes, split_read_bytes)
@@ -229,7 +229,7 @@ def test_graph_capture_survives_another_threads_cuda_calls(tmp_path):
     replay equals the eager forward."""
     from engine.batch_decode import BatchDecoder
     from engine.scheduler import Engine, EngineConfig
-    from engine.sequence_kv import SequenceKV
+    from engine.kv import SequenceKV
     from models.loader import load_model
     from tiny_models import TinySpec, quantize_gguf, write_tiny_gemma4
 

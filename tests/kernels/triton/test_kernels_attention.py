@@ -14,7 +14,7 @@ from triton_env import DEVICE, INTERPRET  # first: sets TRITON_INTERPRET before 
 import pytest
 import torch
 
-from engine.kv_format import resolve_format
+from engine.kv import resolve_format
 from kernels.arch import assume_gpu
 from kernels.triton.attention import (
     decode_attention,

@@ -1,4 +1,4 @@
-"""Conversations whose KV lives on disk between runs (engine/kv_file.py does the bytes).
+"""Conversations whose KV lives on disk between runs (engine/kv/file.py does the bytes).
 
 A request may name a KV file (`kv_session`). Before it is admitted, the file's KV for the prompt's
 common prefix goes into the prefix cache, so the normal prefix match serves it and only the new
@@ -10,7 +10,7 @@ Snapshots are taken on the engine thread; files are written by one writer thread
 path). A managed folder (`KVDisk`) keeps its files under a byte budget, least recently used first.
 Failures never reach the chat: a file that cannot be used is one line on the request
 (`kv_session_error`), a failed write one line in `errors` (and the log).
-A request with `kv_auto` names no file: the managed folder's index (engine/kv_index.py) finds the
+A request with `kv_auto` names no file: the managed folder's index (engine/kv/index.py) finds the
 one whose tokens its prompt extends, and its KV is saved there right after the answer.
 """
 from __future__ import annotations
@@ -26,8 +26,8 @@ from collections import deque
 from pathlib import Path
 from typing import Optional
 
-from . import kv_file
-from .kv_file import KVFileError
+from . import file as kv_file
+from .file import KVFileError
 
 log = logging.getLogger("edgegem")
 
@@ -108,7 +108,7 @@ class KVSessions:
         self.dirty: dict[str, list[int]] = {}  # path -> tokens not saved yet (policy "evict")
         self.errors: deque[str] = deque(maxlen=32)  # failed writes, one line each
         self.saved = 0  # files written
-        self._index = None  # engine.kv_index.KVIndex of the managed folder, built at first use
+        self._index = None  # engine.kv.index.KVIndex of the managed folder, built at first use
         self._queue: "queue.Queue" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
         _live.add(self)
@@ -121,7 +121,7 @@ class KVSessions:
     @property
     def index(self):
         if self._index is None and self.disk is not None:
-            from .kv_index import KVIndex
+            from .index import KVIndex
             self._index = KVIndex(self.disk.folder, self.model_id)
         return self._index
 

@@ -15,7 +15,7 @@ from kernels.ggml.attention import BUCKET
 from models.ops import (attention, cpu_kernels_attend, decode_attention, decode_attention_masked,
                         decode_attention_parts)
 
-from .kv_pool import HybridKVPool
+from .pool import HybridKVPool
 
 _EMPTY = torch.empty(0, dtype=torch.long)
 MAX_RUNS = 8  # a decode step attends over up to this many slot runs in place; more: one gather

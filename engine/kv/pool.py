@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from .kv_format import KVFormat, owning_layers
+from .format import KVFormat, owning_layers
 
 
 class KVPoolFull(RuntimeError):

@@ -9,7 +9,7 @@ A file is a safetensors file:
   window.{L}.k ...  [w, n_kv, hd] those positions in the window pool's format
 and string metadata: format version, model identity, layout (architecture, layers and their dims,
 formats, window), token count and a sha256 of the payload. L runs over KV-owning layers only
-(KV-shared layers read their source's slab), exactly the slabs of engine/kv_pool.HybridKVPool.
+(KV-shared layers read their source's slab), exactly the slabs of engine/kv/pool.HybridKVPool.
 
 `snapshot` gathers from the pools on the engine thread (the only one touching them), `write` runs
 anywhere (the writer thread): temporary name, fsync, rename, so a crash mid-save leaves no file a
@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from . import failpoints
+from .. import failpoints
 
 FORMAT_VERSION = "1"
 _ID_BYTES = 1 << 20  # model identity: size + the first and last MiB of the file(s)

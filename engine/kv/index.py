@@ -20,8 +20,8 @@ from typing import Optional
 
 import torch
 
-from . import kv_file
-from .kv_file import KVFileError
+from . import file as kv_file
+from .file import KVFileError
 
 log = logging.getLogger("edgegem")
 PREFIX = "api-"
