@@ -122,6 +122,7 @@ complete -c edgegem -n '__fish_seen_subcommand_from info' -l prefill-chunk -x -d
 complete -c edgegem -n '__fish_seen_subcommand_from info' -l spec-draft-model -r -F -d 'draft GGUF kept on the device'
 complete -c edgegem -n '__fish_seen_subcommand_from info' -l mmproj -x -d 'image/audio encoders to plan for'
 complete -c edgegem -n '__fish_seen_subcommand_from info' -l device -x -a 'cuda cpu' -d 'target of the plan'
+complete -c edgegem -n '__fish_seen_subcommand_from info' -l exact -d 'name the runtime a load with --exact would use'
 complete -c edgegem -n '__fish_seen_subcommand_from info' -l json -d 'json'
 complete -c edgegem -n '__fish_seen_subcommand_from info' -F
 complete -c edgegem -n '__fish_seen_subcommand_from bench' -s h -l help -d 'show this help message and exit'
