@@ -6,9 +6,9 @@ Five runtimes, by device, `--exact`, Triton support and llama.cpp's ggml:
 | runtime | when | weights (models/formats/) | ops |
 | --- | --- | --- | --- |
 | reference | `--exact` on the CPU or on a GPU Triton does not run on | dense float32 tensors | torch (models/ops.py) |
-| triton | a CUDA GPU of sm_75+ with triton installed (`--exact`: float32 activations, else bf16) | QuantWeight (packed) | Triton kernels (kernels/) |
+| triton | a CUDA GPU of sm_75+ with triton installed (`--exact`: float32 activations, else bf16) | QuantWeight (packed) | Triton kernels (kernels/triton/) |
 | gpu_torch | any other GPU, not `--exact` | HalfWeight (float16) | torch |
-| ggml | the CPU, not `--exact`, a GGUF file, ggml loaded | GGMLWeight (the file's bytes) | ggml products and chains (kernels/ggml*.py) |
+| ggml | the CPU, not `--exact`, a GGUF file, ggml loaded | GGMLWeight (the file's bytes) | ggml products and chains (kernels/ggml/) |
 | cpu_torch | the CPU, not `--exact`, no ggml (or an HF folder) | Int4Weight, HalfWeight, Int8Head | torch |
 
 `choose_runtime` holds these rules (the front ends' `engine.api.open_model` asks it);
