@@ -10,6 +10,7 @@ from triton_env import DEVICE, INTERPRET  # first: sets TRITON_INTERPRET before 
 import pytest
 import torch
 
+from tensor_close import assert_close
 from tiny_models import TinySpec, write_tiny_gemma4
 
 from kernels.triton import fused
@@ -38,25 +39,6 @@ TOL_COMMON = {torch.float32: (1e-5, 1e-5), torch.float16: (6e-3, 6e-3), torch.bf
 
 def _name(d) -> str:
     return str(d).removeprefix("torch.")
-
-
-def assert_close(got, want, atol: float, rtol: float, what: str) -> None:
-    """|got - want| <= atol + rtol |want| elementwise; on failure list the worst elements."""
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
-    g, w = got.double().cpu(), want.double().cpu()
-    err = (g - w).abs()
-    excess = err - (atol + rtol * w.abs())
-    excess = torch.where(torch.isnan(err), torch.full_like(excess, float("inf")), excess)
-    if bool((excess <= 0).all()):
-        return
-    order = excess.reshape(-1).argsort(descending=True)[:8]
-    lines = []
-    for flat in order.tolist():
-        idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), g.shape))
-        lines.append(f"  {idx}: got {g[idx].item():.6g} want {w[idx].item():.6g} |diff| {err[idx].item():.3g}")
-    bad = int((~(excess <= 0)).sum())
-    pytest.fail(f"{what}: {bad}/{g.numel()} elements beyond atol={atol} rtol={rtol}; worst:\n" + "\n".join(lines))
 
 
 def _rand(*shape, dtype, scale=1.0, seed=0):
