@@ -16,11 +16,11 @@ import torch
 
 from models.chat import split_thinking
 from models.gguf import GGUFError, GGUFFile
-from models.loader import LoadedModel, load_model, open_gguf
+from models.loader import LoadedModel, find_mmproj, load_model, open_gguf
 from models.runtime import Runtime, choose_runtime
 
 from .client import GenerationError, LocalClient, QueueFullError
-from .inspection import describe, find_mmproj, gpu_support, memory_plan, open_layout
+from .inspection import describe, gpu_support, memory_plan, open_layout
 from .prompt import audio_marker, image_marker, text_ids, user_turn
 from .prompt import prompt_ids as conversation_prompt_ids
 from .request import ErrorKind

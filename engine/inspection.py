@@ -1,6 +1,6 @@
 """Looking at a model without serving it: a GGUF's architecture, layer plan and tensor types, its
 memory plan and the max context per KV format (`edgegem info`, the models list), what a GPU runs
-(`edgegem doctor`), the mmproj beside a model. Nothing here loads weights."""
+(`edgegem doctor`). Nothing here loads weights."""
 from __future__ import annotations
 
 from collections import Counter
@@ -15,13 +15,6 @@ def gpu_support(capability: tuple[int, int], triton_installed: bool = True):
     """What runs on a GPU of this compute capability (kernels.arch.ArchSupport: Triton kernels or
     the torch path and why, fp8 KV, the attention dots' operand type), for `edgegem doctor`."""
     return support(tuple(capability), triton_installed)
-
-
-def find_mmproj(model) -> Optional[Path]:
-    """The mmproj GGUF beside a model file (its image/audio encoder, as `--mmproj` would name it), or None."""
-    from models.loader import find_mmproj as beside
-
-    return beside(model)
 
 
 def open_layout(model: Optional[str] = None, synthetic: Optional[str] = None):
