@@ -7,14 +7,20 @@ VPY := $(VENV)/bin/python
 # CPU build that CI uses; a user who already has a (CUDA) torch in the venv keeps it.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: chat test venv torch clean gpu-check gpu-dry-run wheels test-triton36 compile-check
+.PHONY: chat test venv torch deps clean gpu-check gpu-dry-run wheels test-triton36 t36-venv oterm-venv compile-check
+
+# Byte-code as it is used: pip installs without compiling (its ahead-of-time pass over every file of
+# torch, transformers and the rest is ~40% of an install's time) and Python writes a module's
+# byte-code the first time a process imports it, so PYTHONDONTWRITEBYTECODE is not passed on.
+unexport PYTHONDONTWRITEBYTECODE
+PIP := -m pip install --quiet --no-compile --disable-pip-version-check
 
 $(VPY):
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install --quiet --upgrade pip
 
 torch: $(VPY)
-	@$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install --quiet "$(TORCH_SPEC)"
+	@$(VPY) -c "import torch" 2>/dev/null || $(VPY) $(PIP) "$(TORCH_SPEC)"
 
 # ruff first (pyproject.toml's rules; under a second for the whole tree). The suite runs on
 # llama.cpp's CPU kernels (the test extra has llama-cpp-python), then the CPU
@@ -25,12 +31,28 @@ TEST_WORKERS ?= 2
 # A worker that dies (out of memory) ends the run at once: xdist would otherwise restart it and
 # could leave the rest of its module unscheduled, waiting for ever.
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope --max-worker-restart 0)
-test: torch
-	$(VPY) -m pip install --quiet -e ".[test,demo]"
+# The installs run side by side: the project's (one core: pip, or llama-cpp-python's build from
+# source where pip has no wheel of it yet), the triton 3.6 venv's and oterm's (test_server_oterm.py)
+# on the core it leaves idle.
+# The torch pass collects only the files that use the marker.
+CPU_RUNTIME_TESTS = $(shell git grep -l "mark.cpu_runtime" -- 'tests/*.py')
+test:
+	$(MAKE) --no-print-directory -j3 $(DEPS) t36-venv oterm-venv
 	$(VPY) -m ruff check --quiet .
 	$(VPY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
-	EDGEGEM_CPU_KERNELS=torch $(VPY) -m pytest -q $(XDIST) -m "cpu_runtime and not cuda" $(PYTEST_ARGS)
+	EDGEGEM_CPU_KERNELS=torch $(VPY) -m pytest -q $(XDIST) -m "cpu_runtime and not cuda" $(PYTEST_ARGS) \
+		$(CPU_RUNTIME_TESTS)
 	$(MAKE) --no-print-directory test-triton36
+
+# The project with its test and demo extras, again when pyproject.toml changes.
+DEPS := $(VENV)/.deps
+deps: $(DEPS)
+$(DEPS): pyproject.toml | torch
+	$(VPY) $(PIP) -e ".[test,demo]"
+	touch $@
+
+oterm-venv:
+	$(PY) tests/oterm_venv.py
 
 # The kernel tests again under triton 3.6, the version GPU machines carry (with numpy >= 2.3, as
 # pip picks it), so the code the GPU compiles is the code the CPU tests. A second,
@@ -39,29 +61,37 @@ test: torch
 T36 := .venv-triton36
 T36PY := $(T36)/bin/python
 TRITON36_SPEC ?= triton==3.6.*
-T36_DEPS := numpy pytest pytest-asyncio pytest-xdist gguf tokenizers jinja2 safetensors platformdirs pillow llama-cpp-python==0.3.36
+T36_DEPS := numpy pytest pytest-asyncio pytest-xdist gguf tokenizers jinja2 safetensors platformdirs pillow
+T36_LLAMA := llama-cpp-python==0.3.36
 # The kernel tests are the folder tests/kernels/triton/ (the compile check and the ggml tests sit
 # beside it in tests/kernels/: they do not depend on the triton version run here, and the compile
 # check alone is ~275 s cold), plus the batched decoder on the triton backend.
 KERNEL_TESTS := tests/kernels/triton tests/test_batch_decode.py::test_triton_backend_batched_equals_reference
 
-$(T36PY):
+# llama-cpp-python last, once .venv has it (pip then has the wheel it built: never two builds at once).
+$(T36)/.base:
 	$(PY) -m venv $(T36)
-	$(T36PY) -m pip install --quiet "$(TORCH_SPEC)" "$(TRITON36_SPEC)" $(T36_DEPS)
+	$(T36PY) $(PIP) "$(TORCH_SPEC)" "$(TRITON36_SPEC)" $(T36_DEPS)
+	touch $@
 
-test-triton36: $(T36PY)
-	@$(T36PY) -c "import xdist" 2>/dev/null || $(T36PY) -m pip install --quiet pytest-xdist
+$(T36)/.ready: $(T36)/.base $(DEPS)
+	$(T36PY) $(PIP) $(T36_LLAMA)
+	touch $@
+
+t36-venv: $(T36)/.ready
+
+test-triton36: t36-venv
 	PYTHONPATH=$(CURDIR) $(T36PY) -m pytest -q -p no:cacheprovider $(XDIST) $(KERNEL_TESTS)
 
 # The full compile check: every launch of E2B and E4B, five KV formats, six archs (~2,000 compiles,
 # about an hour of CPU from a cold cache; `make test` runs the core of it: tests/kernels/test_kernel_compile.py).
 # Run it when a kernel, its launcher or its launch parameters change.
 compile-check: torch
-	$(VPY) -m pip install --quiet -e ".[test]"
+	$(VPY) $(PIP) -e ".[test]"
 	EDGEGEM_COMPILE_CHECK=full $(VPY) -m pytest -q -s tests/kernels/test_kernel_compile.py
 
 chat: torch
-	$(VPY) -m pip install --quiet -e ".[demo,preview]"
+	$(VPY) $(PIP) -e ".[demo,preview]"
 	$(VENV)/bin/edgegem
 
 # On a machine with an NVIDIA GPU: the decode GEMV bandwidth table, an engine bench and the CUDA tests,

@@ -2,37 +2,24 @@
 at `edgegem serve` on the demo model by OLLAMA_HOST, lists the model (/api/tags, /api/show), and
 answers a typed message (its chat goes through /v1/chat/completions, streamed).
 
-oterm pins its own pydantic/huggingface_hub versions, so it lives in a venv of its own under
-`.cache/oterm-venv` (installed with pip from the package index on first use, like the llama.cpp
-sdist in conftest.py); it never touches the project's environment."""
+oterm lives in a venv of its own under `.cache/oterm-venv` (tests/oterm_venv.py: installed with
+pip from the package index on first use, like the llama.cpp sdist in conftest.py)."""
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("uvicorn")
 
 from engine import api  # noqa: E402
+from oterm_venv import oterm_exe  # noqa: E402
 from server_helpers import LiveServer  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-VENV = REPO / ".cache" / "oterm-venv"
-OTERM_SPEC = "oterm==0.26.1"
 MODEL = "gemma-3-270m-q4_k_m"
-
-
-def _oterm() -> Path:
-    exe = VENV / "bin" / "oterm"
-    if not exe.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
-        subprocess.run([str(VENV / "bin" / "pip"), "install", "--quiet", OTERM_SPEC], check=True, timeout=1200)
-    return exe
 
 
 def _screen(session: str) -> str:
@@ -53,7 +40,7 @@ def _wait(session: str, cond, timeout: float) -> str:
 def test_oterm_lists_the_model_and_answers_a_typed_message(gemma3_270m_path, tmp_path):
     if shutil.which("tmux") is None:
         pytest.skip("tmux is not installed")
-    exe = _oterm()
+    exe = oterm_exe()
     server = LiveServer(api.open_model(gemma3_270m_path, exact=False), default_max_tokens=12)
     answers: list[str] = []
     real_poll = server.client.poll
