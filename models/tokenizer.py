@@ -323,6 +323,10 @@ class Tokenizer:
         (i,) = self._check((token_id,))
         return b"" if skip_special and i in self._hidden else self._pieces[i]
 
+    def pieces(self) -> tuple[bytes, ...]:
+        """Every token's bytes by id, as `token_bytes` gives them (CONTROL tokens' text included)."""
+        return tuple(self._pieces)
+
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         """Text of `ids`: the pieces' bytes joined, as llama.cpp's `token_to_piece` gives them.
         `skip_special` renders CONTROL tokens (BOS, EOS, turn markers) as nothing. Invalid UTF-8

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.dry import DEFAULT_BREAKERS, apply_dry, breaker_table, dry_penalties
+from engine.dry import (DEFAULT_BREAKERS, MAX_BREAKER_CHARS, MAX_TAIL_TOKENS, apply_dry, breaker_table,
+                        dry_penalties)
 from engine.sampler import Sampler, SamplingParams, exclude_top_choices
 
 
@@ -176,6 +177,41 @@ def test_dry_penalties_equal_llama_cpp_on_the_demo_vocabulary(demo_vocab, text, 
         for k, v in ours.items():
             assert v == pytest.approx(theirs[k], rel=1e-5)
     assert dry_penalties(history, 0.8, 1.75, 2, 64, table)  # the case is not trivially empty
+
+
+def _breaker_table_token_by_token(tok, breakers) -> dict:
+    """The table as llama.cpp's get_overlapping_token_sequences builds it: a scan of each token's
+    text in id order (what `breaker_table` computes from one byte string)."""
+    table: dict = {}
+    for text in breakers:
+        s = text.encode()[:MAX_BREAKER_CHARS]
+        for t, word in enumerate(tok.pieces() if s else ()):
+            tails = table.setdefault(t, [])
+            if s in word:
+                tails.append(()) if () not in tails else None
+                continue
+            pos = word.find(s[:1])
+            while pos != -1:
+                i = len(word) - pos
+                if word[pos:] == s[:i]:
+                    tail = tuple(tok.encode(s[i:].decode("utf-8", errors="replace"), add_bos=False,
+                                            parse_special=False)[:MAX_TAIL_TOKENS])
+                    tails.append(tail) if tail not in tails else None
+                pos = word.find(s[:1], pos + 1)
+    return {t: tuple(tails) for t, tails in table.items() if tails}
+
+
+@pytest.mark.parametrize("breakers", [
+    DEFAULT_BREAKERS,
+    ("red fox", ",", "wo th"),  # multi-token breakers: heads end with a prefix of the string
+    ("e", "—", "…!", "<start_of_turn>"),  # a common letter; UTF-8 multi-byte; a control token's text
+    ("", "abcdefghijklmnopqrstuvwxyz0123456789ABCDEFGHIJ"),  # empty (skipped); longer than llama.cpp's 40
+])
+def test_breaker_table_from_one_byte_string_equals_the_token_by_token_scan(demo_vocab, breakers):
+    _, tok = demo_vocab
+    table = breaker_table(tok, breakers)
+    assert table == _breaker_table_token_by_token(tok, breakers)
+    assert table  # every case has heads
 
 
 # --- XTC -------------------------------------------------------------------------------------
