@@ -18,9 +18,9 @@ from .graph import Graph, layout
 from .lib import (F32, PINNED, REPACK, TYPES, GGMLError, Matrix, available, cpu_features, library, mul_mat_ref,
                   node_info, reason, repacks, set_threads, supported, tensor_bytes, threads)
 from .moe import Bank, mul_mat_id, mul_mat_id_ref
-from .ops import cached_graph, check_cpu_float32, norm_nodes, raw_v, rope_nodes
+from .ops import cached_graph, check_cpu_float32, mlp_nodes, norm_nodes, raw_v, rope_nodes
 
 __all__ = ["F32", "PINNED", "REPACK", "TYPES", "Bank", "GGMLError", "Graph", "Matrix", "attention", "available",
            "cached_graph", "check_cpu_float32", "cpu_features", "graph", "layout", "library", "moe", "mul_mat_id",
-           "mul_mat_id_ref", "mul_mat_ref", "node_info", "norm_nodes", "ops", "raw_v", "reason", "repacks",
+           "mlp_nodes", "mul_mat_id_ref", "mul_mat_ref", "node_info", "norm_nodes", "ops", "raw_v", "reason", "repacks",
            "rope_nodes", "set_threads", "supported", "tensor_bytes", "threads"]
