@@ -20,8 +20,8 @@ each (models/gemma4.py `_moe_ffn`, which is also what this graph is tested again
 GELU is ggml's f16 table, as everywhere on this runtime: on random weights a near-tied routing
 can then pick another expert than the exact GELU would (tests/test_gemma4_moe.py).
 
-`fused_moe_ffn` returns None where the graph does not apply (not inside `cpu_chains`, a matrix
-or a bank off ggml): the torch block then runs.
+`fused_moe_ffn` returns None where the graph does not apply (a model of another runtime, float64
+rows, a matrix or a bank off ggml): the torch block then runs.
 """
 from __future__ import annotations
 
@@ -33,14 +33,14 @@ import torch
 from kernels.ggml import Graph, cached_graph, check_cpu_float32, layout, mlp_nodes, norm_nodes
 
 from .formats.experts import ExpertBank
-from .ops import _chains
+from .runtime import Runtime
 
 _MIN_SUM = 6.103515625e-5  # llama.cpp clamps the top-k sum to float16's smallest normal (no 0/0)
 
 
 def moe_nodes(g: Graph, gr: int, T: int, m: dict, eps: float, n_used: int) -> int:
     """The block's nodes on the residual node gr [d, T] -> [d, T] (module doc); `m` holds the
-    Matrix/Bank objects and the constant nodes (`_parts`)."""
+    Matrix/Bank objects and the constant nodes (`moe_parts`)."""
     d = m["d"]
     h1 = norm_nodes(g, mlp_nodes(g, norm_nodes(g, gr, m["ffn_norm"], eps), m["gate_up"], m["down"],
                                  m["gate"], m["up"]), m["post_1"], eps)
@@ -79,7 +79,7 @@ def moe_nodes(g: Graph, gr: int, T: int, m: dict, eps: float, n_used: int) -> in
     return g.add(h1, norm_nodes(g, h2, m["post_2"], eps))
 
 
-def _parts(w, b: str, rows: int) -> Optional[dict]:
+def moe_parts(w, b: str, rows: int) -> Optional[dict]:
     """The layer's matrices (ggml Matrix for `rows` rows) and banks (ggml Bank), or None where one
     is not on ggml (the torch block then runs)."""
     def mat(name):
@@ -131,11 +131,12 @@ def moe_ffn(r: torch.Tensor, w, b: str, eps: float, n_used: int, parts: dict) ->
 
 
 def fused_moe_ffn(model, i: int, r: torch.Tensor) -> Optional[torch.Tensor]:
-    """Layer i's MoE block as one ggml graph inside `cpu_chains` (the ggml runtime), else None."""
-    if r.dim() != 2 or _chains(r) is None:
+    """Layer i's MoE block as one ggml graph for a model of the ggml runtime (`model.runtime`), else None."""
+    if getattr(model, "runtime", None) is not Runtime.GGML or r.dim() != 2 or r.dtype != torch.float32 \
+            or r.device.type != "cpu" or r.stride(-1) != 1:
         return None
     b = f"blk.{i}."
-    parts = _parts(model.w, b, r.shape[0])
+    parts = moe_parts(model.w, b, r.shape[0])
     if parts is None:
         return None
     return moe_ffn(r, model.w, b, model.cfg.rms_eps, model.cfg.n_expert_used, parts)

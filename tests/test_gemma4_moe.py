@@ -37,12 +37,21 @@ def moe_file(request, tmp_path_factory):
     return quantize_gguf(write_tiny_gemma4(d / "f32.gguf", spec, seed=3), d / "q.gguf", ftype)
 
 
+_models: dict = {}  # (path, runtime, dtype) -> the loaded model, shared by the tests of a file
+
+
 def _load(path, runtime: str, dtype=torch.float32):
+    """The model of `path` on `runtime` (cpu_torch: call under the torch_cpu_formats fixture)."""
     from models.loader import load_model
 
-    if runtime == "reference":
-        return load_model(path, with_tokenizer=False, dtype=dtype).model
-    return load_model(path, with_tokenizer=False, weight_dtype=torch.float16, cpu_quant=True).model
+    key = (str(path), runtime, dtype)
+    if key not in _models:
+        if runtime == "reference":
+            _models[key] = load_model(path, with_tokenizer=False, dtype=dtype).model
+        else:
+            _models[key] = load_model(path, with_tokenizer=False, weight_dtype=torch.float16, cpu_quant=True).model
+        assert _models[key].runtime.value == runtime
+    return _models[key]
 
 
 def _greedy(model, prompt: list[int], n: int) -> list[int]:
@@ -95,7 +104,6 @@ def test_moe_block_equals_llama_cpps_bit_for_bit_on_the_same_placement(moe_file,
     from ggml_capture import capture_nodes
     from models import gemma4_ggml
     from models.formats import ggml as ggml_format
-    from models.ops import cpu_chains
 
     monkeypatch.setattr(ggml_format, "PACKED_ROWS", 0)
     L, d = MOE.n_layer, MOE.d_model
@@ -104,8 +112,7 @@ def test_moe_block_equals_llama_cpps_bit_for_bit_on_the_same_placement(moe_file,
     model = _load(moe_file, "ggml")
     for i in range(L):
         r = torch.from_numpy(cap[f"attn_out-{i}"][batch].reshape(-1, d))
-        with cpu_chains(model):
-            ours = gemma4_ggml.fused_moe_ffn(model, i, r)
+        ours = gemma4_ggml.fused_moe_ffn(model, i, r)
         assert ours.shape[0] == (len(PROMPTS[0]) if batch == 0 else 1)
         assert np.array_equal(ours.numpy(), cap[f"ffn_moe_combined-{i}"][batch].reshape(-1, d)), i
 
@@ -117,17 +124,15 @@ def test_moe_block_matches_the_float64_reference(moe_file, rows):
     the 8-bit activation rounding of its products (the dense MLP alone is ~1.3% off on these
     inputs) and the f16 GELU table; a missing expert is ~10x that (the control: top-2 of 3)."""
     from models import gemma4_ggml
-    from models.ops import cpu_chains
 
     fast, ref = _load(moe_file, "ggml"), _load(moe_file, "reference", torch.float64)
     r = torch.randn(rows, MOE.d_model, generator=torch.Generator().manual_seed(rows)) * 3
     for i in range(MOE.n_layer):
         want = ref._moe_ffn(i, r.double())
-        with cpu_chains(fast):
-            got = gemma4_ggml.fused_moe_ffn(fast, i, r).double()
-            b = f"blk.{i}."
-            parts = gemma4_ggml._parts(fast.w, b, rows)
-            top2 = gemma4_ggml.moe_ffn(r, fast.w, b, fast.cfg.rms_eps, MOE.n_expert_used - 1, parts).double()
+        got = gemma4_ggml.fused_moe_ffn(fast, i, r).double()
+        b = f"blk.{i}."
+        parts = gemma4_ggml.moe_parts(fast.w, b, rows)
+        top2 = gemma4_ggml.moe_ffn(r, fast.w, b, fast.cfg.rms_eps, MOE.n_expert_used - 1, parts).double()
         rel = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max()
         assert rel < 0.03, (i, float(rel))
         assert ((top2 - want).norm(dim=-1) / want.norm(dim=-1)).min() > 0.1  # one expert missing
@@ -166,21 +171,19 @@ def _decode_logits(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     return torch.stack(out).double()
 
 
-@pytest.mark.parametrize("prompt", PROMPTS)
-def test_torch_fallback_gives_the_same_greedy_tokens(moe_file, prompt, torch_cpu_formats):
+def test_torch_fallback_gives_the_same_greedy_tokens(moe_file, torch_cpu_formats):
     """EDGEGEM_CPU_KERNELS=torch (the cpu_torch runtime, experts dequantized one at a time from the
     banks' bytes) picks the float64 reference's greedy tokens, decoding along the reference's
     continuation, wherever the reference's top-2 gap exceeds what the fallback's formats move a
     logit by: the dense Q4_K matrices in int4 with bf16 scales and the F32 router in float16 move
     these logits by ~5e-3 on average and can flip a near-tied routing (up to ~0.35 at one
-    position of 40), so the tied steps are skipped rather than ending the comparison."""
-    model = _load(moe_file, "cpu_torch")
-    assert model.runtime.value == "cpu_torch"
-    ref_model = _load(moe_file, "reference", torch.float64)
-    ref_tokens = _greedy(ref_model, list(prompt), 16)
+    position of 40), so the tied steps are skipped rather than ending the comparison. (One prompt,
+    12 tokens: each expert product dequantizes its expert, ~2 s a step on the loaded 2-core VM.)"""
+    model, ref_model, prompt = _load(moe_file, "cpu_torch"), _load(moe_file, "reference", torch.float64), PROMPTS[0]
+    ref_tokens = _greedy(ref_model, list(prompt), 12)
     ref = _decode_logits(ref_model, list(prompt), ref_tokens)
     top2 = ref.topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) >= 0.05
-    assert int(clear.sum()) >= 10
+    assert int(clear.sum()) >= 8
     ours = _decode_logits(model, list(prompt), ref_tokens).argmax(-1)
     assert torch.equal(ours[clear], torch.tensor(ref_tokens)[clear])

@@ -56,7 +56,6 @@ def _fns():
             reshape_2d=f(b, "ggml_reshape_2d", P, P, P, i64, i64),
             reshape_3d=f(b, "ggml_reshape_3d", P, P, P, i64, i64, i64),
             repeat_4d=f(b, "ggml_repeat_4d", P, P, P, i64, i64, i64, i64),
-            new_3d=f(b, "ggml_new_tensor_3d", P, P, ctypes.c_int, i64, i64, i64),
             gallocr_new=f(b, "ggml_gallocr_new", P, P), gallocr_free=f(b, "ggml_gallocr_free", None, P),
             gallocr_alloc=f(b, "ggml_gallocr_alloc_graph", ctypes.c_bool, P, P),
             cpu_buft=f(b, "ggml_backend_cpu_buffer_type", P),
@@ -193,7 +192,7 @@ class Graph:
         if name == "mul_mat":
             return lambda w, x: self.lib.mul_mat(self.ctx, w, x)
         fn = _fns().get(name)
-        if fn is None or name in ("new_1d", "new_3d", "new_4d", "view_4d", "placeholder", "view_init", "cpu_buft",
+        if fn is None or name in ("new_1d", "new_4d", "view_4d", "placeholder", "view_init", "cpu_buft",
                                   "gallocr_new", "gallocr_free", "gallocr_alloc", "set_output", "set_input"):
             raise AttributeError(name)
         return lambda *args: fn(self.ctx, *args)

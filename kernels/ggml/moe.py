@@ -26,8 +26,6 @@ class Bank:
     alive here); `node` is the 3-D ggml tensor (ne = k, n, E) a graph binds (`Graph.matrix`)."""
 
     def __init__(self, raw: torch.Tensor, ggml_type: int, shape: tuple[int, int, int]):
-        from .graph import _fns
-
         lib = library()
         self.ggml_type, self.shape = int(ggml_type), tuple(int(s) for s in shape)
         E, n, k = self.shape
@@ -41,7 +39,7 @@ class Bank:
                              f"{lib.row_size(self.ggml_type, k) * n * E}")
         self.raw, self._lib = raw, lib
         self._ctx = lib.context(1)
-        self.node = _fns()["new_3d"](self._ctx, self.ggml_type, k, n, E)
+        self.node = lib.new_tensor_3d(self._ctx, self.ggml_type, k, n, E)
         self._buffer = lib.buffer_from_ptr(raw.data_ptr(), raw.numel())
         if lib.tensor_alloc(self._buffer, self.node, raw.data_ptr()) != 0:
             raise GGMLError("ggml_backend_tensor_alloc failed for an expert bank")
