@@ -159,6 +159,23 @@ def test_greedy_tokens_equal_llama_cpps(moe_file, prompt):
     assert len(ref) >= 8 and _greedy(_load(moe_file, "ggml"), list(prompt), 16)[:len(ref)] == ref
 
 
+@needs_ggml
+def test_engine_batched_decode_gives_llama_cpps_tokens(moe_file):
+    """Through the engine: both prompts decoded together (the MoE graph over 2 rows a step, each
+    row routed on its own), fast prefill off (llama.cpp runs every layer for every prompt row)."""
+    from engine.api import open_model
+    from engine.sampler import SamplingParams
+    from engine.scheduler import Engine, EngineConfig
+
+    lm = open_model(moe_file, exact=False)
+    engine = Engine(lm.model, config=EngineConfig(full_tokens=256, prefill_chunk=512, fast_prefill=False))
+    reqs = [engine.add(list(p), SamplingParams(temperature=0.0, max_tokens=12)) for p in PROMPTS]
+    engine.run_to_completion()
+    for p, r in zip(PROMPTS, reqs):
+        ref = _llama_cpp_until_near_tie(moe_file, list(p), 12)
+        assert len(ref) >= 8 and r.output_ids[:len(ref)] == ref
+
+
 def _decode_logits(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     """float64 logits [len(tokens), V] predicting each of `tokens` after `prompt`: the prompt in one
     forward, then `tokens` fed one a forward (teacher forcing)."""
