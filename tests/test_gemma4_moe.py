@@ -7,7 +7,7 @@ llama.cpp's, and the cpu_torch runtime's to the float64 reference's.
 
 Two files, quantized by llama.cpp: Q4_K_M with the fused `ffn_gate_up_exps` (Q4_K gate/up; the
 160-wide down rows fall back to Q5_0 and Q8_0) and Q8_0 with separate `ffn_gate_exps` /
-`ffn_up_exps`.
+`ffn_up_exps`; the bit-for-bit check also over F32, F16, BF16, Q6_K and Q4_0 files.
 """
 from __future__ import annotations
 
@@ -96,25 +96,49 @@ def test_quantized_banks_load_as_their_file_bytes_on_every_runtime(moe_file, run
             assert not (t.is_floating_point() and t.numel() in sizes), t.shape
 
 
-@needs_ggml
-@pytest.mark.parametrize("batch", [0, 1], ids=["prefill-10-rows", "decode-1-row"])
-def test_moe_block_equals_llama_cpps_bit_for_bit_on_the_same_placement(moe_file, batch, monkeypatch):
-    """llama.cpp with every weight in the GGUF layout (`use_extra_bufts` off) and edgegem's graph
-    on the GGUF bytes too (PACKED_ROWS 0): the same products, nodes and order, the same bits."""
+def _assert_block_bits_equal_llama_cpps(path, model, batches=(0, 1)) -> None:
+    """Each layer's block on the residual rows llama.cpp fed its own (`attn_out-i`: the prompt's 10
+    rows in one batch, then one decode row) gives llama.cpp's `ffn_moe_combined-i`, bit for bit.
+    llama.cpp keeps every weight in the GGUF layout (`use_extra_bufts` off), as the caller's
+    graph does (PACKED_ROWS 0): the same products, nodes and order."""
     from ggml_capture import capture_nodes
     from models import gemma4_ggml
+
+    L, d = MOE.n_layer, MOE.d_model
+    names = {f"{n}-{i}" for n in ("attn_out", "ffn_moe_combined") for i in range(L)}
+    cap = capture_nodes(path, [PROMPTS[0], [44]], names, extra_bufts=False)
+    for batch in batches:
+        for i in range(L):
+            r = torch.from_numpy(cap[f"attn_out-{i}"][batch].reshape(-1, d))
+            ours = gemma4_ggml.fused_moe_ffn(model, i, r)
+            assert ours.shape[0] == (len(PROMPTS[0]) if batch == 0 else 1)
+            assert np.array_equal(ours.numpy(), cap[f"ffn_moe_combined-{i}"][batch].reshape(-1, d)), (batch, i)
+
+
+@needs_ggml
+def test_moe_block_equals_llama_cpps_bit_for_bit_on_the_same_placement(moe_file, monkeypatch):
     from models.formats import ggml as ggml_format
 
     monkeypatch.setattr(ggml_format, "PACKED_ROWS", 0)
-    L, d = MOE.n_layer, MOE.d_model
-    names = {f"{n}-{i}" for n in ("attn_out", "ffn_moe_combined") for i in range(L)}
-    cap = capture_nodes(moe_file, [PROMPTS[0], [44]], names, extra_bufts=False)
-    model = _load(moe_file, "ggml")
-    for i in range(L):
-        r = torch.from_numpy(cap[f"attn_out-{i}"][batch].reshape(-1, d))
-        ours = gemma4_ggml.fused_moe_ffn(model, i, r)
-        assert ours.shape[0] == (len(PROMPTS[0]) if batch == 0 else 1)
-        assert np.array_equal(ours.numpy(), cap[f"ffn_moe_combined-{i}"][batch].reshape(-1, d)), i
+    _assert_block_bits_equal_llama_cpps(moe_file, _load(moe_file, "ggml"))
+
+
+@needs_ggml
+@pytest.mark.parametrize("ftype", ["F32", "F16", "BF16", "Q6_K", "Q4_0"])
+def test_moe_block_bits_for_dense_and_other_bank_types(ftype, tmp_path_factory, monkeypatch):
+    from models.formats import ggml as ggml_format
+    from models.loader import load_model
+
+    monkeypatch.setattr(ggml_format, "PACKED_ROWS", 0)
+    d = tmp_path_factory.mktemp(ftype)
+    path = write_tiny_gemma4(d / "f32.gguf", MOE, seed=3)
+    if ftype != "F32":
+        path = quantize_gguf(path, d / "q.gguf", ftype)
+    model = load_model(path, with_tokenizer=False, weight_dtype=torch.float16, cpu_quant=True).model
+    bank = model.w["blk.0.ffn_gate_up_exps.weight"]
+    assert isinstance(bank, ExpertBank) and bank.ggml_type == int(GGUFFile(path).tensor(
+        "blk.0.ffn_gate_up_exps.weight").ggml_type)
+    _assert_block_bits_equal_llama_cpps(path, model)
 
 
 @needs_ggml
