@@ -49,11 +49,8 @@ def _expert_bank(source, name: str, shape, device) -> ExpertBank | None:
         return None
     info = source.raw(name, shape)
     raw = torch.empty(info.n_bytes, dtype=torch.uint8)  # torch's allocator: 64-byte aligned, as ggml wants
-    if hasattr(info, "read") and hasattr(info, "_file"):  # a file read: no mapped pages stay resident
-        with open(info._file.path, "rb") as f:
-            f.seek(info.offset)
-            if f.readinto(memoryview(raw.numpy())) != info.n_bytes:
-                raise ValueError(f"{name}: the file ends inside the tensor")
+    if hasattr(info, "read"):  # a file read: no mapped pages stay resident
+        info.read(out=raw.numpy())
     else:
         raw.copy_(torch.from_numpy(np.asarray(info.data).reshape(-1).view(np.uint8)))
     return ExpertBank(raw.to(device), info.ggml_type, shape)
