@@ -96,10 +96,6 @@ class ExpertBank:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         raise TypeError("an expert bank has no rows to look up: bank[e].rows(ids)")
 
-    def to(self, device) -> "ExpertBank":
-        return self if torch.device(device) == self.device else ExpertBank(self.raw.to(device), self.ggml_type,
-                                                                           self.shape)
-
     def ggml_bank(self):
         """kernels.ggml.Bank over these bytes (made on first use, zero copy; the ggml runtime only)."""
         if self._ggml is None:
