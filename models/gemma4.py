@@ -12,6 +12,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from .decoder import DecoderModel, Trace
+from .gemma4_ggml import fused_moe_ffn
 from .kv_cache import KVStore
 from .metadata import ConfigError, metadata_reader, vocab_size_of
 from .ops import (add_rms_norm, attend, attention_prologue, attn_residual, embedding_rows, ffn_residual, gated_mlp,
@@ -462,7 +463,12 @@ class Gemma4Model(DecoderModel):
         return gated_mlp(m, self.w, f"blk.{i}.")
 
     def _moe_ffn(self, i: int, r: torch.Tensor) -> torch.Tensor:
-        """26B-A4B block (§3.8): dense MLP + top-k of E experts, both reading the residual r [T, d]."""
+        """26B-A4B block (§3.8): dense MLP + top-k of E experts, both reading the residual r [T, d].
+        Torch (the reference, the cpu_torch and GPU runtimes): a loop over the chosen experts, each
+        bank[e] dequantized from the file's bytes for its product (models/formats/experts.py)."""
+        f = fused_moe_ffn(self, i, r)  # the ggml runtime: the whole block as one graph (gemma4_ggml.py)
+        if f is not None:
+            return f
         cfg, w, b, eps = self.cfg, self.w, f"blk.{i}.", self.cfg.rms_eps
         h1 = rms_norm(self._mlp(i, rms_norm(r, w[b + "ffn_norm.weight"], eps)), w[b + "post_ffw_norm_1.weight"], eps)
         u = rms_norm(r, None, eps) * (cfg.d_model ** -0.5) * w[b + "ffn_gate_inp.scale"].to(r.dtype)

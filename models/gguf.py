@@ -17,7 +17,7 @@ import itertools
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
@@ -89,10 +89,11 @@ class TensorInfo(TensorShape):
         """Raw bytes as a read-only uint8 view of the memory map (no copy)."""
         return self._file._mm[self.offset:self.offset + self.n_bytes]
 
-    def read(self) -> np.ndarray:
+    def read(self, out: Optional[np.ndarray] = None) -> np.ndarray:
         """The raw bytes copied by a file read, not through the memory map: a weight repacked at load
-        (models/cpu_quant.py) then leaves no mapped file pages behind in the process's RSS."""
-        out = np.empty(self.n_bytes, dtype=np.uint8)
+        (models/cpu_quant.py) then leaves no mapped file pages behind in the process's RSS. `out`:
+        a uint8 [n_bytes] buffer to read into (an aligned one: an expert bank ggml reads in place)."""
+        out = np.empty(self.n_bytes, dtype=np.uint8) if out is None else out
         with open(self._file.path, "rb") as f:
             f.seek(self.offset)
             if f.readinto(memoryview(out)) != self.n_bytes:

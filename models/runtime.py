@@ -11,6 +11,9 @@ Five runtimes, by device, `--exact`, Triton support and llama.cpp's ggml:
 | ggml | the CPU, not `--exact`, a GGUF file, ggml loaded | GGMLWeight (the file's bytes) | ggml products and chains (kernels/ggml/) |
 | cpu_torch | the CPU, not `--exact`, no ggml (or an HF folder) | Int4Weight, HalfWeight, Int8Head | torch |
 
+On every runtime a GGUF file's MoE expert banks stay the file's bytes (formats/experts.ExpertBank):
+`ggml_mul_mat_id` multiplies them on the ggml runtime, the others dequantize one expert at a time.
+
 `choose_runtime` holds these rules (the front ends' `engine.api.open_model` asks it);
 `Runtime.load_flags` turns a runtime into `models.loader.load_model`'s keyword flags, and
 `runtime_of_flags` reads the runtime back from those flags for callers that pass flags themselves

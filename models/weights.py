@@ -5,17 +5,19 @@
 GGUF matrices kept quantized for the Triton kernels (QuantWeight), or on the CPU the GGUF rows
 that `repack_cpu` then turns into the CPU runtime's forms (GGMLWeight on llama.cpp's kernels,
 else models/cpu_quant.py's torch formats and the int8-ranked head); lookup-only tables stay in
-the file's bytes. `fuse_projections` stacks q/k/v and gate/up. The formats themselves, and why
+the file's bytes, and so do MoE expert banks [E, out, in] on every runtime (ExpertBank).
+`fuse_projections` stacks q/k/v and gate/up. The formats themselves, and why
 each is what it is, are in models/formats/. The exact reference path (float32/float64 dense
 tensors) stays what the tests compare.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from . import runtime
 from .cpu_quant import cpu_weight, repackable
-from .formats import GGMLWeight, HalfWeight, Int4Weight, QuantWeight, Weight
+from .formats import ExpertBank, GGMLWeight, HalfWeight, Int4Weight, QuantWeight, Weight
 from .formats import ggml as ggml_format
 
 
@@ -38,6 +40,20 @@ def _quant_weight(source, name: str, shape, device, lookup: bool = False) -> Qua
         return None
     raw = torch.from_numpy(info.data.copy()).reshape(shape[0], row_bytes(info.ggml_type, shape[1]))
     return QuantWeight(raw.to(device), info.ggml_type, shape, lookup=lookup)
+
+
+def _expert_bank(source, name: str, shape, device) -> ExpertBank | None:
+    """A 3-D GGUF tensor (MoE experts [E, out, in]) as the file's bytes (formats/experts.py), on
+    every runtime; None for a source without GGUF bytes (an HF checkpoint: dense)."""
+    if shape is None or len(shape) != 3 or not hasattr(source, "raw"):
+        return None
+    info = source.raw(name, shape)
+    raw = torch.empty(info.n_bytes, dtype=torch.uint8)  # torch's allocator: 64-byte aligned, as ggml wants
+    if hasattr(info, "read"):  # a file read: no mapped pages stay resident
+        info.read(out=raw.numpy())
+    else:
+        raw.copy_(torch.from_numpy(np.asarray(info.data).reshape(-1).view(np.uint8)))
+    return ExpertBank(raw.to(device), info.ggml_type, shape)
 
 
 def _gguf_rows(source, name: str, shape, mapped: bool) -> QuantWeight | None:
@@ -137,6 +153,9 @@ def load_weights(source, plan: dict, dtype: torch.dtype = torch.float32, device=
     total, done = sum(sizes), 0
 
     def one(name, shape, where, lookup=False):
+        bank = _expert_bank(source, name, shape, where)
+        if bank is not None:
+            return bank
         if cpu_quant:
             q = _gguf_rows(source, name, shape, mapped=lookup)
             if q is not None:

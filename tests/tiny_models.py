@@ -118,6 +118,7 @@ class TinySpec:
     double_wide: bool = True  # E2B-style 2x FFN on KV-shared layers (written as an array)
     tied: bool = True
     fused_qkv: bool = False  # write attn_qkv (rows Q, K, V) instead of attn_q/k/v on KV-owning layers
+    fused_gate_up_exps: bool = True  # MoE: ffn_gate_up_exps, else ffn_gate_exps + ffn_up_exps
     extra: dict = field(default_factory=dict)
 
     def layer_pattern(self) -> list[bool]:
@@ -214,7 +215,12 @@ def write_tiny_gemma4(path: Path, spec: TinySpec, seed: int = 0) -> Path:
             t[b + "pre_ffw_norm_2.weight"] = norm(d)
             t[b + "post_ffw_norm_1.weight"] = norm(d)
             t[b + "post_ffw_norm_2.weight"] = norm(d)
-            t[b + "ffn_gate_up_exps.weight"] = np.stack([mat(2 * I, d) for _ in range(E)])
+            gate_up = np.stack([mat(2 * I, d) for _ in range(E)])
+            if spec.fused_gate_up_exps:
+                t[b + "ffn_gate_up_exps.weight"] = gate_up
+            else:
+                t[b + "ffn_gate_exps.weight"] = np.ascontiguousarray(gate_up[:, :I])
+                t[b + "ffn_up_exps.weight"] = np.ascontiguousarray(gate_up[:, I:])
             t[b + "ffn_down_exps.weight"] = np.stack([mat(d, I) for _ in range(E)])
             t[b + "ffn_down_exps.scale"] = (0.5 + rng.random(E)).astype(np.float32)
     if spec.fused_qkv:

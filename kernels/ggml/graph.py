@@ -48,6 +48,14 @@ def _fns():
             new_4d=f(b, "ggml_new_tensor_4d", P, P, ctypes.c_int, i64, i64, i64, i64),
             view_4d=f(b, "ggml_view_4d", P, P, P, i64, i64, i64, i64, sz, sz, sz, sz),
             set_output=f(b, "ggml_set_output", None, P), set_input=f(b, "ggml_set_input", None, P),
+            # the MoE block's nodes (llama.cpp's build_moe_ffn; models/gemma4_ggml.py)
+            mul_mat_id=f(b, "ggml_mul_mat_id", P, P, P, P, P), soft_max=f(b, "ggml_soft_max", P, P, P),
+            argsort_top_k=f(b, "ggml_argsort_top_k", P, P, P, i), get_rows=f(b, "ggml_get_rows", P, P, P, P),
+            sum_rows=f(b, "ggml_sum_rows", P, P, P), div=f(b, "ggml_div", P, P, P, P),
+            clamp=f(b, "ggml_clamp", P, P, P, fl, fl), geglu_split=f(b, "ggml_geglu_split", P, P, P, P),
+            reshape_2d=f(b, "ggml_reshape_2d", P, P, P, i64, i64),
+            reshape_3d=f(b, "ggml_reshape_3d", P, P, P, i64, i64, i64),
+            repeat_4d=f(b, "ggml_repeat_4d", P, P, P, i64, i64, i64, i64),
             gallocr_new=f(b, "ggml_gallocr_new", P, P), gallocr_free=f(b, "ggml_gallocr_free", None, P),
             gallocr_alloc=f(b, "ggml_gallocr_alloc_graph", ctypes.c_bool, P, P),
             cpu_buft=f(b, "ggml_backend_cpu_buffer_type", P),
@@ -177,7 +185,10 @@ class Graph:
         """Node ops: rms_norm(a, eps), mul(a, b), add, sub, scale(a, s), tanh(a), gelu(a),
         geglu(a), concat(a, b, dim), cont(a), cast(a, ggml_type), mul_mat(w, x), permute(a, 0, 2, 1, 3),
         set_rows(dst, rows, indices) (a view of dst: `expand` it, `alias` it to dst's input),
-        flash_attn_ext(q, k, v, mask, scale, max_bias, softcap)."""
+        flash_attn_ext(q, k, v, mask, scale, max_bias, softcap); for MoE: mul_mat_id(bank, x, ids),
+        soft_max(a), argsort_top_k(a, k), get_rows(a, ids), sum_rows(a), div(a, b), clamp(a, lo, hi),
+        geglu_split(gate, up), reshape_2d(a, ne0, ne1), reshape_3d(a, ne0, ne1, ne2),
+        repeat_4d(a, ne0, ne1, ne2, ne3)."""
         if name == "mul_mat":
             return lambda w, x: self.lib.mul_mat(self.ctx, w, x)
         fn = _fns().get(name)

@@ -100,6 +100,7 @@ class _Lib:
         self.tensor_overhead = self.declare(b, "ggml_tensor_overhead", sz)
         self.graph_overhead_custom = self.declare(b, "ggml_graph_overhead_custom", sz, sz, ctypes.c_bool)
         self.new_tensor_2d = self.declare(b, "ggml_new_tensor_2d", P, P, ctypes.c_int, i64, i64)
+        self.new_tensor_3d = self.declare(b, "ggml_new_tensor_3d", P, P, ctypes.c_int, i64, i64, i64)  # banks
         self.mul_mat = self.declare(b, "ggml_mul_mat", P, P, P, P)
         self.new_graph_custom = self.declare(b, "ggml_new_graph_custom", P, P, sz, ctypes.c_bool)
         self.build_forward_expand = self.declare(b, "ggml_build_forward_expand", None, P, P)

@@ -248,6 +248,16 @@ def linear_gelu_mul(x: torch.Tensor, w: Matrix, e: torch.Tensor) -> torch.Tensor
     return out
 
 
+def mlp_nodes(g: Graph, gm: int, gate_up: Optional[Matrix], down: Matrix, gate: Optional[Matrix] = None,
+              up: Optional[Matrix] = None) -> int:
+    """The nodes of `gated_mlp` on node gm [d, T] -> [d_out, T]."""
+    if gate_up is not None:
+        act = g.geglu(g.mul_mat(g.matrix(gate_up), gm))
+    else:
+        act = g.mul(g.gelu(g.mul_mat(g.matrix(gate), gm)), g.mul_mat(g.matrix(up), gm))
+    return g.mul_mat(g.matrix(down), act)
+
+
 def gated_mlp(m: torch.Tensor, gate_up: Matrix, down: Matrix, gate: Optional[Matrix] = None,
               up: Optional[Matrix] = None) -> torch.Tensor:
     """down(gelu(m G^T) * (m U^T)) for m [T, d]: one stacked [gate; up] matrix (`gate_up`, its
@@ -256,12 +266,7 @@ def gated_mlp(m: torch.Tensor, gate_up: Matrix, down: Matrix, gate: Optional[Mat
 
     def build(big):
         g = Graph(16, big)
-        gm = g.input(m)
-        if gate_up is not None:
-            act = g.geglu(g.mul_mat(g.matrix(gate_up), gm))
-        else:
-            act = g.mul(g.gelu(g.mul_mat(g.matrix(gate), gm)), g.mul_mat(g.matrix(up), gm))
-        g.output(g.mul_mat(g.matrix(down), act))
+        g.output(mlp_nodes(g, g.input(m), gate_up, down, gate, up))
         return g.finish()
 
     key = ("mlp", id(gate_up), id(gate), id(up), id(down), layout(m))

@@ -5,16 +5,19 @@
   lookup table,
 - `ggml.GGMLWeight`: GGUF bytes multiplied by llama.cpp's ggml (CPU),
 - `int4.Int4Weight`: GGUF matrices repacked for torch's int4 CPU matmul,
-- `int8_head.Int8Head`: the tied head ranked by an int8 GEMV, its top rows exact (CPU).
+- `int8_head.Int8Head`: the tied head ranked by an int8 GEMV, its top rows exact (CPU),
+- `experts.ExpertBank`: MoE experts [E, out, in] as the file's bytes on every runtime
+  (`ggml_mul_mat_id` on the ggml runtime, one expert dequantized at a time elsewhere).
 
 models/weights.py loads a checkpoint into them; models/runtime.py says which runtime a loaded
 model computes with.
 """
 from .base import Weight
+from .experts import ExpertBank, ExpertMatrix
 from .ggml import GGMLWeight
 from .half import HalfWeight
 from .int4 import Int4Weight
 from .int8_head import Int8Head
 from .packed import QuantWeight
 
-__all__ = ["GGMLWeight", "HalfWeight", "Int4Weight", "Int8Head", "QuantWeight", "Weight"]
+__all__ = ["ExpertBank", "ExpertMatrix", "GGMLWeight", "HalfWeight", "Int4Weight", "Int8Head", "QuantWeight", "Weight"]
