@@ -173,6 +173,10 @@ def activation_workspace(cfg, opt: PlanOptions) -> dict[str, int]:
         "logits": rows * cfg.vocab_size * 4,
         # one quantized layer matrix dequantized for the prefill GEMM (the head is never expanded)
         "dequant": _largest_layer_matrix(cfg) * a,
+        # MoE (26B-A4B): fp32 router probabilities [T, E], and gate/up of the top-k experts of
+        # every row [T, k, 2I] (26B at T = 2084: 1.0 + 44.8 MiB in bf16)
+        "experts": (T * getattr(cfg, "n_expert", 0) * 4
+                    + T * getattr(cfg, "n_expert_used", 0) * 2 * getattr(cfg, "expert_ffn_width", 0) * a),
     }
 
 
