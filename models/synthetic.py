@@ -434,11 +434,12 @@ def _vector(name: str, n: int, rng: np.random.Generator, hd_full: int) -> np.nda
     return w.astype(np.float32)
 
 
-def write_synthetic_gguf(variant: str, path, seed: int = 0) -> Path:
+def write_synthetic_gguf(variant: str, path, seed: int = 0, f32: bool = False) -> Path:
     """The synthetic layout as a real GGUF file (every tensor of `layout_tensors`, random blocks of
     its Q4_K_M type as `_random_quant_bytes` makes them, BF16/F32 as `synthetic_weights` does, the
     metadata of `synthetic_metadata` and a filler vocabulary), written tensor by tensor (RAM stays
-    at one tensor). llama.cpp and `load_model` both read it."""
+    at one tensor). llama.cpp and `load_model` both read it. `f32`: every tensor in F32 instead
+    (what llama.cpp's quantizer takes: quantized to Q4_K_M it gives the layout's type mix)."""
     import torch
     from gguf import GGUFWriter
 
@@ -466,6 +467,8 @@ def write_synthetic_gguf(variant: str, path, seed: int = 0) -> Path:
     w.add_bool("tokenizer.ggml.add_bos_token", True)
     w.add_bool("tokenizer.ggml.add_space_prefix", False)
     layout = layout_tensors(variant)
+    if f32:
+        layout = [SyntheticTensor(t.name, int(T.F32), t.ne) for t in layout]
     for t in layout:
         block, size = GGML_QUANT_SIZES[T(t.ggml_type)]
         if t.ggml_type == T.F32:
@@ -480,8 +483,9 @@ def write_synthetic_gguf(variant: str, path, seed: int = 0) -> Path:
     gen, rng = torch.Generator().manual_seed(seed), np.random.default_rng(seed)
     for t in layout:
         name, tn = t.name, T(t.ggml_type).name
-        if t.ggml_type == T.F32 and len(t.shape) == 2:  # the MoE router: a matrix kept in F32
-            data = (rng.standard_normal(t.shape) / math.sqrt(t.shape[-1])).astype(np.float32)
+        if t.ggml_type == T.F32 and len(t.shape) >= 2:  # the MoE router (kept in F32), or every matrix (f32)
+            std = _matrix_std(name, t.shape, v["ple"])
+            data = (rng.standard_normal(t.shape, dtype=np.float32) * np.float32(std))
         elif t.ggml_type == T.F32:
             data = _vector(name, t.shape[0], rng, v["hd_full"])
         elif t.ggml_type == T.BF16:
