@@ -201,3 +201,15 @@ def test_big_layout_through_replace_keeps_window_bound():
     a = plan_memory(g, opt, cfg)
     b = plan_memory(g, opt, replace(cfg, context_length=4 * 262144))
     assert a.kv["window"] == b.kv["window"] and b.kv["full"]["cap"] == 4 * a.kv["full"]["cap"]
+
+
+def test_decode_bytes_count_only_the_used_experts():
+    """A decode token reads its top k of E experts: the bench's bytes per token count k/E of each
+    expert bank (tiny-moe: 2 of 6), all of every other device weight."""
+    from engine.bench.throughput import device_weight_bytes
+    from models.synthetic import synthetic_model
+
+    model = synthetic_model("tiny-moe", quantized=False)
+    banks = sum(w.numel() * w.element_size() for n, w in model.w.items() if n.endswith("_exps.weight"))
+    rest = sum(w.numel() * w.element_size() for n, w in model.w.items() if not n.endswith("_exps.weight"))
+    assert banks and device_weight_bytes(model) == pytest.approx(rest + banks * 2 / 6, abs=64)
