@@ -37,9 +37,9 @@ class RamTooSmall(BudgetTooSmall):
 def gguf_ram_bytes(layout, runtime: str) -> int:
     """Bytes of host memory the weights of a GGUF layout take on the CPU `runtime`
     ("reference", "ggml", "cpu_torch"; module doc)."""
-    from .memory_plan import _config, _read_tensors
+    from .memory_plan import layout_config, read_tensors
 
-    read = _read_tensors(layout, _config(layout))
+    read = read_tensors(layout, layout_config(layout))
     if runtime == "reference":
         return sum(layout.tensor(n).n_elements * 4 for n in read)
     lookup = set(LOOKUP_ONLY) | ({"token_embd.weight"} if "output.weight" in layout else set())
