@@ -59,9 +59,17 @@ def model_ram_bytes(path: Path, runtime: str) -> int:
 def check_host_ram(path: Path, runtime: str, available: Optional[int] = None) -> None:
     """Raise RamTooSmall when the model at `path` cannot fit in host memory on the CPU `runtime`
     (`available`: MemAvailable unless given)."""
-    needed = model_ram_bytes(path, runtime)
+    _check(Path(path).name, model_ram_bytes(path, runtime), runtime, available)
+
+
+def check_layout_ram(layout, runtime: str, available: Optional[int] = None) -> None:
+    """check_host_ram for an opened layout (a synthetic one before its GGUF is written)."""
+    _check(layout.path.name, gguf_ram_bytes(layout, runtime), runtime, available)
+
+
+def _check(name: str, needed: int, runtime: str, available: Optional[int]) -> None:
     available = host_available() if available is None else available
     if needed > available:
-        raise RamTooSmall(f"{Path(path).name}: its weights need {needed / GB:.1f} GB of RAM on the CPU "
-                          f"({runtime} runtime) and {available / GB:.1f} GB is available; use a smaller "
-                          f"model or quantization, or free memory", needed, available)
+        raise RamTooSmall(f"{name}: its weights need {needed / GB:.1f} GB of RAM on the CPU ({runtime} runtime) "
+                          f"and {available / GB:.1f} GB is available; use a smaller model or quantization, "
+                          f"or free memory", needed, available)

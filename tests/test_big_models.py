@@ -213,3 +213,14 @@ def test_decode_bytes_count_only_the_used_experts():
     banks = sum(w.numel() * w.element_size() for n, w in model.w.items() if n.endswith("_exps.weight"))
     rest = sum(w.numel() * w.element_size() for n, w in model.w.items() if not n.endswith("_exps.weight"))
     assert banks and device_weight_bytes(model) == pytest.approx(rest + banks * 2 / 6, abs=64)
+
+
+def test_cpu_bench_refuses_a_synthetic_model_larger_than_ram_before_writing(monkeypatch, tmp_path):
+    import engine.ram_check as ram_check
+    from engine.bench.cpu import synthetic_gguf
+
+    monkeypatch.setattr(ram_check, "host_available", lambda: 16 * 10 ** 9)  # a 16 GB machine
+    with pytest.raises(RamTooSmall, match=r"^synthetic-31b: its weights need 18.7 GB of RAM .* 16.0 GB is available"):
+        with synthetic_gguf("31b", tmp_path / "31b.gguf"):
+            pass
+    assert not (tmp_path / "31b.gguf").exists()
