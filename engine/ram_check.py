@@ -67,9 +67,14 @@ def check_layout_ram(layout, runtime: str, available: Optional[int] = None) -> N
     _check(layout.path.name, gguf_ram_bytes(layout, runtime), runtime, available)
 
 
+def decimal_size(n: int) -> str:
+    """Bytes as model files are quoted (16.8 GB, decimal); below 0.1 GB in MB."""
+    return f"{n / GB:.1f} GB" if n >= GB // 10 else f"{n / 10 ** 6:.1f} MB"
+
+
 def _check(name: str, needed: int, runtime: str, available: Optional[int]) -> None:
     available = host_available() if available is None else available
     if needed > available:
-        raise RamTooSmall(f"{name}: its weights need {needed / GB:.1f} GB of RAM on the CPU ({runtime} runtime) "
-                          f"and {available / GB:.1f} GB is available; use a smaller model or quantization, "
+        raise RamTooSmall(f"{name}: its weights need {decimal_size(needed)} of RAM on the CPU ({runtime} runtime) "
+                          f"and {decimal_size(available)} is available; use a smaller model or quantization, "
                           f"or free memory", needed, available)

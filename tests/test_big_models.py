@@ -170,7 +170,7 @@ def test_model_larger_than_ram_is_refused_before_loading(tiny_moe, monkeypatch):
     msg = str(e.value)
     need = gguf_ram_bytes(GGUFFile(tiny_moe), "ggml" if "ggml" in msg else "cpu_torch")
     assert "\n" not in msg and msg.startswith("tiny-moe.gguf: its weights need")
-    assert f"{need / 1e9:.1f} GB of RAM" in msg and "0.0 GB is available" in msg
+    assert f"{need / 1e6:.1f} MB of RAM" in msg and "1.0 MB is available" in msg
     assert (e.value.needed, e.value.budget) == (need, 1_000_000)
     assert api.load_error_kind(e.value) is api.ErrorKind.CAPACITY
     assert loads == []  # refused before any tensor was read
@@ -188,7 +188,7 @@ def test_refusal_counts_float32_for_exact_and_lets_a_fitting_model_load(tiny_moe
 def test_hf_folder_counts_its_safetensors(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 4321)
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(RamTooSmall, match="4321|0.0 GB"):
+    with pytest.raises(RamTooSmall, match="0.0 MB of RAM"):
         check_host_ram(tmp_path, "cpu_torch", available=4320)
     check_host_ram(tmp_path, "cpu_torch", available=4321)
 
@@ -224,3 +224,15 @@ def test_cpu_bench_refuses_a_synthetic_model_larger_than_ram_before_writing(monk
         with synthetic_gguf("31b", tmp_path / "31b.gguf"):
             pass
     assert not (tmp_path / "31b.gguf").exists()
+
+
+def test_run_prints_the_refusal_in_one_line_and_exits_2(tiny_moe, monkeypatch, capsys):
+    import engine.ram_check as ram_check
+    from app.cli import main
+
+    monkeypatch.setattr(ram_check, "host_available", lambda: 2 * 10 ** 6)
+    assert main(["run", "--model", str(tiny_moe), "--device", "cpu", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    need = gguf_ram_bytes(GGUFFile(tiny_moe), "ggml")
+    assert len(err) == 1 and err[0].startswith(f"edgegem: error: tiny-moe.gguf: its weights need {need / 1e6:.1f} MB")
+    assert "2.0 MB is available" in err[0]
