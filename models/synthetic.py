@@ -74,6 +74,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "tiny-moe": dict(vocab=512, n_head=4, hd_full=128, hd_swa=64, ple=0, window=16, n_layer=6, d=256,
                      period=3, n_kv=2, n_kv_full=1, ffn=320, n_shared=0, k_eq_v=True, context=4096,
                      n_expert=6, n_expert_used=2, expert_ffn=96),
+    # The 31B's structure scaled down: [S x5, F] x 2, 2 KV heads on sliding layers and 1 on full
+    # ones (no attn_v there), no PLE, no sharing, no experts.
+    "tiny-dense": dict(vocab=512, n_head=4, hd_full=128, hd_swa=64, ple=0, window=16, n_layer=12, d=256,
+                       period=6, n_kv=2, n_kv_full=1, ffn=512, n_shared=0, k_eq_v=True, context=4096),
 }
 PUBLIC_VARIANTS = ("e2b", "e4b", "26b-a4b", "31b")  # the real models (`--synthetic`); the rest are for tests
 LLAMA_FTYPE_MOSTLY_Q4_K_M = 15

@@ -70,17 +70,20 @@ def test_26b_type_mix_follows_llama_quant_rules():
     assert g.tensor("blk.0.ffn_down_exps.weight").shape == (128, 2816, 704)
 
 
-def test_writer_output_is_what_llama_cpp_quantizes_to(tmp_path):
-    """The mix is llama.cpp's: its own quantizer, given the F32 form of the scaled-down MoE layout,
-    picks every tensor's type exactly as `layout_tensors` does (experts, fallbacks, attn_v count)."""
+@pytest.mark.parametrize("variant,types", [("tiny-moe", {"Q4_K", "Q6_K", "Q5_0", "Q8_0", "F32"}),
+                                           ("tiny-dense", {"Q4_K", "Q6_K", "F32"})])
+def test_writer_output_is_what_llama_cpp_quantizes_to(tmp_path, variant, types):
+    """The mix is llama.cpp's: its own quantizer, given the F32 form of the scaled-down MoE
+    (26B-A4B) or dense (31B) layout, picks every tensor's type exactly as `layout_tensors` does
+    (experts, fallbacks, which attn_v and ffn_down get Q6_K)."""
     pytest.importorskip("llama_cpp")
     from gguf import GGMLQuantizationType as T
     from tiny_models import quantize_gguf
 
-    f32 = write_synthetic_gguf("tiny-moe", tmp_path / "f32.gguf", f32=True)
+    f32 = write_synthetic_gguf(variant, tmp_path / "f32.gguf", f32=True)
     got = {t.name: t.type_name for t in GGUFFile(quantize_gguf(f32, tmp_path / "q4km.gguf"))}
-    assert got == {t.name: T(t.ggml_type).name for t in layout_tensors("tiny-moe")}
-    assert {"Q4_K", "Q6_K", "Q5_0", "Q8_0", "F32"} <= set(got.values())
+    assert got == {t.name: T(t.ggml_type).name for t in layout_tensors(variant)}
+    assert set(got.values()) == types
 
 
 def test_writer_writes_the_moe_layout_that_load_model_reads(tiny_moe):
