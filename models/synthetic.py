@@ -1,4 +1,4 @@
-"""Synthetic E2B/E4B GGUF layouts: the real metadata and tensor table, no weight data.
+"""Synthetic E2B/E4B/26B-A4B/31B GGUF layouts: the real metadata and tensor table, no weight data.
 
 `synthetic_layout("e2b")` quacks like `models.gguf.GGUFFile` for everything that does not read
 weights: `.metadata`, `.tensors` (name -> SyntheticTensor with name/ggml_type/ne/shape/n_bytes),
@@ -10,6 +10,12 @@ So `Gemma4Config.from_gguf(synthetic_layout("e2b"))`, the memory planner and `ed
 Config: spec §1.1-1.2 and §2.2 (hidden 1536/2560, 35/42 layers, 8 heads, 1/2 KV heads, head dims
 256/512, window 512, [S,S,S,S,F]x7 / [S,S,S,S,S,F]x7, 20/18 KV-shared layers, FFN [6144]x15 +
 [12288]x20 / 10240, PLE width 256, vocab 262144 given as `gemma4.vocab_size`, context 131072).
+26B-A4B / 31B (§1.1, §2.5 "MoE tensors"): hidden 2816/5376, 30/60 layers, 16/32 heads, KV heads
+8/16 on sliding layers and 2/4 on full ones (an INT32 head_count_kv array), [S x5, F], window
+1024, context 262144, FFN 2112/21504, no PLE, no KV sharing, no attn_v on full layers (V = K); the
+26B-A4B has 128 experts (top 8, width 704) on every layer: the F32 router `ffn_gate_inp` [d, E]
+with its `.scale`, `ffn_gate_up_exps` [d, 2I, E] (fused, as the converter writes it),
+`ffn_down_exps` [I, d, E] with its per-expert `.scale`, and three more norms.
 
 Tensors: §2.5, with no k/v/k_norm on KV-shared layers (llama.cpp loads them as optional and never
 reads them; leaving them out reproduces the spec's parameter counts, 4.63 B / 7.46 B) and a tied
@@ -23,17 +29,24 @@ vendored in llama-cpp-python 0.3.36):
   * token_embd and per_layer_token_embd: both are the TOKEN_EMBD category, and with tied
     embeddings (no output.weight) llama.cpp gives that category the output tensor's type -> Q6_K.
   * attn_v: Q6_K when use_more_bits(i, n) over the attn_v tensors in file order (i counts attn_v
-    tensors, n = how many there are: 15 on E2B, 24 on E4B), else Q4_K.
-  * ffn_down: Q6_K when use_more_bits(layer, n_layer), else Q4_K.
-  * every other 2-D weight (attn_q/k/output, ffn_gate/up, inp_gate, proj): Q4_K (the default).
+    tensors, n = how many there are: 15 on E2B, 24 on E4B, 25 on 26B-A4B, 50 on 31B), else Q4_K.
+  * ffn_down (and ffn_down_exps, whose layer llama.cpp reads from the name when n_expert > 1):
+    Q6_K when use_more_bits(layer, n_layer), else Q4_K.
+  * ffn_gate_inp (the router): never quantized -> the converter's F32.
+  * every other 2-D or 3-D weight (attn_q/k/output, ffn_gate/up, ffn_gate_up_exps, inp_gate,
+    proj): Q4_K (the default). The n_expert == 8 rules (Mixtral) do not apply to 128 experts.
   use_more_bits(i, n) = i < n/8 or i >= 7n/8 or (i - n/8) % 3 == 2 (integer division).
-  Every row length here is a multiple of 256, so no type falls back.
+  A row length that is not a multiple of 256 falls back (tensor_type_fallback: Q4_K -> Q5_0,
+  Q6_K -> Q8_0): on the 26B-A4B the dense ffn_down (rows of 2112) and ffn_down_exps (704).
+  llama.cpp's own quantizer gives the scaled-down `tiny-moe` / `tiny-dense` exactly these types
+  (tests/test_big_models.py).
 
 Totals this gives (`total_bytes`): E2B 3,400,303,756 B (3.40 GB, 3.17 GiB; 4.63 B parameters),
 E4B 5,286,450,344 B (5.29 GB, 4.92 GiB; 7.46 B parameters). Published llama.cpp Q4_K_M E2B files
 are listed at 3.41-3.43 GB (the vision/audio towers live in a separate mmproj file), so the
 "about 3.1 GB" sometimes quoted is a smaller mix. Two thirds of either file is the two embedding
-tables at Q6_K.
+tables at Q6_K. 26B-A4B 16,780,192,888 B (16.78 GB; 25.23 B parameters), 31B 18,671,229,168 B
+(18.67 GB; 30.70 B parameters), against ~16.9 GB and ~18.7 GB published.
 """
 from __future__ import annotations
 
