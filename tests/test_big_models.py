@@ -43,6 +43,21 @@ def test_big_layouts_have_the_documented_config(name):
     assert (cfg.context_length, cfg.sliding_window, cfg.ple_width, cfg.n_kv_shared) == (262144, 1024, 0, 0)
 
 
+def test_26b_metadata_is_llama_cpps_real_26b(gemma4_vocab_path):
+    """llama.cpp's vocab-only `ggml-vocab-gemma-4.gguf` carries the real 26B-A4B's hparams (spec
+    [LC:vgguf]): every gemma4.* key equals the synthetic layout's (epsilon as float32; the real
+    file gives the vocab size by its token list, the synthetic one as `gemma4.vocab_size`)."""
+    import numpy as np
+
+    real = {k: v for k, v in GGUFFile(gemma4_vocab_path).metadata.items() if k.startswith("gemma4.")}
+    ours = {k: v for k, v in synthetic_layout("26b-a4b").metadata.items() if k.startswith("gemma4.")}
+    assert ours.pop("gemma4.vocab_size") == 262144 and set(real) == set(ours)
+    eps = "gemma4.attention.layer_norm_rms_epsilon"
+    assert real.pop(eps) == pytest.approx(ours.pop(eps))
+    for k in real:
+        assert np.array_equal(np.asarray(real[k]), np.asarray(ours[k])), k
+
+
 @pytest.mark.parametrize("name,params,total", [("26b-a4b", 25.23e9, 16_780_192_888),
                                                 ("31b", 30.70e9, 18_671_229_168)])
 def test_big_layouts_have_the_published_size(name, params, total):
