@@ -73,7 +73,8 @@ class EngineBackend:
                 # per-conversation KV files (engine/kv/sessions.py), None when off
                 "kv_dir": self.options.kv_dir, "kv_disk_budget": self.options.kv_disk_budget,
                 "budget_bytes": plan.budget if plan is not None else None,
-                "plan": plan_lines(plan, status)}
+                # a tower turned off at load (models/loader.py) first, then the memory plan
+                "plan": list(getattr(lm, "notices", ())) + plan_lines(plan, status)}
         info["runtime"] = client.model_info()["runtime"]  # models/runtime.py, decided at load
         info["model"] = info["model"] or path.stem
         # base models open in the text-continuation mode (models/model_kind.py: the rule)

@@ -20,6 +20,9 @@ from .cli_options import (_audio_args, _engine_args, _engine_options, _fit_args,
                           _kv_session_arg, _memory_args, _sampling_args)
 from .cli_run import cmd_run, cmd_score, cmd_tokenize
 
+# `--synthetic` layouts (models/synthetic.py PUBLIC_VARIANTS; tests/test_synthetic_bench.py keeps them equal)
+SYNTHETIC_MODELS = ("e2b", "e4b", "26b-a4b", "31b")
+
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
 
@@ -92,7 +95,8 @@ def _parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="architecture, layer plan, tensor types and sizes, memory plan")
     i.add_argument("model", nargs="?", help="GGUF file (or use --synthetic)")
-    i.add_argument("--synthetic", choices=["e2b", "e4b"], help="a synthetic Gemma-4 E2B/E4B Q4_K_M layout")
+    i.add_argument("--synthetic", choices=SYNTHETIC_MODELS,
+                   help="a synthetic Gemma-4 E2B/E4B/26B-A4B/31B Q4_K_M layout (no file needed)")
     _memory_args(i, swa_default="bf16")
     _fit_args(i)
     i.add_argument("--spec-draft-model", metavar="PATH", help="draft (assistant) GGUF kept on the device")
@@ -105,8 +109,8 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="prefill and decode tokens/s (CPU: ours beside llama.cpp's; "
                                      "cuda or --synthetic: the engine bench)")
     b.add_argument("--model", help="GGUF file (default: the demo model)")
-    b.add_argument("--synthetic", choices=["e2b", "e4b"],
-                   help="random-weight E2B/E4B with the real shapes and Q4_K_M mix, built in memory")
+    b.add_argument("--synthetic", choices=SYNTHETIC_MODELS,
+                   help="random-weight E2B/E4B/26B-A4B/31B with the real shapes and Q4_K_M mix, built in memory")
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="cpu with a GGUF: edgegem beside llama-cpp-python; cuda (or --synthetic): the engine bench")
     b.add_argument("--prompt-tokens", type=int, default=128, help="CPU-vs-llama.cpp bench: prompt length")

@@ -1,4 +1,4 @@
-"""`edgegem info`: a model's (or a synthetic E2B/E4B's) layers, tensor types and memory plan."""
+"""`edgegem info`: a model's (or a synthetic layout's) layers, tensor types and memory plan."""
 from __future__ import annotations
 
 import json
@@ -31,7 +31,8 @@ def cmd_info(a) -> int:
     print(f"  {d['n_layer']} layers, d_model {d['d_model']}, vocab {d['vocab_size']}, "
           f"context {d['context_length']}, sliding window {d['sliding_window']}")
     print(f"  runtime on {a.device}{' --exact' if a.exact else ''}: {d['runtime']['name']} ({d['runtime']['detail']})")
-    for k in ("ple_width", "kv_shared_layers", "final_softcap", "n_expert"):
+    for k in ("ple_width", "kv_shared_layers", "fast_prefill", "final_softcap", "n_expert", "n_expert_used",
+              "expert_ffn"):
         if k in d:
             print(f"  {k}: {d[k]}")
     print("  layer  type     head_dim  heads/kv  ffn     kv_source")
@@ -42,7 +43,7 @@ def cmd_info(a) -> int:
     print("  tensor types:")
     for k, v in d["tensor_types"].items():
         print(f"    {k:6s} {v['tensors']:4d} tensors  {v['bytes'] / 2**20:9.1f} MiB")
-    print(f"  total {d['total_bytes'] / 2**20:.1f} MiB")
+    print(f"  total {d['total_bytes'] / 2**20:.1f} MiB ({d['total_bytes']:,} B, {d['total_bytes'] / 1e9:.2f} GB)")
     _print_plan(d["plan"])
     return 0
 

@@ -129,8 +129,11 @@ def _engine_options(a):
                          spec_tokens=a.spec_tokens, spec_p_min=a.spec_p_min)
 
 def _start_client(lm, opts):
-    """api.start_client, saying on stderr in one line what the memory plan lowered to fit the budget."""
+    """api.start_client, saying on stderr in one line each what loaded differently (a tower turned
+    off: `lm.notices`) and what the memory plan lowered to fit the budget."""
     from engine import api
+    for notice in getattr(lm, "notices", ()):
+        print(f"edgegem: {notice}", file=sys.stderr)
     plan = api.engine_plan(lm, opts)[0]
     if plan is not None and plan.fitted:
         print(f"edgegem: {plan.fitted}", file=sys.stderr)

@@ -18,7 +18,9 @@ def add_commands(sub) -> None:
     d.add_argument("--json", action="store_true")
 
     p = sub.add_parser("pull", help="download a GGUF (its assistant draft and image encoder) from the Hugging Face Hub")
-    p.add_argument("spec", metavar="REPO[:QUANT]", help="e.g. unsloth/gemma-4-E2B-it-GGUF:Q4_K_M (default quant Q4_K_M)")
+    p.add_argument("spec", metavar="REPO[:QUANT]",
+                   help="e.g. unsloth/gemma-4-E2B-it-GGUF:Q4_K_M (default quant Q4_K_M), or a short name: e2b, e4b, "
+                        "26b-a4b, 31b (unsloth/gemma-4-<E2B|E4B|26B-A4B|31B>-it-GGUF)")
     p.add_argument("--draft", metavar="REPO[:QUANT]", help="take the assistant draft from this repo")
     p.add_argument("--no-draft", action="store_true", help="skip the assistant draft")
     p.add_argument("--no-mmproj", action="store_true",

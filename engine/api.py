@@ -76,8 +76,13 @@ def open_model(path: Path, exact: bool = True, device: str = "cpu", embed_weight
     formats, lookup tables in the file's bytes, RAM about the file's size; CUDA: bf16 activations,
     GGUF matrices kept quantized for the Triton kernels, `exact`: float32 activations; a GPU the
     Triton kernels do not run on, older than sm_75 (`gpu_support`): float32 activations over
-    float16 matrices, `exact`: float32, the torch path throughout). `lm.runtime` says which."""
+    float16 matrices, `exact`: float32, the torch path throughout). `lm.runtime` says which.
+    On the CPU a model whose weights cannot fit in available RAM is refused before loading
+    (engine/ram_check.py: RamTooSmall, ErrorKind.CAPACITY)."""
     runtime = choose_runtime(device, exact, gguf=not Path(path).is_dir())
+    if device == "cpu":  # refused in one line now rather than by the allocator part-way through the load
+        from .ram_check import check_host_ram
+        check_host_ram(Path(path), runtime.value)
     host = embed_weights == "host" and device != "cpu"  # host tables on a GPU; the CPU holds them anyway
     return load_model(path, device=device, host_embeddings=host, progress=progress, mmproj=mmproj, runtime=runtime,
                       **runtime.load_flags(exact))

@@ -18,12 +18,13 @@ def gpu_support(capability: tuple[int, int], triton_installed: bool = True):
 
 
 def open_layout(model: Optional[str] = None, synthetic: Optional[str] = None):
-    """A GGUF file (metadata and tensor table, memory-mapped), or a synthetic E2B/E4B layout."""
+    """A GGUF file (metadata and tensor table, memory-mapped), or a synthetic layout (E2B, E4B,
+    26B-A4B, 31B: models/synthetic.py)."""
     if synthetic:
         from models.synthetic import synthetic_layout
         return synthetic_layout(synthetic)
     if not model:
-        raise ValueError("give a MODEL file or --synthetic e2b|e4b")
+        raise ValueError("give a MODEL file or --synthetic e2b|e4b|26b-a4b|31b")
     return open_gguf(Path(model).expanduser())
 
 
@@ -49,6 +50,15 @@ def memory_plan(layout, opt, cfg=None) -> dict[str, Any]:
     return {**p.to_dict(), "max_context_by_format": max_context_by_format(layout, opt, cfg)}
 
 
+def fast_prefill_note(cfg) -> str:
+    """Whether fast prefill (engine/runner.py: a prompt's KV-shared layers run on its last row only)
+    has anything to skip on this model."""
+    if not cfg.n_kv_shared:
+        return "does not apply: no KV-shared layers (every layer writes its own KV)"
+    return (f"applies: layers {cfg.first_shared}-{cfg.n_layer - 1} are KV-shared and run on a prompt's "
+            f"last row only")
+
+
 def describe(path, plan=None) -> dict[str, Any]:
     """Architecture, layer plan and tensor types/sizes of a GGUF (a path or an opened layout),
     without loading weights; with `plan` (memory_plan.PlanOptions) also the memory plan."""
@@ -61,7 +71,9 @@ def describe(path, plan=None) -> dict[str, Any]:
                    "head_dim": cfg.head_dim[i], "n_head": cfg.n_head[i], "n_kv_head": cfg.n_kv_head[i],
                    "ffn": cfg.ffn_width[i], "kv_source": cfg.kv_source(i)} for i in range(cfg.n_layer)]
         extra = {"ple_width": cfg.ple_width, "kv_shared_layers": len(cfg.kv_shared_layers),
-                 "final_softcap": cfg.final_softcap, "n_expert": cfg.n_expert}
+                 "final_softcap": cfg.final_softcap, "n_expert": cfg.n_expert, "fast_prefill": fast_prefill_note(cfg)}
+        if cfg.n_expert:
+            extra.update(n_expert_used=cfg.n_expert_used, expert_ffn=cfg.expert_ffn_width)
     else:
         from models.gemma3 import Gemma3Config
         cfg = Gemma3Config.from_gguf(f)

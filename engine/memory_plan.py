@@ -173,6 +173,10 @@ def activation_workspace(cfg, opt: PlanOptions) -> dict[str, int]:
         "logits": rows * cfg.vocab_size * 4,
         # one quantized layer matrix dequantized for the prefill GEMM (the head is never expanded)
         "dequant": _largest_layer_matrix(cfg) * a,
+        # MoE (26B-A4B): fp32 router probabilities [T, E], and gate/up of the top-k experts of
+        # every row [T, k, 2I] (26B at T = 2084: 1.0 + 44.8 MiB in bf16)
+        "experts": (T * getattr(cfg, "n_expert", 0) * 4
+                    + T * getattr(cfg, "n_expert_used", 0) * 2 * getattr(cfg, "expert_ffn_width", 0) * a),
     }
 
 
@@ -185,7 +189,8 @@ def _model_label(layout, cfg) -> str:
     return KNOWN_MODELS.get((cfg.n_layer, cfg.d_model), layout.path.name)
 
 
-def _config(layout):
+def layout_config(layout):
+    """The model config of a GGUF (or synthetic) layout, for its architecture."""
     if layout.architecture == "gemma4":
         from models.gemma4 import Gemma4Config
         return Gemma4Config.from_gguf(layout)
@@ -193,7 +198,7 @@ def _config(layout):
     return Gemma3Config.from_gguf(layout)
 
 
-def _read_tensors(layout, cfg) -> set[str]:
+def read_tensors(layout, cfg) -> set[str]:
     """Names the model reads (K/V of KV-shared layers are skipped even when the file has them)."""
     if layout.architecture == "gemma4":
         from models.gemma4 import tensor_plan
@@ -291,9 +296,9 @@ def plan_memory(layout, opt: PlanOptions = PlanOptions(), cfg=None, _suggest: bo
         raise ValueError(f"--embed-weights must be host or device, not {opt.embed_weights!r}")
     if opt.chunk <= 0 or opt.running <= 0:
         raise ValueError("--prefill-chunk and --max-running-requests must be positive")
-    cfg = cfg or _config(layout)
+    cfg = cfg or layout_config(layout)
     budget, source = (opt.budget, "--gpu-memory-budget") if opt.budget is not None else default_budget(opt.device)
-    sizes = {n: layout.tensor(n).n_bytes for n in _read_tensors(layout, cfg)}  # once: ~15 ms for E4B
+    sizes = {n: layout.tensor(n).n_bytes for n in read_tensors(layout, cfg)}  # once: ~15 ms for E4B
     for tried in fit_steps(opt):
         try:
             plan = _place(layout, tried, cfg, budget, source, dict(sizes))
@@ -461,7 +466,7 @@ def _suggestions(layout, cfg, opt: PlanOptions, needed: int) -> list[tuple[str, 
 def max_context_by_format(layout, opt: PlanOptions = PlanOptions(), cfg=None) -> dict[str, Optional[dict]]:
     """The plan's full pool and max context for every full-pool format the device can store
     (None: does not fit; fp8 is left out below sm_80)."""
-    cfg = cfg or _config(layout)
+    cfg = cfg or layout_config(layout)
     if opt.budget is None:
         opt = replace(opt, budget=default_budget(opt.device)[0])
     out: dict[str, Optional[dict]] = {}

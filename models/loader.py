@@ -5,7 +5,7 @@ architecture decides the model file. Every problem surfaces as a one-line `GGUFE
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -29,6 +29,9 @@ class LoadedModel:
     vision: Optional[Any] = None  # models.gemma4_vision.Gemma4Vision: the image encoder, when present
     audio: Optional[Any] = None  # models.gemma4_audio.Gemma4Audio: the audio encoder, when present
     mmproj: Optional[Path] = None  # the GGUF file they came from (GGUF models)
+    # one line each about what loaded differently than asked (a tower that could not be built), for
+    # front ends to show: the CLI prints them on stderr
+    notices: list[str] = field(default_factory=list)
 
     @property
     def config(self):
@@ -81,8 +84,8 @@ def load_model(path: str | Path, dtype=torch.float32, device="cpu", with_tokeniz
         loaded = _load_hf(path, dtype, device, weight_dtype)
         loaded.model.runtime = runtime
         if vision:
-            loaded.vision = _hf_vision(path, loaded.source, dtype, device)
-            loaded.audio = _hf_audio(path, loaded.source, dtype, device)
+            loaded.vision = _tower_or_notice(loaded, "image", _hf_vision, dtype, device)
+            loaded.audio = _tower_or_notice(loaded, "audio", _hf_audio, dtype, device)
         return loaded
     f = open_gguf(path)
     try:
@@ -147,6 +150,21 @@ def _gguf_encoders(mmproj: Path, tok, dtype, device, text_width: int):
         if cfg.text_width != text_width:
             raise GGUFError(mmproj, f"projects audio to width {cfg.text_width}; the model's is {text_width}")
     return vision, audio
+
+
+def _tower_or_notice(loaded: LoadedModel, medium: str, build, dtype, device):
+    """An HF folder's `medium` tower from `build`, or None with a notice when its config or weights
+    cannot make one: the text model is still useful without it. (transformers builds some towers it
+    cannot run: an audio config with subsampling_conv_channels [8, 4] sizes the input projection
+    [H, (8 // 4) * 4] while its convolutions feed it (128 / 4) * 4 = 128 features.)"""
+    try:
+        return build(loaded.path, loaded.source, dtype, device)
+    except (GGUFError, ConfigError) as e:
+        what = str(e)
+        if isinstance(e, GGUFError):  # without the folder's name, which the notice starts with
+            what = e.what + (f" (tensor {e.tensor})" if e.tensor else "")
+        loaded.notices.append(f"{loaded.path.name}: {medium} input off: its {medium} tower cannot be built ({what})")
+        return None
 
 
 def _hf_audio(path: Path, ckpt, dtype, device):

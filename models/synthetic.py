@@ -1,4 +1,4 @@
-"""Synthetic E2B/E4B GGUF layouts: the real metadata and tensor table, no weight data.
+"""Synthetic E2B/E4B/26B-A4B/31B GGUF layouts: the real metadata and tensor table, no weight data.
 
 `synthetic_layout("e2b")` quacks like `models.gguf.GGUFFile` for everything that does not read
 weights: `.metadata`, `.tensors` (name -> SyntheticTensor with name/ggml_type/ne/shape/n_bytes),
@@ -10,6 +10,12 @@ So `Gemma4Config.from_gguf(synthetic_layout("e2b"))`, the memory planner and `ed
 Config: spec §1.1-1.2 and §2.2 (hidden 1536/2560, 35/42 layers, 8 heads, 1/2 KV heads, head dims
 256/512, window 512, [S,S,S,S,F]x7 / [S,S,S,S,S,F]x7, 20/18 KV-shared layers, FFN [6144]x15 +
 [12288]x20 / 10240, PLE width 256, vocab 262144 given as `gemma4.vocab_size`, context 131072).
+26B-A4B / 31B (§1.1, §2.5 "MoE tensors"): hidden 2816/5376, 30/60 layers, 16/32 heads, KV heads
+8/16 on sliding layers and 2/4 on full ones (an INT32 head_count_kv array), [S x5, F], window
+1024, context 262144, FFN 2112/21504, no PLE, no KV sharing, no attn_v on full layers (V = K); the
+26B-A4B has 128 experts (top 8, width 704) on every layer: the F32 router `ffn_gate_inp` [d, E]
+with its `.scale`, `ffn_gate_up_exps` [d, 2I, E] (fused, as the converter writes it),
+`ffn_down_exps` [I, d, E] with its per-expert `.scale`, and three more norms.
 
 Tensors: §2.5, with no k/v/k_norm on KV-shared layers (llama.cpp loads them as optional and never
 reads them; leaving them out reproduces the spec's parameter counts, 4.63 B / 7.46 B) and a tied
@@ -23,17 +29,24 @@ vendored in llama-cpp-python 0.3.36):
   * token_embd and per_layer_token_embd: both are the TOKEN_EMBD category, and with tied
     embeddings (no output.weight) llama.cpp gives that category the output tensor's type -> Q6_K.
   * attn_v: Q6_K when use_more_bits(i, n) over the attn_v tensors in file order (i counts attn_v
-    tensors, n = how many there are: 15 on E2B, 24 on E4B), else Q4_K.
-  * ffn_down: Q6_K when use_more_bits(layer, n_layer), else Q4_K.
-  * every other 2-D weight (attn_q/k/output, ffn_gate/up, inp_gate, proj): Q4_K (the default).
+    tensors, n = how many there are: 15 on E2B, 24 on E4B, 25 on 26B-A4B, 50 on 31B), else Q4_K.
+  * ffn_down (and ffn_down_exps, whose layer llama.cpp reads from the name when n_expert > 1):
+    Q6_K when use_more_bits(layer, n_layer), else Q4_K.
+  * ffn_gate_inp (the router): never quantized -> the converter's F32.
+  * every other 2-D or 3-D weight (attn_q/k/output, ffn_gate/up, ffn_gate_up_exps, inp_gate,
+    proj): Q4_K (the default). The n_expert == 8 rules (Mixtral) do not apply to 128 experts.
   use_more_bits(i, n) = i < n/8 or i >= 7n/8 or (i - n/8) % 3 == 2 (integer division).
-  Every row length here is a multiple of 256, so no type falls back.
+  A row length that is not a multiple of 256 falls back (tensor_type_fallback: Q4_K -> Q5_0,
+  Q6_K -> Q8_0): on the 26B-A4B the dense ffn_down (rows of 2112) and ffn_down_exps (704).
+  llama.cpp's own quantizer gives the scaled-down `tiny-moe` / `tiny-dense` exactly these types
+  (tests/test_big_models.py).
 
 Totals this gives (`total_bytes`): E2B 3,400,303,756 B (3.40 GB, 3.17 GiB; 4.63 B parameters),
 E4B 5,286,450,344 B (5.29 GB, 4.92 GiB; 7.46 B parameters). Published llama.cpp Q4_K_M E2B files
 are listed at 3.41-3.43 GB (the vision/audio towers live in a separate mmproj file), so the
 "about 3.1 GB" sometimes quoted is a smaller mix. Two thirds of either file is the two embedding
-tables at Q6_K.
+tables at Q6_K. 26B-A4B 16,780,192,888 B (16.78 GB; 25.23 B parameters), 31B 18,671,229,168 B
+(18.67 GB; 30.70 B parameters), against ~16.9 GB and ~18.7 GB published.
 """
 from __future__ import annotations
 
@@ -50,16 +63,36 @@ from models.gguf import MissingTensorError, TensorShape, TensorTable
 VOCAB = 262144
 N_HEAD, HD_FULL, HD_SWA, PLE, WINDOW = 8, 512, 256, 256, 512
 _REAL = dict(vocab=VOCAB, n_head=N_HEAD, hd_full=HD_FULL, hd_swa=HD_SWA, ple=PLE, window=WINDOW)
+# The 26B-A4B and 31B (spec §1.1, §2.2, §2.5): no PLE, no KV-shared layers, window 1024, context
+# 262,144, [S x5, F] pattern, fewer KV heads on the full layers (`n_kv_full`) and no attn_v there
+# (attention_k_eq_v: V = K).
+_BIG = dict(vocab=VOCAB, hd_full=HD_FULL, hd_swa=HD_SWA, ple=0, window=1024, period=6, n_shared=0,
+            k_eq_v=True, context=262144)
 VARIANTS: dict[str, dict[str, Any]] = {
     "e2b": dict(_REAL, n_layer=35, d=1536, period=5, n_kv=1, ffn=[6144] * 15 + [12288] * 20, n_shared=20),
     "e4b": dict(_REAL, n_layer=42, d=2560, period=6, n_kv=2, ffn=10240, n_shared=18),
+    # 26B-A4B: every layer has the dense MLP (2112) and 128 experts of width 704, top 8 (§3.8).
+    "26b-a4b": dict(_BIG, n_layer=30, d=2816, n_head=16, n_kv=8, n_kv_full=2, ffn=2112,
+                    n_expert=128, n_expert_used=8, expert_ffn=704),
+    "31b": dict(_BIG, n_layer=60, d=5376, n_head=32, n_kv=16, n_kv_full=4, ffn=21504),
     # A small model with the same structure for CPU tests: [S,S,F] x 2, the last 3 layers KV-shared
     # (two sliding ones reading layer 1, a full one reading layer 2), double-wide FFN on the shared
     # layers, PLE. Rows of 64 (proj) and 384 (PLE table) are not multiples of 256, so those
     # tensors take llama.cpp's fallback types (Q5_0, Q8_0), which the kernels also read.
     "tiny": dict(vocab=512, n_head=4, hd_full=128, hd_swa=64, ple=64, window=16, n_layer=6, d=256,
                  period=3, n_kv=1, ffn=[512] * 3 + [1024] * 3, n_shared=3),
+    # The 26B-A4B's structure scaled down for the writer and the planner: [S,S,F] x 2 (the full
+    # layers with 1 KV head and no attn_v), 6 experts of width 96 (rows of 96 fall back to
+    # Q5_0/Q8_0 as the real 704 do), dense width 320 (not a multiple of 256 either, as 2112 is).
+    "tiny-moe": dict(vocab=512, n_head=4, hd_full=128, hd_swa=64, ple=0, window=16, n_layer=6, d=256,
+                     period=3, n_kv=2, n_kv_full=1, ffn=320, n_shared=0, k_eq_v=True, context=4096,
+                     n_expert=6, n_expert_used=2, expert_ffn=96),
+    # The 31B's structure scaled down: [S x5, F] x 2, 2 KV heads on sliding layers and 1 on full
+    # ones (no attn_v there), no PLE, no sharing, no experts.
+    "tiny-dense": dict(vocab=512, n_head=4, hd_full=128, hd_swa=64, ple=0, window=16, n_layer=12, d=256,
+                       period=6, n_kv=2, n_kv_full=1, ffn=512, n_shared=0, k_eq_v=True, context=4096),
 }
+PUBLIC_VARIANTS = ("e2b", "e4b", "26b-a4b", "31b")  # the real models (`--synthetic`); the rest are for tests
 LLAMA_FTYPE_MOSTLY_Q4_K_M = 15
 # Types llama.cpp falls back to when a row length is not a multiple of 256 (llama-quant.cpp).
 K_FALLBACK = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
@@ -91,68 +124,97 @@ class SyntheticTensor(TensorShape):
         return self.n_elements // block * size
 
 
+def _is_full(v: dict, i: int) -> bool:
+    return (i + 1) % v["period"] == 0
+
+
+def _n_kv(v: dict, i: int) -> int:
+    return v.get("n_kv_full", v["n_kv"]) if _is_full(v, i) else v["n_kv"]
+
+
 def synthetic_metadata(variant: str) -> dict[str, Any]:
-    """GGUF metadata of the real E2B/E4B (§2.2), in the value types `GGUFFile` returns."""
+    """GGUF metadata of the real model (§2.2), in the value types `GGUFFile` returns."""
     v, a = VARIANTS[variant], "gemma4"
     L, hd_f, hd_s = v["n_layer"], v["hd_full"], v["hd_swa"]
     ffn = np.array(v["ffn"], dtype=np.int32) if isinstance(v["ffn"], list) else v["ffn"]
-    return {
+    n_kv = [_n_kv(v, i) for i in range(L)]
+    meta = {
         "general.architecture": a, "general.name": f"synthetic {variant.upper()}",
         "general.file_type": LLAMA_FTYPE_MOSTLY_Q4_K_M, "general.quantization_version": 2,
-        f"{a}.block_count": L, f"{a}.context_length": 131072, f"{a}.embedding_length": v["d"],
+        f"{a}.block_count": L, f"{a}.context_length": v.get("context", 131072), f"{a}.embedding_length": v["d"],
         f"{a}.vocab_size": v["vocab"], f"{a}.feed_forward_length": ffn,
-        f"{a}.attention.head_count": v["n_head"], f"{a}.attention.head_count_kv": v["n_kv"],
+        f"{a}.attention.head_count": v["n_head"],
+        # an INT32 array where the full layers have fewer KV heads (26B: [8,8,8,8,8,2] x 5), as the converter
+        f"{a}.attention.head_count_kv": np.array(n_kv, dtype=np.int32) if len(set(n_kv)) > 1 else n_kv[0],
         f"{a}.attention.key_length": hd_f, f"{a}.attention.value_length": hd_f,
         f"{a}.attention.key_length_swa": hd_s, f"{a}.attention.value_length_swa": hd_s,
         f"{a}.rope.dimension_count": hd_f, f"{a}.rope.dimension_count_swa": hd_s,
         f"{a}.rope.freq_base": 1e6, f"{a}.rope.freq_base_swa": 1e4,
         f"{a}.attention.layer_norm_rms_epsilon": 1e-6, f"{a}.attention.sliding_window": v["window"],
-        f"{a}.attention.sliding_window_pattern": np.array([(i + 1) % v["period"] != 0 for i in range(L)]),
+        f"{a}.attention.sliding_window_pattern": np.array([not _is_full(v, i) for i in range(L)]),
         f"{a}.attention.shared_kv_layers": v["n_shared"],
         f"{a}.embedding_length_per_layer_input": v["ple"], f"{a}.final_logit_softcapping": 30.0,
         "tokenizer.ggml.model": "gemma4", "tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.eos_token_id": 1,
     }
+    if v.get("n_expert"):
+        meta.update({f"{a}.expert_count": v["n_expert"], f"{a}.expert_used_count": v["n_expert_used"],
+                     f"{a}.expert_feed_forward_length": v["expert_ffn"]})
+    return meta
 
 
 def layout_tensors(variant: str) -> list[SyntheticTensor]:
     """Every tensor of the text model in file order, with its Q4_K_M type (rules in the module doc)."""
     v = VARIANTS[variant]
-    L, d, n_kv = v["n_layer"], v["d"], v["n_kv"]
+    L, d = v["n_layer"], v["d"]
     VOCAB, N_HEAD, HD_FULL, HD_SWA, PLE = v["vocab"], v["n_head"], v["hd_full"], v["hd_swa"], v["ple"]
+    E, I = v.get("n_expert", 0), v.get("expert_ffn", 0)
     ffn = v["ffn"] if isinstance(v["ffn"], list) else [v["ffn"]] * L
     first_shared = L - v["n_shared"]
-    n_attn_v = first_shared  # one attn_v per KV-owning layer
-    out = [SyntheticTensor("token_embd.weight", T.Q6_K, (d, VOCAB)),
-           SyntheticTensor("per_layer_token_embd.weight", T.Q6_K, (L * PLE, VOCAB)),
-           SyntheticTensor("per_layer_model_proj.weight", T.BF16, (d, L * PLE)),
-           SyntheticTensor("per_layer_proj_norm.weight", T.F32, (PLE,)),
-           SyntheticTensor("rope_freqs.weight", T.F32, (HD_FULL // 2,)),
-           SyntheticTensor("output_norm.weight", T.F32, (d,))]
+    # one attn_v per KV-owning layer, none on full layers where V = K (llama.cpp counts attn_v
+    # tensors in file order: i_attention_wv of n_attention_wv)
+    has_v = [i < first_shared and not (v.get("k_eq_v") and _is_full(v, i)) for i in range(L)]
+    n_attn_v = sum(has_v)
+    out = [SyntheticTensor("token_embd.weight", T.Q6_K, (d, VOCAB))]
+    if PLE:
+        out += [SyntheticTensor("per_layer_token_embd.weight", T.Q6_K, (L * PLE, VOCAB)),
+                SyntheticTensor("per_layer_model_proj.weight", T.BF16, (d, L * PLE)),
+                SyntheticTensor("per_layer_proj_norm.weight", T.F32, (PLE,))]
+    out += [SyntheticTensor("rope_freqs.weight", T.F32, (HD_FULL // 2,)),
+            SyntheticTensor("output_norm.weight", T.F32, (d,))]
     i_v = 0
     for i in range(L):
         b = f"blk.{i}."
-        hd = HD_SWA if (i + 1) % v["period"] else HD_FULL
+        hd, n_kv = HD_FULL if _is_full(v, i) else HD_SWA, _n_kv(v, i)
+        more_bits = T.Q6_K if use_more_bits(i, L) else T.Q4_K  # ffn_down and ffn_down_exps, by layer
         t = [(b + "attn_norm.weight", T.F32, (d,)), (b + "attn_q.weight", T.Q4_K, (d, N_HEAD * hd)),
              (b + "attn_q_norm.weight", T.F32, (hd,))]
         if i < first_shared:
-            t += [(b + "attn_k.weight", T.Q4_K, (d, n_kv * hd)),
-                  (b + "attn_v.weight", T.Q6_K if use_more_bits(i_v, n_attn_v) else T.Q4_K, (d, n_kv * hd)),
-                  (b + "attn_k_norm.weight", T.F32, (hd,))]
-            i_v += 1
+            t.append((b + "attn_k.weight", T.Q4_K, (d, n_kv * hd)))
+            if has_v[i]:
+                t.append((b + "attn_v.weight", T.Q6_K if use_more_bits(i_v, n_attn_v) else T.Q4_K, (d, n_kv * hd)))
+                i_v += 1
+            t.append((b + "attn_k_norm.weight", T.F32, (hd,)))
         t += [(b + "attn_output.weight", T.Q4_K, (N_HEAD * hd, d)),
               (b + "post_attention_norm.weight", T.F32, (d,)), (b + "ffn_norm.weight", T.F32, (d,)),
               (b + "ffn_gate.weight", T.Q4_K, (d, ffn[i])), (b + "ffn_up.weight", T.Q4_K, (d, ffn[i])),
-              (b + "ffn_down.weight", T.Q6_K if use_more_bits(i, L) else T.Q4_K, (ffn[i], d)),
-              (b + "post_ffw_norm.weight", T.F32, (d,)), (b + "layer_output_scale.weight", T.F32, (1,)),
-              (b + "inp_gate.weight", T.Q4_K, (d, PLE)), (b + "proj.weight", T.Q4_K, (PLE, d)),
-              (b + "post_norm.weight", T.F32, (d,))]
+              (b + "ffn_down.weight", more_bits, (ffn[i], d)),
+              (b + "post_ffw_norm.weight", T.F32, (d,)), (b + "layer_output_scale.weight", T.F32, (1,))]
+        if E:  # the router stays F32 (converter; llama-quant.cpp never quantizes ffn_gate_inp)
+            t += [(b + "ffn_gate_inp.weight", T.F32, (d, E)), (b + "ffn_gate_inp.scale", T.F32, (d,)),
+                  (b + "ffn_gate_up_exps.weight", T.Q4_K, (d, 2 * I, E)),
+                  (b + "ffn_down_exps.weight", more_bits, (I, d, E)),
+                  (b + "ffn_down_exps.scale", T.F32, (E,)), (b + "pre_ffw_norm_2.weight", T.F32, (d,)),
+                  (b + "post_ffw_norm_1.weight", T.F32, (d,)), (b + "post_ffw_norm_2.weight", T.F32, (d,))]
+        if PLE:
+            t += [(b + "inp_gate.weight", T.Q4_K, (d, PLE)), (b + "proj.weight", T.Q4_K, (PLE, d)),
+                  (b + "post_norm.weight", T.F32, (d,))]
         out += [SyntheticTensor(n, int(ty), ne) for n, ty, ne in t]
     return [SyntheticTensor(x.name, int(_fallback(x.ggml_type, x.ne)), x.ne) for x in out]
 
 
 def _fallback(ggml_type: int, ne: tuple[int, ...]) -> int:
     """llama.cpp's fallback for a K-quant whose rows are not whole 256-value blocks."""
-    if len(ne) == 2 and ne[0] % 256 and T(ggml_type) in K_FALLBACK:
+    if len(ne) >= 2 and ne[0] % 256 and T(ggml_type) in K_FALLBACK:
         return K_FALLBACK[T(ggml_type)]
     return ggml_type
 
@@ -227,7 +289,7 @@ def _random_quant_bytes(type_name: str, n_rows: int, n_in: int, std: float, gen,
 
 def _matrix_std(name: str, shape, ple: int) -> float:
     """std of a random matrix: 1/sqrt(n_in); the PLE table 1/sqrt(P) (its rows are scaled by √P)."""
-    return 1.0 / math.sqrt(ple if name == "per_layer_token_embd.weight" else shape[1])
+    return 1.0 / math.sqrt(ple if name == "per_layer_token_embd.weight" else shape[-1])
 
 
 def synthetic_specs(variant: str) -> list[dict]:
@@ -245,7 +307,8 @@ def synthetic_specs(variant: str) -> list[dict]:
     for name, shape in plan.items():
         t = layout.tensor(name)
         tn = T(t.ggml_type).name
-        kind = "vector" if len(t.ne) == 1 else "quant" if tn in QuantWeight.TYPES else "dense"
+        # 3-D expert banks are dense tensors here, as load_weights gives them today
+        kind = "vector" if len(t.ne) == 1 else "quant" if tn in QuantWeight.TYPES and len(t.ne) == 2 else "dense"
         out.append({"name": name, "shape": tuple(shape or t.shape), "type": tn, "kind": kind,
                     "n_bytes": t.n_bytes})
     return out
@@ -299,7 +362,7 @@ def synthetic_weights(variant: str, device="cpu", seed: int = 0, dtype=None,
                 from models.quant import dequantize
                 w = dequantize(raw, w.ggml_type, shape).to(dtype)
         elif kind == "dense":
-            w = (torch.randn(shape, generator=gen, device=device) / math.sqrt(shape[1])).to(dtype)
+            w = (torch.randn(shape, generator=gen, device=device) / math.sqrt(shape[-1])).to(dtype)
         elif name == "rope_freqs.weight":
             w = torch.tensor(rope_freqs(v["hd_full"]), dtype=torch.float32, device=device)
         elif name.endswith("layer_output_scale.weight"):
@@ -388,11 +451,12 @@ def _vector(name: str, n: int, rng: np.random.Generator, hd_full: int) -> np.nda
     return w.astype(np.float32)
 
 
-def write_synthetic_gguf(variant: str, path, seed: int = 0) -> Path:
+def write_synthetic_gguf(variant: str, path, seed: int = 0, f32: bool = False) -> Path:
     """The synthetic layout as a real GGUF file (every tensor of `layout_tensors`, random blocks of
     its Q4_K_M type as `_random_quant_bytes` makes them, BF16/F32 as `synthetic_weights` does, the
     metadata of `synthetic_metadata` and a filler vocabulary), written tensor by tensor (RAM stays
-    at one tensor). llama.cpp and `load_model` both read it."""
+    at one tensor). llama.cpp and `load_model` both read it. `f32`: every tensor in F32 instead
+    (what llama.cpp's quantizer takes: quantized to Q4_K_M it gives the layout's type mix)."""
     import torch
     from gguf import GGUFWriter
 
@@ -420,26 +484,33 @@ def write_synthetic_gguf(variant: str, path, seed: int = 0) -> Path:
     w.add_bool("tokenizer.ggml.add_bos_token", True)
     w.add_bool("tokenizer.ggml.add_space_prefix", False)
     layout = layout_tensors(variant)
+    if f32:
+        layout = [SyntheticTensor(t.name, int(T.F32), t.ne) for t in layout]
     for t in layout:
         block, size = GGML_QUANT_SIZES[T(t.ggml_type)]
         if t.ggml_type == T.F32:
             w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.n_bytes)
-        else:
-            rows = t.shape[0] if len(t.shape) == 2 else 1
-            w.add_tensor_info(t.name, (rows, t.n_bytes // rows), np.dtype(np.uint8), t.n_bytes, raw_dtype=T(t.ggml_type))
+        else:  # bytes of each row of 256-value blocks: (..., rows, row bytes)
+            lead = t.shape[:-1] or (1,)
+            w.add_tensor_info(t.name, (*lead, t.n_bytes // math.prod(lead)), np.dtype(np.uint8), t.n_bytes,
+                              raw_dtype=T(t.ggml_type))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     gen, rng = torch.Generator().manual_seed(seed), np.random.default_rng(seed)
     for t in layout:
         name, tn = t.name, T(t.ggml_type).name
-        if t.ggml_type == T.F32:
+        if t.ggml_type == T.F32 and len(t.shape) >= 2:  # the MoE router (kept in F32), or every matrix (f32)
+            std = _matrix_std(name, t.shape, v["ple"])
+            data = (rng.standard_normal(t.shape, dtype=np.float32) * np.float32(std))
+        elif t.ggml_type == T.F32:
             data = _vector(name, t.shape[0], rng, v["hd_full"])
         elif t.ggml_type == T.BF16:
             m = torch.randn(t.shape, generator=gen) / math.sqrt(t.shape[1])
             data = m.to(torch.bfloat16).view(torch.uint8).numpy()
         else:
-            data = _random_quant_bytes(tn, t.shape[0], t.shape[1], _matrix_std(name, t.shape, v["ple"]), gen,
+            rows = math.prod(t.shape[:-1])  # an expert bank [E, rows, n_in]: E x rows rows
+            data = _random_quant_bytes(tn, rows, t.shape[-1], _matrix_std(name, t.shape, v["ple"]), gen,
                                        "cpu").numpy()
         w.write_tensor_data(data)
     w.close()

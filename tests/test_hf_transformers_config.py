@@ -127,7 +127,10 @@ def _transformers_folder(folder: Path, **overrides):
             if name.endswith("layer_scalar"):
                 b.copy_(0.5 + torch.rand(b.shape, generator=g))
     model.save_pretrained(folder)
-    return model.double().eval(), folder
+    model = model.double().eval()
+    if kw.get("enable_moe_block"):  # its default grouped_mm experts refuse float64
+        model.set_experts_implementation("eager")
+    return model, folder
 
 
 @pytest.mark.slow
@@ -136,7 +139,12 @@ def _transformers_folder(folder: Path, **overrides):
     dict(num_hidden_layers=12, num_attention_heads=4, num_key_value_heads=4, attention_k_eq_v=True,
          num_global_key_value_heads=2, layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 2,
          hidden_size_per_layer_input=0, num_kv_shared_layers=0, use_double_wide_mlp=False),  # 31B-style
-], ids=["e-series", "k_eq_v"])
+    # 26B-A4B-style: enable_moe_block on every layer, experts.gate_up_proj fused [E, 2I, d], odd sizes
+    dict(num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=4, attention_k_eq_v=True,
+         num_global_key_value_heads=2, layer_types=["sliding_attention"] * 5 + ["full_attention"],
+         hidden_size_per_layer_input=0, num_kv_shared_layers=0, use_double_wide_mlp=False, intermediate_size=200,
+         enable_moe_block=True, num_experts=5, top_k_experts=2, moe_intermediate_size=72),
+], ids=["e-series", "k_eq_v", "moe"])
 def test_transformers_saved_folder_matches_transformers_logits(tmp_path, overrides):
     ref_model, folder = _transformers_folder(tmp_path / "hf", **overrides)
     saved = json.loads((folder / "config.json").read_text())
@@ -155,3 +163,66 @@ def test_transformers_saved_folder_matches_transformers_logits(tmp_path, overrid
         old["num_global_key_value_heads"] = 2
     (folder / "config.json").write_text(json.dumps(old))
     assert torch.equal(load_model(folder, dtype=torch.float64).model.forward(tok), ours)
+
+
+# --- a tower that cannot be built: the text model loads, that medium is off -------------------
+def _multimodal_folder(folder: Path, audio_channels, vision_width=None):
+    """A random tiny Gemma4ForConditionalGeneration with a vision and an audio tower, saved by
+    transformers; `vision_width` rewrites config.json's vision hidden_size afterwards (weights that
+    no longer fit their config). Returns transformers' float64 model."""
+    transformers = pytest.importorskip("transformers")
+    from tiny_vision import V
+    cfg = transformers.Gemma4Config(
+        text_config=dict(vocab_size=V, vocab_size_per_layer_input=V, hidden_size=96, intermediate_size=160,
+                         num_hidden_layers=5, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                         global_head_dim=64, hidden_size_per_layer_input=8, num_kv_shared_layers=2,
+                         sliding_window=16, layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                                         "sliding_attention", "full_attention"],
+                         final_logit_softcapping=30.0, pad_token_id=0, bos_token_id=2, eos_token_id=1),
+        vision_config=dict(hidden_size=48, intermediate_size=96, num_hidden_layers=1, num_attention_heads=3,
+                           num_key_value_heads=3, head_dim=16, patch_size=16, pooling_kernel_size=3,
+                           position_embedding_size=64),
+        audio_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                          subsampling_conv_channels=audio_channels, output_proj_dims=24))
+    model = transformers.Gemma4ForConditionalGeneration(cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # spread the weights so the logits say something (as _transformers_folder)
+        for name, p in model.named_parameters():
+            p.copy_(0.5 + torch.rand(p.shape, generator=g) if p.ndim == 1 else
+                    torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    model.save_pretrained(folder)
+    if vision_width:
+        c = json.loads((folder / "config.json").read_text())
+        c["vision_config"]["hidden_size"] = vision_width
+        (folder / "config.json").write_text(json.dumps(c))
+    return model.double().eval()
+
+
+@pytest.mark.slow
+def test_unbuildable_audio_tower_turns_audio_off_and_keeps_the_text_model(tmp_path):
+    """subsampling_conv_channels [8, 4]: transformers sizes the input projection from C0
+    ((8 // 4) * 4 = 8 inputs) while its convolutions give it (128 / 4) * 4 = 128 features, so
+    not even transformers can run that tower: no correct tower exists to build. The folder loads
+    as a text model, with one notice."""
+    ref = _multimodal_folder(tmp_path, [8, 4])
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):  # transformers' own tower
+        ref.model.audio_tower(torch.randn(1, 40, 128, dtype=torch.float64), torch.ones(1, 40, dtype=torch.bool))
+    lm = load_model(tmp_path, dtype=torch.float64)
+    assert lm.audio is None and lm.vision is not None
+    assert lm.notices == [f"{tmp_path.name}: audio input off: its audio tower cannot be built (shape [32, 8] "
+                          "where [32, 128] was expected (tensor a.input_projection.weight))"]
+    tok = torch.randint(0, 480, (24,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = ref(input_ids=tok[None]).logits[0]
+    assert torch.allclose(lm.model.forward(tok), want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_unbuildable_vision_tower_turns_images_off(tmp_path):
+    """Vision weights that do not fit their config (hidden_size rewritten 48 -> 40) and a working
+    audio tower (C0 = 128, as the real ones): images off with a notice, audio still on."""
+    _multimodal_folder(tmp_path, [128, 4], vision_width=40)
+    lm = load_model(tmp_path)
+    assert lm.vision is None and lm.audio is not None
+    assert len(lm.notices) == 1 and lm.notices[0].startswith(f"{tmp_path.name}: image input off: its image tower")
+    assert "\n" not in lm.notices[0]

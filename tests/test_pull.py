@@ -53,8 +53,8 @@ def write_clip_gguf(path: Path) -> Path:
 class FakeHub:
     """Serves the files of a local folder as the repo REPO at commit SHA."""
 
-    def __init__(self, remote: Path):
-        self.remote = remote
+    def __init__(self, remote: Path, repo: str = REPO):
+        self.remote, self.repo = remote, repo
         self.requests: list[tuple[str, str, str | None]] = []
         self.listed_size: dict[str, int] = {}  # override what the listing says
         self.listed_sha: dict[str, str] = {}
@@ -73,16 +73,16 @@ class FakeHub:
                 sha = self.listed_sha.get(name, hashlib.sha256(p.read_bytes()).hexdigest())
                 sib["lfs"] = {"size": size, "sha256": sha, "pointerSize": 134}
             siblings.append(sib)
-        return {"id": REPO, "modelId": REPO, "sha": SHA, "private": False, "siblings": siblings}
+        return {"id": self.repo, "modelId": self.repo, "sha": SHA, "private": False, "siblings": siblings}
 
     def handler(self, request):
         url = request.url
         self.requests.append((request.method, str(url), request.headers.get("range")))
-        if url.path in (f"/api/models/{REPO}", f"/api/models/{REPO}/revision/main"):
+        if url.path in (f"/api/models/{self.repo}", f"/api/models/{self.repo}/revision/main"):
             return httpx.Response(200, json=self._listing())
         if url.path.startswith("/api/models/"):
             return httpx.Response(404, headers={"X-Error-Code": "RepoNotFound"}, json={"error": "Repository not found"})
-        m = re.fullmatch(rf"/{REPO}/resolve/{SHA}/(.+)", url.path)
+        m = re.fullmatch(rf"/{self.repo}/resolve/{SHA}/(.+)", url.path)
         if m:  # the hub redirects LFS files to its CDN
             return httpx.Response(302, headers={"Location": f"https://cdn-lfs.example/{SHA}/{m.group(1)}"})
         m = re.fullmatch(rf"/{SHA}/(.+)", url.path)
@@ -358,3 +358,57 @@ def test_listing_sizes_come_from_lfs(fake_hub):
     assert by_name[MODEL].sha256 == _sha(fake_hub.remote / MODEL)
     assert by_name["README.md"].sha256 is None
     json.dumps([f.__dict__ for f in files])  # plain data
+
+
+# -- the 26B-A4B and 31B repos ---------------------------------------------------------------------
+BIG_REPOS = {"26b-a4b": "unsloth/gemma-4-26B-A4B-it-GGUF", "31b": "unsloth/gemma-4-31B-it-GGUF"}
+
+
+@pytest.mark.parametrize("text,repo,quant", [
+    ("unsloth/gemma-4-26B-A4B-it-GGUF:Q4_K_M", BIG_REPOS["26b-a4b"], "Q4_K_M"),
+    ("unsloth/gemma-4-31B-it-GGUF:Q4_K_M", BIG_REPOS["31b"], "Q4_K_M"),
+    ("hf.co/unsloth/gemma-4-31B-it-GGUF", BIG_REPOS["31b"], None),
+    ("26b-a4b", BIG_REPOS["26b-a4b"], None), ("26B-A4B:Q8_0", BIG_REPOS["26b-a4b"], "Q8_0"),
+    ("31b:q4_k_m", BIG_REPOS["31b"], "q4_k_m"), ("e2b", REPO, None),
+])
+def test_big_model_names_and_short_names_resolve(text, repo, quant):
+    assert RepoSpec.parse(text) == RepoSpec(repo, quant)
+
+
+@pytest.mark.parametrize("size", ["26B-A4B", "31B"])
+def test_big_repo_listing_picks_the_q4_k_m_file_and_f16_encoder(size):
+    """A listing shaped like unsloth's (dynamic UD- quants beside the plain ones, MXFP4_MOE, BF16
+    in shards, three encoders): Q4_K_M picks the plain single file, no draft, the F16 encoder."""
+    stem = f"gemma-4-{size}-it"
+    files = [RemoteFile(n, 1) for n in (
+        f"{stem}-Q4_K_M.gguf", f"{stem}-UD-Q4_K_M.gguf", f"{stem}-UD-Q4_K_XL.gguf", f"{stem}-Q8_0.gguf",
+        f"{stem}-MXFP4_MOE.gguf", f"BF16/{stem}-BF16-00001-of-00002.gguf", f"BF16/{stem}-BF16-00002-of-00002.gguf",
+        "mmproj-BF16.gguf", "mmproj-F16.gguf", "mmproj-F32.gguf", "README.md")]
+    repo = f"unsloth/{stem}-GGUF"
+    assert choose_model(repo, files, "Q4_K_M").name == f"{stem}-Q4_K_M.gguf"
+    assert choose_model(repo, files, None).name == f"{stem}-Q4_K_M.gguf"  # the default quant
+    assert choose_model(repo, files, "UD-Q4_K_XL").name == f"{stem}-UD-Q4_K_XL.gguf"
+    assert choose_draft(repo, files, "Q4_K_M") is None and choose_mmproj(files).name == "mmproj-F16.gguf"
+    with pytest.raises(ValueError, match="split into shards"):
+        choose_model(repo, files, "BF16")
+
+
+def test_pull_by_short_name_fetches_the_26b_and_names_find_it(fake_hub, tmp_path, capsys):
+    """`edgegem pull 26b-a4b` against a hub serving the 26B-A4B repo (its Q4_K_M file: the synthetic
+    MoE layout scaled down, models/synthetic.py), then the names a user types find the file."""
+    from models.synthetic import write_synthetic_gguf
+
+    for p in fake_hub.remote.iterdir():
+        p.unlink()
+    stem = "gemma-4-26B-A4B-it"
+    write_synthetic_gguf("tiny-moe", fake_hub.remote / f"{stem}-Q4_K_M.gguf", seed=1)
+    write_synthetic_gguf("tiny-moe", fake_hub.remote / f"{stem}-UD-Q4_K_XL.gguf", seed=2)
+    write_clip_gguf(fake_hub.remote / MMPROJ)
+    fake_hub.repo = BIG_REPOS["26b-a4b"]
+    assert main(["pull", "26b-a4b"]) == 0
+    out = capsys.readouterr()
+    model = tmp_path / "models" / BIG_REPOS["26b-a4b"] / f"{stem}-Q4_K_M.gguf"
+    assert out.out.splitlines() == [str(model), str(model.parent / MMPROJ)]
+    assert "GGUF gemma4," in out.err
+    for name in (BIG_REPOS["26b-a4b"], f"{BIG_REPOS['26b-a4b']}:Q4_K_M", "26B-A4B-it-Q4_K_M", "26b-a4b"):
+        assert find_model(name, tmp_path / "models") == model

@@ -17,7 +17,7 @@ from models.quant import row_bytes  # noqa: E402
 from models.formats import QuantWeight  # noqa: E402
 
 
-@pytest.mark.parametrize("variant", ["e2b", "e4b", "tiny"])
+@pytest.mark.parametrize("variant", ["e2b", "e4b", "26b-a4b", "31b", "tiny", "tiny-moe"])
 def test_plan_bytes_match_layout(variant):
     """Without building anything: every tensor of the layout is read, and the quantized matrices'
     runtime bytes (rows x GGUF row bytes, as `synthetic_weights` allocates them) are the layout's."""
@@ -87,11 +87,12 @@ def test_tiny_model_runs_on_kernels():
     assert float(logits[0].std()) > 0.01  # not a degenerate model
 
 
-def test_gpu_bench_on_cpu_tiny():
+@pytest.mark.parametrize("variant", ["tiny", "tiny-moe"])
+def test_gpu_bench_on_cpu_tiny(variant):
     from engine.bench import gpu_bench
 
     # dense weights on the plain torch path: the kernel path under the interpreter is covered above
-    out = gpu_bench(synthetic="tiny", device="cpu", prompts=(8, 16), contexts=(0, 16), decode_steps=2,
+    out = gpu_bench(synthetic=variant, device="cpu", prompts=(8, 16), contexts=(0, 16), decode_steps=2,
                     quantized=False)
     for k in ("model", "device", "prefill", "decode", "peak_memory_bytes", "weight_bytes_per_token",
               "peak_bandwidth_gbps", "table"):

@@ -170,12 +170,16 @@ def run_child(kind: str, path: Path, prompt: list[int], n_decode: int, threads: 
 
 @contextlib.contextmanager
 def synthetic_gguf(variant: Optional[str], keep: Optional[Path] = None) -> Iterator[Optional[Path]]:
-    """The synthetic `e2b`/`e4b` written to a GGUF (at `keep`, reused when it exists; else a
-    temporary file removed afterwards), or None when no variant is asked for."""
+    """The synthetic `e2b`/`e4b`/`26b-a4b`/`31b` written to a GGUF (at `keep`, reused when it
+    exists; else a temporary file removed afterwards), or None when no variant is asked for. A
+    layout whose weights cannot fit in RAM is refused before anything is written (RamTooSmall)."""
     if not variant:
         yield None
         return
-    from models.synthetic import write_synthetic_gguf
+    from models.synthetic import synthetic_layout, write_synthetic_gguf
+
+    from ..ram_check import check_layout_ram
+    check_layout_ram(synthetic_layout(variant), "ggml")  # both runs hold about the file's bytes
 
     if keep is not None and Path(keep).exists():
         yield Path(keep)

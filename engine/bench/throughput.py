@@ -36,20 +36,24 @@ def _sync(device) -> None:
 def device_weight_bytes(model) -> int:
     """Bytes of the weights a decode step reads on the model's device: every matrix and vector
     there (QuantWeight bytes, dense/float16 tensors), except the embedding lookup tables, of which a
-    step reads only the current token's row (token_embd counts when it doubles as the tied head)."""
+    step reads only the current token's row (token_embd counts when it doubles as the tied head).
+    Of an expert bank (`*_exps.weight`, 26B-A4B) a token reads its top k of E experts: k/E of it."""
     from models.weights import weight_tensors
 
     seen, total = set(), 0
     head = getattr(model, "head_w", None)
+    cfg = getattr(model, "cfg", None)
+    used = getattr(cfg, "n_expert_used", 0) / getattr(cfg, "n_expert", 0) if getattr(cfg, "n_expert", 0) else 1.0
     for name, w in model.w.items():
         if name in ("per_layer_token_embd.weight", "token_embd.host") or \
                 (name == "token_embd.weight" and w is not head):
             continue
+        share = used if name.endswith("_exps.weight") else 1.0
         for t in weight_tensors(w):
             if t.device.type != model.device.type or id(t) in seen:
                 continue
             seen.add(id(t))
-            total += t.numel() * t.element_size()
+            total += int(t.numel() * t.element_size() * share)
     return total
 
 

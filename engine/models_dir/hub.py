@@ -28,6 +28,11 @@ DRAFT_QUANTS = ("Q8_0", "BF16", "F16", DEFAULT_QUANT)  # a draft is small: prefe
 # load anyway, so a 16-bit file loses nothing; F32 doubles the download for no gain.
 MMPROJ_QUANTS = ("F16", "BF16", "Q8_0", "F32")
 _REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
+# Short names for the Gemma-4 GGUF repos (`edgegem pull 26b-a4b[:QUANT]`); any owner/name works too.
+# Their Q4_K_M files: E2B 3.4 GB, E4B 5.3 GB, 26B-A4B 16.9 GB, 31B 18.7 GB (models/synthetic.py
+# computes the mix: 16.78 / 18.67 GB).
+KNOWN_REPOS = {"e2b": "unsloth/gemma-4-E2B-it-GGUF", "e4b": "unsloth/gemma-4-E4B-it-GGUF",
+               "26b-a4b": "unsloth/gemma-4-26B-A4B-it-GGUF", "31b": "unsloth/gemma-4-31B-it-GGUF"}
 _PREFIXES = ("https://huggingface.co/", "http://huggingface.co/", "huggingface.co/", "hf.co/")
 Log = Callable[[str], None]
 
@@ -43,15 +48,17 @@ class RepoSpec:
 
     @classmethod
     def parse(cls, text: str) -> "RepoSpec":
-        """`owner/name`, `owner/name:Q4_K_M`, also with an hf.co/ or https://huggingface.co/ prefix."""
+        """`owner/name`, `owner/name:Q4_K_M`, also with an hf.co/ or https://huggingface.co/ prefix,
+        or a short name of KNOWN_REPOS (`26b-a4b`, `31b:Q8_0`, any case)."""
         s = text.strip()
         for p in _PREFIXES:
             if s.lower().startswith(p):
                 s = s[len(p):]
         repo, _, quant = s.partition(":")
-        repo = repo.rstrip("/")
+        repo = KNOWN_REPOS.get(repo.lower(), repo).rstrip("/")
         if not _REPO.fullmatch(repo) or (quant and not re.fullmatch(r"[A-Za-z0-9._-]+", quant)):
-            raise ValueError(f"expected REPO[:QUANT] like unsloth/gemma-4-E2B-it-GGUF:Q4_K_M, got {text!r}")
+            raise ValueError(f"expected REPO[:QUANT] like unsloth/gemma-4-E2B-it-GGUF:Q4_K_M, or one of "
+                             f"{', '.join(KNOWN_REPOS)}, got {text!r}")
         return cls(repo, quant or None)
 
 

@@ -94,7 +94,7 @@ _edgegem() {
         run:--spec-p-min) COMPREPLY=(); return ;;
         run:--threads) COMPREPLY=(); return ;;
         run:--kv-session) COMPREPLY=(); return ;;
-        info:--synthetic) COMPREPLY=($(compgen -W "e2b e4b" -- "$cur")); return ;;
+        info:--synthetic) COMPREPLY=($(compgen -W "e2b e4b 26b-a4b 31b" -- "$cur")); return ;;
         info:--gpu-memory-budget) COMPREPLY=(); return ;;
         info:--kv-cache-dtype) COMPREPLY=($(compgen -W "auto bf16 fp16 fp32 int8_per_token_head fp8_per_token_head" -- "$cur")); return ;;
         info:--swa-kv-cache-dtype) COMPREPLY=($(compgen -W "auto bf16 fp16 fp32 int8_per_token_head fp8_per_token_head" -- "$cur")); return ;;
@@ -105,7 +105,7 @@ _edgegem() {
         info:--mmproj) COMPREPLY=(); return ;;
         info:--device) COMPREPLY=($(compgen -W "cuda cpu" -- "$cur")); return ;;
         bench:--model) COMPREPLY=($(compgen -f -- "$cur")); return ;;
-        bench:--synthetic) COMPREPLY=($(compgen -W "e2b e4b" -- "$cur")); return ;;
+        bench:--synthetic) COMPREPLY=($(compgen -W "e2b e4b 26b-a4b 31b" -- "$cur")); return ;;
         bench:--device) COMPREPLY=($(compgen -W "cpu cuda" -- "$cur")); return ;;
         bench:--prompt-tokens) COMPREPLY=(); return ;;
         bench:--decode-tokens) COMPREPLY=(); return ;;
