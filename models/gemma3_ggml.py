@@ -39,7 +39,7 @@ from kernels.env import env
 from kernels.ggml import (Graph, Matrix, cached_graph, check_cpu_float32, layout, norm_nodes, raw_v,
                           rope_nodes)
 
-from .ops import _chains, cpu_kernels_attend
+from .ops import _chains
 
 
 # --- the graph of one layer -------------------------------------------------------------------
@@ -251,9 +251,11 @@ def _build_step(tensors, plan, layers, final_norm, head, n_head, n_kv, head_dim,
 
 # --- the model's side: when a layer or a token can run as one graph ------------------------------
 def _token_ready(x: torch.Tensor, cache, *tables: torch.Tensor) -> bool:
-    """One token inside `cpu_chains` with ggml attention, `tables` (norm weights, cos/sin) as the
-    chains take them, and a cache that offers its slabs (`decode_target`)."""
-    return x.shape[0] == 1 and cpu_kernels_attend(x) and _chains(*tables) is not None \
+    """One token inside `cpu_chains` (a ggml-runtime model's forward) with x and `tables` (norm
+    weights, cos/sin) as the chains take them (float32, unit last stride: a float64 model keeps
+    the torch ops), and a cache that attends on ggml's kernel (`ggml_attention`: the engine's
+    SequenceKV, told so once from the model's runtime) and offers its slabs (`decode_target`)."""
+    return x.shape[0] == 1 and getattr(cache, "ggml_attention", False) and _chains(x, *tables) is not None \
         and hasattr(cache, "decode_target")
 
 

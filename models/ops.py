@@ -15,8 +15,6 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from kernels.env import env
-
 from .runtime import Runtime
 
 
@@ -467,25 +465,6 @@ def decode_attention_parts(q: torch.Tensor, ks: Sequence[torch.Tensor], vs: Sequ
         o = part if o is None else o.add_(part)
         start += v.shape[0]
     return o.reshape(1, n_h * hd)
-
-
-def cpu_kernels_attend(q: torch.Tensor) -> bool:
-    """Decode attention runs on llama.cpp's kernel (`decode_attention_masked`): inside
-    `cpu_chains` (a model on llama.cpp's CPU kernels; not the exact path) with a CPU float32 query,
-    unless EDGEGEM_CPU_ATTENTION=torch (the torch products over the slot runs: comparisons, tests)."""
-    return _chains(q) is not None and env().cpu_attention != "torch"
-
-
-def decode_attention_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                            scale: float) -> torch.Tensor:
-    """One query q [1, n_h, hd] over k, v [S, n_kv, hd] (views of a slab window) with a float16
-    mask [1, S] (0 or -inf) -> [1, n_h * hd]: ggml's flash attention inside `cpu_chains`
-    (kernels/ggml/attention.py), its torch reference elsewhere."""
-    from kernels.ggml import attention as ggml_attention
-
-    if _chains(q) is not None:
-        return ggml_attention.decode_attention(q, k, v, mask, scale)
-    return ggml_attention.decode_attention_ref(q, k, v, mask, scale)
 
 
 def decode_attention(q: torch.Tensor, ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor],

@@ -62,6 +62,23 @@ def test_five_runtimes_each_with_a_line():
     assert all(r.detail and "\n" not in r.detail for r in Runtime)
 
 
+def test_only_the_ggml_runtime_attends_on_ggml_unless_told_torch(monkeypatch):
+    from types import SimpleNamespace
+
+    from engine.kv.sequence import ggml_attention_for
+    from kernels.env import reload
+
+    assert [r for r in Runtime if r.attends_on_ggml()] == [R.GGML]
+    assert ggml_attention_for(SimpleNamespace(runtime=R.GGML))
+    assert not ggml_attention_for(SimpleNamespace(runtime=R.CPU_TORCH))
+    assert not ggml_attention_for(SimpleNamespace())  # a model built without the loader: torch
+    assert not ggml_attention_for(SimpleNamespace(runtime=R.GGML), backend=object())  # a kernel backend attends
+    monkeypatch.setenv("EDGEGEM_CPU_ATTENTION", "torch")
+    reload()
+    assert not any(r.attends_on_ggml() for r in Runtime)
+    assert not ggml_attention_for(SimpleNamespace(runtime=R.GGML))
+
+
 @pytest.fixture(scope="module")
 def tiny_q4km(tmp_path_factory):
     d = tmp_path_factory.mktemp("runtime")
