@@ -39,6 +39,7 @@ from kernels.env import env
 from kernels.ggml import (Graph, Matrix, cached_graph, check_cpu_float32, layout, norm_nodes, raw_v,
                           rope_nodes)
 
+from .formats import is_ggml
 from .ops import _chains
 
 
@@ -267,7 +268,7 @@ def _layer_graph_parts(w, b: str, n_head: int, head_dim: int, cache, layer: int,
     qkv, v_m = w.get(b + "attn_qkv.weight"), w.get(b + "attn_v.weight")
     gate_up, down, w_o = w.get(b + "ffn_gate_up.weight"), w[b + "ffn_down.weight"], w[b + "attn_output.weight"]
     mats = (qkv, gate_up, down, w_o) + (() if v_m is None else (v_m,))
-    if not all(hasattr(m, "matrix_for") for m in mats) or qkv.shape[0] <= n_head * head_dim:
+    if not is_ggml(*mats) or qkv.shape[0] <= n_head * head_dim:
         return None
     target = cache.decode_target(layer, window)
     if target is None:
@@ -306,7 +307,7 @@ def fused_decode_step(x: torch.Tensor, w, n_layer: int, n_head: int, n_kv: int, 
     head is on llama.cpp's kernels: x [1, d] embedded; ropes (cos, sin) per rope set, rope_of the
     set of each layer -> (logits [1, vocab] before any softcap, h [1, d]), or None (the layer by
     layer path then runs; EDGEGEM_CPU_STEP_GRAPH=0 forces it)."""
-    if not env().cpu_step_graph or not hasattr(head, "matrix_for") \
+    if not env().cpu_step_graph or not is_ggml(head) \
             or any(c.shape[-1] == 0 for c, _ in ropes) or not _token_ready(x, cache, *(t for r in ropes for t in r)):
         return None
     layers = []

@@ -89,7 +89,7 @@ def tiny_q4km(tmp_path_factory):
                                                  (False, True, R.GGML)])
 def test_open_model_stores_the_runtime(tiny_q4km, exact, ggml, expected, monkeypatch):
     from engine import api
-    from models.formats import GGMLWeight, Int4Weight
+    from models.formats import GGMLWeight, Int4Weight, is_ggml
 
     if ggml and not runtime.ggml_available():
         pytest.skip("llama.cpp's kernels are not available here")
@@ -98,6 +98,7 @@ def test_open_model_stores_the_runtime(tiny_q4km, exact, ggml, expected, monkeyp
     assert lm.runtime is expected and lm.model.runtime is expected
     gate_up = lm.model.w["blk.0.ffn_gate_up.weight"] if not exact else lm.model.w["blk.0.ffn_gate.weight"]
     assert isinstance(gate_up, {R.REFERENCE: torch.Tensor, R.CPU_TORCH: Int4Weight, R.GGML: GGMLWeight}[expected])
+    assert is_ggml(gate_up) is (expected is R.GGML)  # the ggml chains' one question of a weight
     client = api.start_client(lm, api.EngineOptions())
     try:
         info = client.model_info()
