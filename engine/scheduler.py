@@ -34,7 +34,7 @@ from .prefix_cache import make_prefix_cache
 from .request import ErrorKind, Request, RequestState, StreamEvent
 from .runner import ModelRunner
 from .sampler import SamplingParams
-from .kv.sequence import SequenceKV
+from .kv.sequence import SequenceKV, ggml_attention_for
 from .speculative import SpecConfig, SpecStats, accept, check_draft, draft_tokens, max_draft
 
 
@@ -89,6 +89,7 @@ class Engine:
         self.runner = ModelRunner(model, self.config.fast_prefill)
         backend = get_attention_backend(self.config.attention_backend, model.device)
         self.attention_backend = None if backend.name == "torch" else backend
+        self.ggml_attention = ggml_attention_for(model, self.attention_backend)  # each SequenceKV's, once
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[int, Request] = {}
@@ -247,7 +248,7 @@ class Engine:
                     self._finish(req, "error", f"{kinds} encoder: {str(e).splitlines()[0] if str(e) else e!r}", kind)
                     continue
             req.kv = SequenceKV(self.pools, self.window, self.model.dtype, self.config.window_margin,
-                                self.attention_backend)
+                                self.attention_backend, self.ggml_attention)
             if match.length:
                 req.kv.attach_prefix(match.full_slots, match.win_pos, match.win_slots)
             req.locked, req.cached_len, req.computed_len = match.nodes, match.length, match.length

@@ -39,7 +39,8 @@ from kernels.env import env
 from kernels.ggml import (Graph, Matrix, cached_graph, check_cpu_float32, layout, norm_nodes, raw_v,
                           rope_nodes)
 
-from .ops import _chains, cpu_kernels_attend
+from .formats import is_ggml
+from .ops import _chains
 
 
 # --- the graph of one layer -------------------------------------------------------------------
@@ -251,9 +252,11 @@ def _build_step(tensors, plan, layers, final_norm, head, n_head, n_kv, head_dim,
 
 # --- the model's side: when a layer or a token can run as one graph ------------------------------
 def _token_ready(x: torch.Tensor, cache, *tables: torch.Tensor) -> bool:
-    """One token inside `cpu_chains` with ggml attention, `tables` (norm weights, cos/sin) as the
-    chains take them, and a cache that offers its slabs (`decode_target`)."""
-    return x.shape[0] == 1 and cpu_kernels_attend(x) and _chains(*tables) is not None \
+    """One token inside `cpu_chains` (a ggml-runtime model's forward) with x and `tables` (norm
+    weights, cos/sin) as the chains take them (float32, unit last stride: a float64 model keeps
+    the torch ops), and a cache that attends on ggml's kernel (`ggml_attention`: the engine's
+    SequenceKV, told so once from the model's runtime) and offers its slabs (`decode_target`)."""
+    return x.shape[0] == 1 and getattr(cache, "ggml_attention", False) and _chains(x, *tables) is not None \
         and hasattr(cache, "decode_target")
 
 
@@ -265,7 +268,7 @@ def _layer_graph_parts(w, b: str, n_head: int, head_dim: int, cache, layer: int,
     qkv, v_m = w.get(b + "attn_qkv.weight"), w.get(b + "attn_v.weight")
     gate_up, down, w_o = w.get(b + "ffn_gate_up.weight"), w[b + "ffn_down.weight"], w[b + "attn_output.weight"]
     mats = (qkv, gate_up, down, w_o) + (() if v_m is None else (v_m,))
-    if not all(hasattr(m, "matrix_for") for m in mats) or qkv.shape[0] <= n_head * head_dim:
+    if not is_ggml(*mats) or qkv.shape[0] <= n_head * head_dim:
         return None
     target = cache.decode_target(layer, window)
     if target is None:
@@ -304,7 +307,7 @@ def fused_decode_step(x: torch.Tensor, w, n_layer: int, n_head: int, n_kv: int, 
     head is on llama.cpp's kernels: x [1, d] embedded; ropes (cos, sin) per rope set, rope_of the
     set of each layer -> (logits [1, vocab] before any softcap, h [1, d]), or None (the layer by
     layer path then runs; EDGEGEM_CPU_STEP_GRAPH=0 forces it)."""
-    if not env().cpu_step_graph or not hasattr(head, "matrix_for") \
+    if not env().cpu_step_graph or not is_ggml(head) \
             or any(c.shape[-1] == 0 for c, _ in ropes) or not _token_ready(x, cache, *(t for r in ropes for t in r)):
         return None
     layers = []

@@ -15,8 +15,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from kernels.env import env
-
+from .formats import is_ggml
 from .runtime import Runtime
 
 
@@ -134,7 +133,7 @@ def linear_gelu_mul(x: torch.Tensor, w, e: torch.Tensor) -> torch.Tensor:
     if not isinstance(w, torch.Tensor) and getattr(w, "packed", None) is not None and kernel_path(x, e):
         return w.linear(x, gelu_mul=e)
     chains = _chains(x, e) if x.dim() == 2 and e.dim() == 2 else None
-    if chains is not None and hasattr(w, "matrix_for"):  # CPU on llama.cpp's kernels: product + GELU·mul
+    if chains is not None and is_ggml(w):  # CPU on llama.cpp's kernels: product + GELU·mul
         return chains.linear_gelu_mul(x, w.matrix_for(x.shape[0]), e)
     return gelu_mul(linear(x, w), e)
 
@@ -171,13 +170,13 @@ def gated_mlp(m: torch.Tensor, w: dict, b: str) -> torch.Tensor:
     if getattr(fused, "interleaved", False):
         return linear(fused.glu(m), w[b + "ffn_down.weight"])
     down = w[b + "ffn_down.weight"]
-    chains = _chains(m) if m.dim() == 2 and hasattr(down, "matrix_for") else None
+    chains = _chains(m) if m.dim() == 2 and is_ggml(down) else None
     if chains is not None:  # CPU on llama.cpp's kernels: gate/up, GEGLU and down in one ggml graph
         rows = m.shape[0]
-        if hasattr(fused, "matrix_for"):
+        if is_ggml(fused):
             return chains.gated_mlp(m, fused.matrix_for(rows), down.matrix_for(rows))
         gate, up = w.get(b + "ffn_gate.weight"), w.get(b + "ffn_up.weight")
-        if fused is None and hasattr(gate, "matrix_for") and hasattr(up, "matrix_for"):
+        if fused is None and is_ggml(gate, up):
             return chains.gated_mlp(m, None, down.matrix_for(rows), gate.matrix_for(rows), up.matrix_for(rows))
     if fused is not None:
         gate, up = linear(m, fused).chunk(2, dim=-1)
@@ -211,7 +210,7 @@ def attn_residual(x: torch.Tensor, o: torch.Tensor, w_o, post_weight: torch.Tens
     projection and the residual update; on the CPU with llama.cpp's kernels one ggml graph
     (kernels/ggml/ops.attn_residual), n always given there."""
     chains = _chains(x, o, post_weight, next_weight) if x.dim() == 2 and o.dim() == 2 else None
-    if chains is not None and hasattr(w_o, "matrix_for"):
+    if chains is not None and is_ggml(w_o):
         return chains.attn_residual(x, o, w_o.matrix_for(x.shape[0]), post_weight, eps, next_weight)
     return add_rms_norm(x, linear(o, w_o), post_weight, eps, next_weight=next_weight)
 
@@ -224,16 +223,16 @@ def ffn_residual(x: torch.Tensor, m: torch.Tensor, w: dict, b: str, eps: float, 
     CPU with llama.cpp's kernels one ggml graph (kernels/ggml/ops.ffn_residual)."""
     chains = _chains(x, m, pl, next_weight) if x.dim() == 2 and m.dim() == 2 else None
     down = w[b + "ffn_down.weight"]
-    if chains is not None and hasattr(down, "matrix_for"):
+    if chains is not None and is_ggml(down):
         rows = x.shape[0]
         mats = [w.get(b + n) for n in ("ffn_gate_up.weight", "ffn_gate.weight", "ffn_up.weight")]
         ple = None
         if pl is not None:
             gate, proj = w[b + "inp_gate.weight"], w[b + "proj.weight"]
-            if hasattr(gate, "matrix_for") and hasattr(proj, "matrix_for"):
+            if is_ggml(gate, proj):
                 ple = (gate.matrix_for(rows), pl, proj.matrix_for(rows), w[b + "post_norm.weight"])
-        ok = (mats[0] is None or hasattr(mats[0], "matrix_for")) and (pl is None or ple is not None) and (
-            mats[0] is not None or all(hasattr(t, "matrix_for") for t in mats[1:]))
+        ok = (mats[0] is None or is_ggml(mats[0])) and (pl is None or ple is not None) and (
+            mats[0] is not None or is_ggml(*mats[1:]))
         if ok:
             gu, g, u = (None if t is None else t.matrix_for(rows) for t in mats)
             return chains.ffn_residual(x, m, gu, g, u, down.matrix_for(rows), w[b + "post_ffw_norm.weight"], eps,
@@ -258,9 +257,9 @@ def attention_prologue(a: torch.Tensor, w: dict, b: str, n_head: int, n_kv: int,
     T, shared = a.shape[0], not has_kv
     qkv = w.get(b + "attn_q.weight") if shared else w.get(b + "attn_qkv.weight")
     chains = _chains(a, cos, sin) if a.dim() == 2 and cos.shape[-1] > 0 else None
-    if chains is not None and hasattr(qkv, "matrix_for") and (shared or qkv.shape[0] > n_head * head_dim):
+    if chains is not None and is_ggml(qkv) and (shared or qkv.shape[0] > n_head * head_dim):
         v_m = w.get(b + "attn_v.weight")
-        if v_m is None or hasattr(v_m, "matrix_for"):
+        if v_m is None or is_ggml(v_m):
             q, k, v = chains.attention_prologue(
                 a, qkv.matrix_for(T), None if v_m is None else v_m.matrix_for(T), n_head, n_kv, head_dim,
                 w[b + "attn_q_norm.weight"], None if shared else w[b + "attn_k_norm.weight"], eps, cos, sin, v_norm)
@@ -467,25 +466,6 @@ def decode_attention_parts(q: torch.Tensor, ks: Sequence[torch.Tensor], vs: Sequ
         o = part if o is None else o.add_(part)
         start += v.shape[0]
     return o.reshape(1, n_h * hd)
-
-
-def cpu_kernels_attend(q: torch.Tensor) -> bool:
-    """Decode attention runs on llama.cpp's kernel (`decode_attention_masked`): inside
-    `cpu_chains` (a model on llama.cpp's CPU kernels; not the exact path) with a CPU float32 query,
-    unless EDGEGEM_CPU_ATTENTION=torch (the torch products over the slot runs: comparisons, tests)."""
-    return _chains(q) is not None and env().cpu_attention != "torch"
-
-
-def decode_attention_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                            scale: float) -> torch.Tensor:
-    """One query q [1, n_h, hd] over k, v [S, n_kv, hd] (views of a slab window) with a float16
-    mask [1, S] (0 or -inf) -> [1, n_h * hd]: ggml's flash attention inside `cpu_chains`
-    (kernels/ggml/attention.py), its torch reference elsewhere."""
-    from kernels.ggml import attention as ggml_attention
-
-    if _chains(q) is not None:
-        return ggml_attention.decode_attention(q, k, v, mask, scale)
-    return ggml_attention.decode_attention_ref(q, k, v, mask, scale)
 
 
 def decode_attention(q: torch.Tensor, ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor],

@@ -18,7 +18,9 @@ On every runtime a GGUF file's MoE expert banks stay the file's bytes (formats/e
 `Runtime.load_flags` turns a runtime into `models.loader.load_model`'s keyword flags, and
 `runtime_of_flags` reads the runtime back from those flags for callers that pass flags themselves
 (tests, tools): one inverts the other (tests/test_runtime.py). The availability probes
-(`triton_available`, `ggml_available`) are here and nowhere else in models/.
+(`triton_available`, `ggml_available`) are here and nowhere else in models/. `attends_on_ggml`
+says whether a decode step's attention runs on ggml's kernel: the engine asks it once and hands the
+answer to every sequence's KV (engine/kv/sequence.py).
 """
 from __future__ import annotations
 
@@ -49,6 +51,14 @@ class Runtime(enum.Enum):
         half = None if self is Runtime.REFERENCE else torch.float16
         return {"dtype": torch.float32, "weight_dtype": half, "quantized": False,
                 "cpu_quant": self in (Runtime.GGML, Runtime.CPU_TORCH)}
+
+    def attends_on_ggml(self) -> bool:
+        """A decode step's attention runs on ggml's flash attention (kernels/ggml/attention.py):
+        the ggml runtime, unless EDGEGEM_CPU_ATTENTION=torch (the torch products over the slot
+        runs: comparisons, tests). Asked once per engine, not per op."""
+        from kernels.env import env
+
+        return self is Runtime.GGML and env().cpu_attention != "torch"
 
 
 _DETAIL = {

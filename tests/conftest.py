@@ -36,15 +36,19 @@ def gemma3_270m_path() -> Path:
 
 @pytest.fixture(autouse=True)
 def _fresh_env_switches():
-    """The EDGEGEM_* switches (kernels/env.py, read once) re-read around every test: before, so a
-    module or fixture that set a variable is seen; after, once monkeypatch has put the
-    environment back (autouse fixtures are torn down after the test's own), so no test's values
-    reach the next. A test that sets a switch itself calls `kernels.env.reload()` after it."""
+    """The EDGEGEM_* switches (kernels/env.py, read once) and TRITON_INTERPRET (kernels/triton/launch.py
+    `interpreting()`, read once) re-read around every test: before, so a module or fixture that set
+    a variable is seen; after, once monkeypatch has put the environment back (autouse fixtures are
+    torn down after the test's own), so no test's values reach the next. A test that sets a switch
+    itself calls `kernels.env.reload()` (`reload_interpret()`) after it."""
     from kernels.env import reload
+    from kernels.triton.launch import reload_interpret
 
     reload()
+    reload_interpret()
     yield
     reload()
+    reload_interpret()
 
 
 @pytest.fixture

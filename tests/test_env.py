@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kernels.env import VARIABLES, ConfigError, Env, env, reload
-from kernels.triton.launch import interpreting, triton_interpret
+from kernels.triton.launch import interpreting, reload_interpret, triton_interpret
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ("app", "engine", "models", "kernels", "packaging")
@@ -146,7 +146,8 @@ def test_interpreting_reads_the_variable_as_triton_does(monkeypatch):
     ours = {}
     for raw in TRITON_VALUES:
         monkeypatch.setenv("TRITON_INTERPRET", raw)
-        ours[raw] = interpreting()
+        ours[raw] = reload_interpret()
+        assert interpreting() is ours[raw]
     assert ours == {raw: raw.lower() in ("1", "true", "on", "yes", "y") for raw in TRITON_VALUES}
     if importlib.util.find_spec("triton") is None:
         return
@@ -174,6 +175,23 @@ def test_triton_interpret_sets_and_restores(monkeypatch, before):
     with pytest.raises(RuntimeError), triton_interpret(False):
         raise RuntimeError("restored on the way out of an error too")
     assert os.environ.get("TRITON_INTERPRET") == before
+
+
+def test_interpreting_is_read_once_and_switched_only_by_triton_interpret(monkeypatch):
+    """The launchers ask at every launch; the variable is parsed once (the first call after a
+    reload) and kept, so a write behind its back is not seen until `reload_interpret()`, while
+    `triton_interpret()` switches the kept answer with the variable."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert reload_interpret() is True
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert interpreting() is True  # kept: not re-read per call
+    with triton_interpret(False):
+        assert interpreting() is False
+        with triton_interpret(True):
+            assert interpreting() is True
+        assert interpreting() is False
+    assert interpreting() is False and os.environ["TRITON_INTERPRET"] == "0"  # restored from the variable
+    assert reload_interpret() is False
 
 
 # --- documentation -------------------------------------------------------------------------------

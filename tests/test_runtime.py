@@ -62,6 +62,23 @@ def test_five_runtimes_each_with_a_line():
     assert all(r.detail and "\n" not in r.detail for r in Runtime)
 
 
+def test_only_the_ggml_runtime_attends_on_ggml_unless_told_torch(monkeypatch):
+    from types import SimpleNamespace
+
+    from engine.kv.sequence import ggml_attention_for
+    from kernels.env import reload
+
+    assert [r for r in Runtime if r.attends_on_ggml()] == [R.GGML]
+    assert ggml_attention_for(SimpleNamespace(runtime=R.GGML))
+    assert not ggml_attention_for(SimpleNamespace(runtime=R.CPU_TORCH))
+    assert not ggml_attention_for(SimpleNamespace())  # a model built without the loader: torch
+    assert not ggml_attention_for(SimpleNamespace(runtime=R.GGML), backend=object())  # a kernel backend attends
+    monkeypatch.setenv("EDGEGEM_CPU_ATTENTION", "torch")
+    reload()
+    assert not any(r.attends_on_ggml() for r in Runtime)
+    assert not ggml_attention_for(SimpleNamespace(runtime=R.GGML))
+
+
 @pytest.fixture(scope="module")
 def tiny_q4km(tmp_path_factory):
     d = tmp_path_factory.mktemp("runtime")
@@ -72,7 +89,7 @@ def tiny_q4km(tmp_path_factory):
                                                  (False, True, R.GGML)])
 def test_open_model_stores_the_runtime(tiny_q4km, exact, ggml, expected, monkeypatch):
     from engine import api
-    from models.formats import GGMLWeight, Int4Weight
+    from models.formats import GGMLWeight, Int4Weight, is_ggml
 
     if ggml and not runtime.ggml_available():
         pytest.skip("llama.cpp's kernels are not available here")
@@ -81,6 +98,7 @@ def test_open_model_stores_the_runtime(tiny_q4km, exact, ggml, expected, monkeyp
     assert lm.runtime is expected and lm.model.runtime is expected
     gate_up = lm.model.w["blk.0.ffn_gate_up.weight"] if not exact else lm.model.w["blk.0.ffn_gate.weight"]
     assert isinstance(gate_up, {R.REFERENCE: torch.Tensor, R.CPU_TORCH: Int4Weight, R.GGML: GGMLWeight}[expected])
+    assert is_ggml(gate_up) is (expected is R.GGML)  # the ggml chains' one question of a weight
     client = api.start_client(lm, api.EngineOptions())
     try:
         info = client.model_info()

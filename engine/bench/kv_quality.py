@@ -25,7 +25,7 @@ import torch
 from ..kv.format import FormatUnsupported, pool_unit_bytes, resolve_format
 from ..kv.pool import HybridKVPool
 from ..runner import ModelRunner
-from ..kv.sequence import SequenceKV
+from ..kv.sequence import SequenceKV, ggml_attention_for
 
 CANDIDATES = ("bf16", "fp16", "fp32", "int8_per_token_head", "fp8_per_token_head")
 DEFAULT_TOKENS = 1024  # twice Gemma's 512-token sliding window: half the positions read evicted-window KV
@@ -82,7 +82,7 @@ def _sequence(model, fmt_name: str, n_tokens: int, backend) -> SequenceKV:
     fmt = resolve_format(fmt_name, model.device)
     pools = HybridKVPool(model.cfg, n_tokens, n_tokens, fmt, fmt, model.device)
     window = model.cfg.sliding_window if any(model.cfg.is_sliding) else None
-    return SequenceKV(pools, window, model.dtype, backend=backend)
+    return SequenceKV(pools, window, model.dtype, backend=backend, ggml_attention=ggml_attention_for(model, backend))
 
 
 def _summary(kl: torch.Tensor, top1: torch.Tensor) -> dict:

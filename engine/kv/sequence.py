@@ -11,9 +11,9 @@ from typing import Optional
 
 import torch
 
+from kernels.ggml import attention as ggml_attention_kernel
 from kernels.ggml.attention import BUCKET
-from models.ops import (attention, cpu_kernels_attend, decode_attention, decode_attention_masked,
-                        decode_attention_parts)
+from models.ops import attention, decode_attention, decode_attention_parts
 
 from .pool import HybridKVPool
 
@@ -37,13 +37,24 @@ def to_device_once(parts: dict[str, torch.Tensor], device: torch.device) -> dict
     return dict(zip(parts, on_dev.split(sizes)))
 
 
+def ggml_attention_for(model, backend=None) -> bool:
+    """Whether `model`'s sequences attend on ggml's kernel in a decode step (`SequenceKV`'s
+    `ggml_attention`): no kernel backend and the model's runtime says so
+    (models.runtime.Runtime.attends_on_ggml). Asked once by whoever builds the sequences."""
+    runtime = getattr(model, "runtime", None)  # a model built without the loader has none: torch
+    return backend is None and runtime is not None and runtime.attends_on_ggml()
+
+
 class SequenceKV:
     def __init__(self, pools: HybridKVPool, window: Optional[int], dtype=torch.float32, margin: int = 64,
-                 backend=None):
+                 backend=None, ggml_attention: bool = False):
         # margin: window positions kept beyond what attention needs, so a cached prefix can be
         # served from up to `margin` tokens before the point where it was stored.
         self.pools, self.window, self.dtype, self.margin = pools, window, dtype, margin
         self.backend = backend  # None: the torch reference (gather, then models.ops.attention)
+        # decode attention on ggml's kernel: what the model's runtime says, decided once by whoever
+        # builds this (the engine: `ggml_attention_for`); False: the torch products
+        self.ggml_attention = ggml_attention
         self.has_window = bool(pools.window.layers)
         self.full_slots = _EMPTY.clone()  # [n] slot of position p at index p
         self.full_owned = torch.empty(0, dtype=torch.bool)  # False: the prefix cache owns it
@@ -247,9 +258,10 @@ class SequenceKV:
     def decode_target(self, layer: int, window: Optional[int]):
         """For a layer computed whole in one ggml graph (models/gemma3_ggml.py): (k slab, v slab,
         this token's slot [1], k window, v window, mask) of `layer`'s own float32 slabs, or None
-        (a kernel backend, more than one token, a KV-shared layer, the debug copies, another
-        format, or a window `_masked` does not give)."""
-        if self.backend is not None or self.pools.copies or self._step is None or len(self._pos) != 1:
+        (attention not on ggml's kernel, a kernel backend, more than one token, a KV-shared layer,
+        the debug copies, another format, or a window `_masked` does not give)."""
+        if not self.ggml_attention or self.backend is not None or self.pools.copies or self._step is None \
+                or len(self._pos) != 1:
             return None
         slab = self.pools.slab(layer)
         if slab != layer:
@@ -268,12 +280,17 @@ class SequenceKV:
         """Attention of `layer` over its slab (the source's when sharing, its own copy in the debug
         mode): the torch reference reads the slab's slot runs in place for a CPU decode step (cut
         to the visible positions: no mask) and gathers once a step otherwise; a kernel backend
-        reads the slots in place."""
+        reads the slots in place; on the ggml runtime (`ggml_attention`) a decode step runs
+        llama.cpp's kernel over a window of the slab."""
         if self.backend is None:
             decode = q.shape[0] == 1 and q.device.type == "cpu"
-            masked = self._masked(layer, window) if decode and cpu_kernels_attend(q) else None
+            # ggml's kernel reads float32 rows with a unit last stride: a dtype and layout condition,
+            # not a runtime one. The exactness tests run float64 models through this same code, and
+            # a float64 (or strided) query keeps the torch products below.
+            on_ggml = self.ggml_attention and decode and q.dtype == torch.float32 and q.stride(-1) == 1
+            masked = self._masked(layer, window) if on_ggml else None
             if masked is not None:  # llama.cpp's kernel over a window of the slab (kernels/ggml/attention.py)
-                return decode_attention_masked(q, *masked, scale)
+                return ggml_attention_kernel.decode_attention(q, *masked, scale)
             visible = self._visible(layer, window) if decode else None
             if visible is not None:
                 return decode_attention(q, visible[0], visible[1], scale)

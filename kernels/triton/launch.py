@@ -19,10 +19,13 @@ Triton (3.6 and 3.9 alike) reads it through `triton.knobs.runtime.interpret`, fr
 each access, in two places: `@triton.jit`, when a kernel module is imported (the interpreter's
 `InterpretedFunction` or a compiling `JITFunction`: fixed for that module from then on), and
 constexpr functions while a kernel is traced. So it is set before the kernel modules are imported
-(tests/triton_env.py, the Makefile) and left alone after; `interpreting()` reads it at each call
-like Triton does, so no module holds a copy taken at its own import, and the launchers' block
-sizes follow the same value the kernels were made with. The one writer is `triton_interpret()`
-below, a context manager that restores the value.
+(tests/triton_env.py, the Makefile) and left alone after. `interpreting()` parses it once, at its
+first call (not at this module's import, which may come before a test module sets the variable),
+and keeps the answer: the launchers ask it at every launch for their block sizes, and no module
+holds a copy of its own. The one writer is `triton_interpret()` below, a context manager that
+switches the variable and the kept answer together and restores both. `reload_interpret()`
+parses the variable again (tests/conftest.py does around every test, as it re-reads the
+EDGEGEM_* switches; a test that sets the variable itself calls it after).
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ import torch
 from ..arch import triton_supported
 
 __all__ = ["Launch", "LaunchRecord", "check_device", "interpreting", "kernels_on_cpu", "record_launches",
-           "recording", "triton_interpret", "use_kernels"]
+           "recording", "reload_interpret", "triton_interpret", "use_kernels"]
 
 _state = threading.local()  # cpu_kernels: depth of kernels_on_cpu(); record: the active LaunchRecord
 # The values Triton's getenv_bool takes as true (any case; anything else is false): the same
@@ -46,20 +49,41 @@ _state = threading.local()  # cpu_kernels: depth of kernels_on_cpu(); record: th
 _TRUE = ("1", "true", "on", "yes", "y")
 
 
+_interpret: Optional[bool] = None  # TRITON_INTERPRET as parsed by interpreting(); None: not read yet
+
+
+def _parse_interpret(raw: Optional[str]) -> bool:
+    return (raw or "").lower() in _TRUE
+
+
 def interpreting() -> bool:
-    """TRITON_INTERPRET=1: Triton kernels run on the CPU through the interpreter (read now, as
-    Triton reads it)."""
-    return os.environ.get("TRITON_INTERPRET", "").lower() in _TRUE
+    """TRITON_INTERPRET=1: Triton kernels run on the CPU through the interpreter (parsed as Triton
+    does, once at the first call and kept; `triton_interpret()` switches it, `reload_interpret()`
+    parses it again: module doc)."""
+    global _interpret
+    if _interpret is None:
+        _interpret = _parse_interpret(os.environ.get("TRITON_INTERPRET"))
+    return _interpret
+
+
+def reload_interpret() -> bool:
+    """Parse TRITON_INTERPRET again (after a test set it) -> `interpreting()`'s new answer."""
+    global _interpret
+    _interpret = None
+    return interpreting()
 
 
 @contextlib.contextmanager
 def triton_interpret(on: bool) -> Iterator[None]:
-    """Inside: TRITON_INTERPRET is "1" or "0"; on exit it is what it was (unset if it was unset).
-    For work that must see Triton as another machine does: the compile check's workers record and
-    compile as a GPU machine (JITFunctions, the GPU block sizes) from a test process that runs the
-    interpreter. A kernel module first imported inside keeps the kind it got there."""
+    """Inside: TRITON_INTERPRET is "1" or "0" and `interpreting()` says so; on exit both are what
+    they were (the variable unset if it was unset). For work that must see Triton as another
+    machine does: the compile check's workers record and compile as a GPU machine (JITFunctions,
+    the GPU block sizes) from a test process that runs the interpreter. A kernel module first
+    imported inside keeps the kind it got there."""
+    global _interpret
     before = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1" if on else "0"
+    _interpret = on
     try:
         yield
     finally:
@@ -67,6 +91,7 @@ def triton_interpret(on: bool) -> Iterator[None]:
             del os.environ["TRITON_INTERPRET"]
         else:
             os.environ["TRITON_INTERPRET"] = before
+        _interpret = _parse_interpret(before)
 
 
 def recording() -> Optional["LaunchRecord"]:

@@ -3,7 +3,8 @@
 - `half.HalfWeight`: a dense matrix in float16 (CPU and older GPUs: what stays dense),
 - `packed.QuantWeight`: GGUF matrices repacked for the Triton GEMV (CUDA), or GGUF rows of a
   lookup table,
-- `ggml.GGMLWeight`: GGUF bytes multiplied by llama.cpp's ggml (CPU),
+- `ggml.GGMLWeight`: GGUF bytes multiplied by llama.cpp's ggml (CPU); `is_ggml(w)` asks whether a
+  weight is one (a product on llama.cpp's kernels),
 - `int4.Int4Weight`: GGUF matrices repacked for torch's int4 CPU matmul,
 - `int8_head.Int8Head`: the tied head ranked by an int8 GEMV, its top rows exact (CPU),
 - `experts.ExpertBank`: MoE experts [E, out, in] as the file's bytes on every runtime
@@ -14,10 +15,11 @@ model computes with.
 """
 from .base import Weight
 from .experts import ExpertBank, ExpertMatrix
-from .ggml import GGMLWeight
+from .ggml import GGMLWeight, is_ggml
 from .half import HalfWeight
 from .int4 import Int4Weight
 from .int8_head import Int8Head
 from .packed import QuantWeight
 
-__all__ = ["ExpertBank", "ExpertMatrix", "GGMLWeight", "HalfWeight", "Int4Weight", "Int8Head", "QuantWeight", "Weight"]
+__all__ = ["ExpertBank", "ExpertMatrix", "GGMLWeight", "HalfWeight", "Int4Weight", "Int8Head", "QuantWeight", "Weight",
+           "is_ggml"]

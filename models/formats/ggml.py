@@ -41,6 +41,14 @@ def takes(ggml_type: int, shape) -> bool:
     return shape is not None and len(shape) == 2 and ggml.supported(ggml_type)
 
 
+def is_ggml(*weights) -> bool:
+    """Every one of `weights` is a GGMLWeight: a product of it runs on llama.cpp's kernels
+    (`matrix_for`). The one question the ggml chains (models/ops.py, models/gemma3_ggml.py) ask of a
+    weight on the ggml runtime: its lookup tables stay QuantWeight rows, and a matrix of a type ggml
+    lacks stays in a torch format, so the runtime alone does not say it (a layout, not a runtime)."""
+    return bool(weights) and all(isinstance(w, GGMLWeight) for w in weights)
+
+
 class GGMLWeight:
     """A [out, in] GGUF matrix (`raw`: uint8 [out, row bytes]) multiplied by ggml (module doc).
     `.linear(x)` -> x W^T in x's dtype for any leading shape; `.rows(ids)` dequantizes rows."""

@@ -165,3 +165,63 @@ def test_engine_decode_on_ggml_attention_agrees_with_the_torch_products(tiny, mo
         assert a.output_ids == b.output_ids
         assert max(abs(x.logprob - y.logprob) for x, y in zip(a.picked, b.picked)) <= 1e-3
         assert len(a.picked) == len(a.output_ids)
+
+
+# --- who decides: the model's runtime, once per engine ---------------------------------------------
+@pytest.mark.parametrize("ggml_loaded,attention,on_ggml", [(True, "ggml", True), (False, "ggml", False),
+                                                           (True, "torch", False)])
+def test_engine_decodes_on_ggml_attention_where_the_runtime_says(tiny, monkeypatch, ggml_loaded, attention, on_ggml):
+    """A ggml-runtime model's engine hands its sequences ggml's decode attention; a cpu_torch model's
+    engine does not, nor does EDGEGEM_CPU_ATTENTION=torch. Decided once per engine
+    (engine.kv.sequence.ggml_attention_for), not by probing the query every layer."""
+    from engine.api import open_model
+    from engine.sampler import SamplingParams
+    from engine.scheduler import Engine, EngineConfig
+    from models import runtime
+    from models.runtime import Runtime
+
+    monkeypatch.setattr(runtime, "ggml_available", lambda: ggml_loaded)
+    monkeypatch.setenv("EDGEGEM_CPU_ATTENTION", attention)
+    reload()
+    lm = open_model(tiny, exact=False)
+    assert lm.model.runtime is (Runtime.GGML if ggml_loaded else Runtime.CPU_TORCH)
+    calls = []
+    orig = ga.decode_attention
+    monkeypatch.setattr(ga, "decode_attention", lambda *a: (calls.append(1), orig(*a))[1])
+    engine = Engine(lm.model, config=EngineConfig(full_tokens=256))
+    assert engine.ggml_attention is on_ggml
+    req = engine.add([2, 5, 17, 33], SamplingParams(temperature=0.0, max_tokens=4))
+    engine.step()  # admits and prefills: the request's SequenceKV carries the engine's decision
+    assert req.kv.ggml_attention is on_ggml
+    engine.run_to_completion()
+    assert len(req.output_ids) == 4 and bool(calls) is on_ggml
+
+
+def test_a_float64_query_keeps_the_torch_products_on_a_ggml_sequence(tiny, monkeypatch):
+    """The exactness tests run float64 models through the same SequenceKV: a float64 query takes
+    the torch products even where the runtime says ggml (whose kernel reads float32 rows): a dtype
+    condition, kept beside the runtime's answer. A float32 query on the same slots takes ggml's."""
+    from engine.kv import HybridKVPool, SequenceKV, resolve_format
+    from models.loader import load_model
+
+    cfg = load_model(tiny, with_tokenizer=False).model.cfg
+    pools = HybridKVPool(cfg, 256, 256, resolve_format("fp32"))
+    kv = SequenceKV(pools, cfg.sliding_window, torch.float64, ggml_attention=True)
+    kv.begin(torch.arange(10))
+    kv.end()
+    kv.begin(torch.tensor([10]))
+    full = next(i for i in range(cfg.n_layer) if not cfg.is_sliding[i])
+    slab = pools.slab(full)
+    g = torch.Generator().manual_seed(3)
+    for t in (pools.full.k[slab], pools.full.v[slab]):
+        t.copy_(torch.randn(t.shape, generator=g))
+    n_kv, hd = pools.full.k[slab].shape[1:]
+    q = torch.randn(1, cfg.n_head[full], hd, generator=g, dtype=torch.float64) * hd ** -0.5
+    calls = []
+    orig = ga.decode_attention
+    monkeypatch.setattr(ga, "decode_attention", lambda *a: (calls.append(1), orig(*a))[1])
+    exact = kv.attend(full, q, torch.tensor([10]), None, 1.0)
+    assert not calls and exact.dtype == torch.float64
+    fast = kv.attend(full, q.float(), torch.tensor([10]), None, 1.0)
+    assert calls == [1] and fast.dtype == torch.float32
+    torch.testing.assert_close(fast.double(), exact, rtol=0, atol=1e-5)

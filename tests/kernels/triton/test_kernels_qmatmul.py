@@ -24,6 +24,7 @@ from kernels.triton.qmatmul import (
     qmatmul,
     qmatmul_ref,
 )
+from kernels.triton.launch import triton_interpret
 from kernels.triton.qpack import PLANE_BYTES, PackedQuant, dequantize_packed_ref, pack
 from models.quant import GGMLType, block_size, dequantize, row_bytes
 
@@ -256,11 +257,10 @@ def test_qdequantize_validation():
 
 
 @pytest.mark.skipif(not INTERPRET, reason="CPU tensors only matter under the interpreter")
-def test_cpu_tensors_need_the_interpreter(monkeypatch):
+def test_cpu_tensors_need_the_interpreter():
     t, n_out, n_in = GGMLType.Q4_0, 5, 96
     (_, p), x = packed_weight(t, n_out, n_in, seed=0), random_x((1, n_in), torch.float32, seed=0)
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+    with triton_interpret(False), pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         qmatmul(x, p)
 
 
