@@ -32,7 +32,7 @@ import torch
 
 from kernels.ggml import Graph, cached_graph, check_cpu_float32, layout, mlp_nodes, norm_nodes
 
-from .formats.experts import ExpertBank
+from .formats import ExpertBank, is_ggml
 from .runtime import Runtime
 
 _MIN_SUM = 6.103515625e-5  # llama.cpp clamps the top-k sum to float16's smallest normal (no 0/0)
@@ -84,7 +84,7 @@ def moe_parts(w, b: str, rows: int) -> Optional[dict]:
     is not on ggml (the torch block then runs)."""
     def mat(name):
         v = w.get(b + name)
-        return v.matrix_for(rows) if hasattr(v, "matrix_for") else None
+        return v.matrix_for(rows) if is_ggml(v) else None
 
     def bank(name):
         v = w.get(b + name)
