@@ -12,8 +12,6 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
 
-import math  # noqa: E402
-
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -23,11 +21,10 @@ from engine.sampler import SamplingParams  # noqa: E402
 from engine.scheduler import Engine, EngineConfig  # noqa: E402
 from engine.kv import SequenceKV  # noqa: E402
 from engine.speculative import SpecConfig  # noqa: E402
-from models.gemma3 import Gemma3Config, Gemma3Model  # noqa: E402
 from models.gemma4_assistant import load_gemma4_assistant  # noqa: E402
 from models.gguf import GGUFFile  # noqa: E402
 from models.loader import load_model  # noqa: E402
-from tiny_models import TinySpec, write_tiny_assistant, write_tiny_gemma4  # noqa: E402
+from tiny_models import TinySpec, tiny_gemma3, write_tiny_assistant, write_tiny_gemma4  # noqa: E402
 
 SPEC = TinySpec()  # 8 layers (S,S,S,F)x2, the last 4 KV-shared, window 8, PLE 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)  # > window 8
@@ -48,33 +45,6 @@ def one_thread():
 @pytest.fixture(scope="module")
 def gemma4(tmp_path_factory):
     return load_model(write_tiny_gemma4(tmp_path_factory.mktemp("bd") / "t.gguf", SPEC, seed=21)).model
-
-
-def tiny_gemma3(seed: int = 5) -> Gemma3Model:
-    """A random 4-layer Gemma 3 (S, S, S, F), window 6, GQA 4/2, built in memory (no GGUF needed)."""
-    cfg = Gemma3Config(n_layer=4, d_model=128, vocab_size=384, n_head=4, n_kv_head=2, head_dim=32, ffn_width=256,
-                       is_sliding=(True, True, True, False), sliding_window=6, rope_base_full=1e6,
-                       rope_base_sliding=1e4, query_scale=32 ** -0.5, final_softcap=30.0)
-    g = torch.Generator().manual_seed(seed)
-
-    def mat(o, i):
-        return torch.randn(o, i, generator=g) / math.sqrt(i)
-
-    def norm(n):
-        return 1.0 + 0.1 * torch.randn(n, generator=g)
-
-    d, hd = cfg.d_model, cfg.head_dim
-    w = {"token_embd.weight": 0.15 * torch.randn(cfg.vocab_size, d, generator=g), "output_norm.weight": norm(d)}
-    for i in range(cfg.n_layer):
-        b = f"blk.{i}."
-        w.update({b + "attn_norm.weight": norm(d), b + "attn_q.weight": mat(cfg.n_head * hd, d),
-                  b + "attn_k.weight": mat(cfg.n_kv_head * hd, d), b + "attn_v.weight": mat(cfg.n_kv_head * hd, d),
-                  b + "attn_q_norm.weight": norm(hd), b + "attn_k_norm.weight": norm(hd),
-                  b + "attn_output.weight": mat(d, cfg.n_head * hd), b + "post_attention_norm.weight": norm(d),
-                  b + "ffn_norm.weight": norm(d), b + "ffn_gate.weight": mat(cfg.ffn_width, d),
-                  b + "ffn_up.weight": mat(cfg.ffn_width, d), b + "ffn_down.weight": mat(d, cfg.ffn_width),
-                  b + "post_ffw_norm.weight": norm(d)})
-    return Gemma3Model(cfg, w)
 
 
 def _prompt(n: int, seed: int) -> list[int]:

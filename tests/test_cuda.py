@@ -38,7 +38,7 @@ def test_tiny_gemma4_gpu_greedy_equals_cpu(tmp_path, kv):
 
 
 def test_gemma3_270m_gpu_greedy_equals_cpu(gemma3_270m_path):
-    from test_gemma3_real import PROMPTS
+    from gemma3_text import PROMPTS
 
     cpu_lm = load_model(gemma3_270m_path)
     gpu_lm = load_model(gemma3_270m_path, dtype=torch.bfloat16, device="cuda", quantized=True,

@@ -171,7 +171,7 @@ def test_status_and_runtime_rebuild(tiny):
 
 def test_gemma3_270m_engine_matches_reference(gemma3_270m_path):
     """Real weights, a prompt past the 512-token window: chunked fast prefill, radix reuse, naive."""
-    from test_gemma3_real import TEXT
+    from gemma3_text import TEXT
 
     lm = load_model(gemma3_270m_path)
     prompt = lm.tokenizer.encode(TEXT)[:560]

@@ -287,7 +287,7 @@ def _seq(model, fmt_name: str) -> SequenceKV:
 def kld(gemma3):
     """fp32 / int8 / fp8 KV side by side in 64-token chunks; KL per chunk, so no full
     [N, V] logits (V = 262144) are kept."""
-    from test_gemma3_real import TEXT
+    from gemma3_text import TEXT
 
     model = gemma3.model
     tokens = gemma3.tokenizer.encode(TEXT)[:N_TOKENS]
