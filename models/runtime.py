@@ -14,7 +14,7 @@ Five runtimes, by device, `--exact`, Triton support and llama.cpp's ggml:
 `choose_runtime` holds these rules (the front ends' `engine.api.open_model` asks it);
 `Runtime.load_flags` turns a runtime into `models.loader.load_model`'s keyword flags, and
 `runtime_of_flags` reads the runtime back from those flags for callers that pass flags themselves
-(tests, tools): one inverts the other (tests/test_runtime.py). The availability probes
+(tests, tools): one inverts the other (tests/models/test_runtime.py). The availability probes
 (`triton_available`, `ggml_available`) are here and nowhere else in models/.
 """
 from __future__ import annotations
