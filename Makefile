@@ -66,7 +66,7 @@ T36_LLAMA := llama-cpp-python==0.3.36
 # The kernel tests are the folder tests/kernels/triton/ (the compile check and the ggml tests sit
 # beside it in tests/kernels/: they do not depend on the triton version run here, and the compile
 # check alone is ~275 s cold), plus the batched decoder on the triton backend.
-KERNEL_TESTS := tests/kernels/triton tests/test_batch_decode.py::test_triton_backend_batched_equals_reference
+KERNEL_TESTS := tests/kernels/triton tests/engine/test_batch_decode.py::test_triton_backend_batched_equals_reference
 
 # llama-cpp-python last, once .venv has it (pip then has the wheel it built: never two builds at once).
 $(T36)/.base:

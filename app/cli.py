@@ -20,7 +20,7 @@ from .cli_options import (_audio_args, _engine_args, _engine_options, _fit_args,
                           _kv_session_arg, _memory_args, _sampling_args)
 from .cli_run import cmd_run, cmd_score, cmd_tokenize
 
-# `--synthetic` layouts (models/synthetic.py PUBLIC_VARIANTS; tests/test_synthetic_bench.py keeps them equal)
+# `--synthetic` layouts (models/synthetic.py PUBLIC_VARIANTS; tests/engine/test_synthetic_bench.py keeps them equal)
 SYNTHETIC_MODELS = ("e2b", "e4b", "26b-a4b", "31b")
 
 EXIT_BAD_INPUT = 2

@@ -30,7 +30,7 @@ from typing import Mapping, Optional
 
 __all__ = ["ConfigError", "Env", "VARIABLES", "env", "reload"]
 
-# Every variable Env.from_environ reads (tests/test_env.py checks the two agree and that
+# Every variable Env.from_environ reads (tests/kernels/test_env.py checks the two agree and that
 # docs/configuration.md documents each).
 VARIABLES = ("EDGEGEM_CPU_KERNELS", "EDGEGEM_CPU_ATTENTION", "EDGEGEM_CPU_LAYER_GRAPH", "EDGEGEM_CPU_STEP_GRAPH",
              "EDGEGEM_IMAGE_PREVIEW", "EDGEGEM_FAILPOINTS", "EDGEGEM_DATA_DIR", "EDGEGEM_MODELS_DIR",

@@ -6,7 +6,7 @@ scaled as §8 says (int16 / 2^15, 24- and 32-bit / 2^31; libsndfile returns 24-b
 int32), float as stored, other codecs through libsndfile's own float conversion. Channels are
 averaged. Other rates are resampled to 16 kHz with soxr's HQ preset (20-bit precision, linear
 phase: the resampler HF's own audio loader uses; from 44.1 kHz a 1 kHz and a 7 kHz tone keep their
-level within 0.05 dB and a 12 kHz tone comes out below -90 dB, tests/test_audio_input.py), block
+level within 0.05 dB and a 12 kHz tone comes out below -90 dB, tests/models/test_audio_input.py), block
 by block as the file is read, so a long 48 kHz stereo file never sits in memory at its own rate.
 
 The features are the HF extractor's (§2) in torch: periodic Hann of 320 samples inside a

@@ -21,9 +21,9 @@ The step's graph is kept on the caller's `owner` (the model), one at a time: its
 change when a window grows by a bucket (kernels/ggml/attention.py: every 64 steps), and a new one
 is built then (~18 x 45 nodes: a few ms).
 
-Numerics: those of the four runs a layer replaces, node for node (tests/test_ggml_layer.py compares
+Numerics: those of the four runs a layer replaces, node for node (tests/models/test_ggml_layer.py compares
 them bit for bit), and for the token those of the per-layer graphs and the head's own product
-(tests/test_ggml_step.py: the engine's tokens and log-probabilities bit for bit).
+(tests/models/test_ggml_step.py: the engine's tokens and log-probabilities bit for bit).
 
 Switches, for tests and comparisons: EDGEGEM_CPU_STEP_GRAPH=0 runs a graph a layer,
 EDGEGEM_CPU_LAYER_GRAPH=0 the four graphs a layer (prologue, attention, two residuals).

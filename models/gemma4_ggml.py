@@ -18,7 +18,7 @@ For the residual r [T, d] after attention (decode T = 1, a prefill chunk T rows)
 once per run whatever T is, where the torch path loops over experts in Python and dequantizes
 each (models/gemma4.py `_moe_ffn`, which is also what this graph is tested against, in float64).
 GELU is ggml's f16 table, as everywhere on this runtime: on random weights a near-tied routing
-can then pick another expert than the exact GELU would (tests/test_gemma4_moe.py).
+can then pick another expert than the exact GELU would (tests/models/test_gemma4_moe.py).
 
 `fused_moe_ffn` returns None where the graph does not apply (a model of another runtime, float64
 rows, a matrix or a bank off ggml): the torch block then runs.

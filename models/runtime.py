@@ -17,7 +17,7 @@ On every runtime a GGUF file's MoE expert banks stay the file's bytes (formats/e
 `choose_runtime` holds these rules (the front ends' `engine.api.open_model` asks it);
 `Runtime.load_flags` turns a runtime into `models.loader.load_model`'s keyword flags, and
 `runtime_of_flags` reads the runtime back from those flags for callers that pass flags themselves
-(tests, tools): one inverts the other (tests/test_runtime.py). The availability probes
+(tests, tools): one inverts the other (tests/models/test_runtime.py). The availability probes
 (`triton_available`, `ggml_available`) are here and nowhere else in models/. `attends_on_ggml`
 says whether a decode step's attention runs on ggml's kernel: the engine asks it once and hands the
 answer to every sequence's KV (engine/kv/sequence.py).

@@ -39,7 +39,7 @@ vendored in llama-cpp-python 0.3.36):
   A row length that is not a multiple of 256 falls back (tensor_type_fallback: Q4_K -> Q5_0,
   Q6_K -> Q8_0): on the 26B-A4B the dense ffn_down (rows of 2112) and ffn_down_exps (704).
   llama.cpp's own quantizer gives the scaled-down `tiny-moe` / `tiny-dense` exactly these types
-  (tests/test_big_models.py).
+  (tests/models/test_big_models.py).
 
 Totals this gives (`total_bytes`): E2B 3,400,303,756 B (3.40 GB, 3.17 GiB; 4.63 B parameters),
 E4B 5,286,450,344 B (5.29 GB, 4.92 GiB; 7.46 B parameters). Published llama.cpp Q4_K_M E2B files

@@ -3,7 +3,7 @@
     python packaging/gen_completions.py          # rewrite packaging/completions/*
     python packaging/gen_completions.py --check  # exit 1 when a committed file is stale
 
-Run it after adding a subcommand or flag; tests/test_install.py fails while the files are stale.
+Run it after adding a subcommand or flag; tests/app/test_install.py fails while the files are stale.
 """
 from __future__ import annotations
 

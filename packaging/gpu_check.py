@@ -9,7 +9,7 @@ does not stop the others):
                `QuantWeight.linear` (engine/bench/gemv.py), GB/s and share of the device's peak;
   3. bench     `edgegem --debug bench --synthetic e2b|e4b --device cuda --gpu-memory-budget 8GiB
                --rows`, KV bf16 (and int8_per_token_head): engine.bench.throughput.gpu_bench;
-  4. pytest    `pytest -m cuda tests/test_cuda.py` with TRITON_INTERPRET=0.
+  4. pytest    `pytest -m cuda tests/engine/test_cuda.py` with TRITON_INTERPRET=0.
 The figures come first: the tests compile kernels the bench has already compiled. Each part has
 planned seconds (PLAN); what one leaves unused rolls over to the next, and the whole run stays
 inside --budget. `--quick` (what `make gpu-check` runs): the GEMV table at E2B's shapes and one E2B
@@ -214,7 +214,7 @@ def plan_parts(args) -> list[tuple[str, list[str], str, bool]]:
     me = [sys.executable, str(Path(__file__).resolve())]
     runs = QUICK_BENCH_RUNS if args.quick else BENCH_RUNS
     pytest = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rA", "-p", "no:cacheprovider",
-              "--durations=5", "tests/test_cuda.py"]
+              "--durations=5", "tests/engine/test_cuda.py"]
     if not args.dry_run:
         return ([("gemv", me + ["_microbench", str(args.iters), "e2b" if args.quick else "e2b,e4b"], "gemv", False)]
                 + [(f"bench {v} {kv}", bench_cmd(v, kv, args.quick), "bench", False) for v, kv in runs]

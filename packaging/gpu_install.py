@@ -4,7 +4,7 @@ the part of it that it lacks (packaging/gpu_check.py runs the install; `make whe
 The GPU parts import, at run time: torch, numpy, triton, gguf, tokenizers and jinja2 (the bench goes
 through `python -m app.cli bench`, whose subcommand modules import their packages inside the
 commands, so textual, fastapi, platformdirs, llguidance and soundfile are never loaded on its way),
-pytest for tests/test_cuda.py and, for that file's tiny-model quantizer, llama-cpp-python, which
+pytest for tests/engine/test_cuda.py and, for that file's tiny-model quantizer, llama-cpp-python, which
 imports diskcache when it is imported. GPU_IMPORTS maps each distribution to the module imported.
 
 A GPU machine such as the workplace's H200 (python 3.12 with torch 2.11 + triton 3.6, numpy, jinja2,
@@ -40,7 +40,7 @@ SITE_DIR = REPO / ".site"
 GPU_IMPORTS = {"torch": "torch", "numpy": "numpy", "triton": "triton", "gguf": "gguf", "tokenizers": "tokenizers",
                "jinja2": "jinja2", "pytest": "pytest", "llama-cpp-python": "llama_cpp", "diskcache": "diskcache"}
 PURE_WHEELS = ("gguf", "diskcache")  # pip download: pure-Python wheels for the GPU machine's Python
-LLAMA = "llama-cpp-python==0.3.36"  # pip wheel: tests/test_cuda.py's quantizer, built once by `make test`
+LLAMA = "llama-cpp-python==0.3.36"  # pip wheel: tests/engine/test_cuda.py's quantizer, built once by `make test`
 CARRIED = PURE_WHEELS + ("llama-cpp-python",)
 
 

@@ -5,7 +5,7 @@ defaults for it (a base model: text continuation, DRY on, stop at a blank line),
 
 Runs headless (Textual's pilot) with a throwaway data directory. The same scenario, with the
 speeds (which vary by machine) blanked, is the snapshot test
-tests/test_app_snapshots.py::test_snapshot_demo_first_answer.
+tests/app/test_app_snapshots.py::test_snapshot_demo_first_answer.
 """
 from __future__ import annotations
 

@@ -61,7 +61,7 @@ def torch_cpu_formats(monkeypatch):
 
 
 def pytest_configure(config):
-    """The demo answer has one snapshot per CPU kernel family (tests/test_app_snapshots.py): the
+    """The demo answer has one snapshot per CPU kernel family (tests/app/test_app_snapshots.py): the
     other family's is unused on any one machine, which syrupy would count as a failure."""
     if hasattr(config.option, "warn_unused_snapshots"):
         config.option.warn_unused_snapshots = True

@@ -1,7 +1,7 @@
 """oterm (PyPI, a Textual client for Ollama) in a venv of its own under `.cache/oterm-venv`: it pins
 its own pydantic/huggingface_hub versions, so it never touches the project's environment.
 
-`tests/test_server_oterm.py` makes it on first use; `make test` makes it beforehand, beside the
+`tests/server/test_server_oterm.py` makes it on first use; `make test` makes it beforehand, beside the
 project's own install (`python3 tests/oterm_venv.py`), on the core that install leaves idle. Only
 the standard library here: the Makefile runs it with the machine's python3."""
 from __future__ import annotations

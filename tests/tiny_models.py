@@ -1,18 +1,22 @@
-"""Tiny random Gemma-4 GGUFs that llama.cpp loads, written with the `gguf` writer.
+"""Tiny random Gemma-4 GGUFs that llama.cpp loads, written with the `gguf` writer (and a tiny
+random Gemma 3 built in memory, `tiny_gemma3`).
 
 Weights are tame (norm weights near 1, small init) so random models stay numerically well
 conditioned: the comparison with llama.cpp then measures structure, not noise amplification.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
+import torch
 from gguf import GGUFWriter
 
 from engine.cpu_runtime import default_threads  # the oracle's threads: as many as ours
+from models.gemma3 import Gemma3Config, Gemma3Model
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>", "<|think|>"]
 USER_DEFINED = ["<|channel>", "<channel|>", "<|tool_response>"]
@@ -370,3 +374,30 @@ def llama_cpp_greedy(path: Path, prompt: list[int], n: int, n_ctx: int = 512) ->
         return out
     finally:
         llm.close()
+
+
+def tiny_gemma3(seed: int = 5) -> Gemma3Model:
+    """A random 4-layer Gemma 3 (S, S, S, F), window 6, GQA 4/2, built in memory (no GGUF needed)."""
+    cfg = Gemma3Config(n_layer=4, d_model=128, vocab_size=384, n_head=4, n_kv_head=2, head_dim=32, ffn_width=256,
+                       is_sliding=(True, True, True, False), sliding_window=6, rope_base_full=1e6,
+                       rope_base_sliding=1e4, query_scale=32 ** -0.5, final_softcap=30.0)
+    g = torch.Generator().manual_seed(seed)
+
+    def mat(o, i):
+        return torch.randn(o, i, generator=g) / math.sqrt(i)
+
+    def norm(n):
+        return 1.0 + 0.1 * torch.randn(n, generator=g)
+
+    d, hd = cfg.d_model, cfg.head_dim
+    w = {"token_embd.weight": 0.15 * torch.randn(cfg.vocab_size, d, generator=g), "output_norm.weight": norm(d)}
+    for i in range(cfg.n_layer):
+        b = f"blk.{i}."
+        w.update({b + "attn_norm.weight": norm(d), b + "attn_q.weight": mat(cfg.n_head * hd, d),
+                  b + "attn_k.weight": mat(cfg.n_kv_head * hd, d), b + "attn_v.weight": mat(cfg.n_kv_head * hd, d),
+                  b + "attn_q_norm.weight": norm(hd), b + "attn_k_norm.weight": norm(hd),
+                  b + "attn_output.weight": mat(d, cfg.n_head * hd), b + "post_attention_norm.weight": norm(d),
+                  b + "ffn_norm.weight": norm(d), b + "ffn_gate.weight": mat(cfg.ffn_width, d),
+                  b + "ffn_up.weight": mat(cfg.ffn_width, d), b + "ffn_down.weight": mat(d, cfg.ffn_width),
+                  b + "post_ffw_norm.weight": norm(d)})
+    return Gemma3Model(cfg, w)

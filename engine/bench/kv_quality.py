@@ -1,7 +1,7 @@
 """`edgegem kv-check`: what each KV cache format costs on one model, as next-token KL divergence.
 
 The method of the 270M table in docs/benchmarks.md#the-8-bit-formats-in-the-test
-(tests/test_kv_formats.py): a text longer than the sliding window goes through the model in
+(tests/engine/test_kv_formats.py): a text longer than the sliding window goes through the model in
 64-token chunks, once per KV format, each format in its own pools, so every chunk after the
 first attends over KV that earlier chunks stored (and rounded) the way decode does. Each chunk's
 next-token distributions are compared with the reference format's (fp32 on the CPU: exact; bf16

@@ -11,7 +11,7 @@
 
 A model's forward written as one ggml graph is a model file (models/gemma3_ggml.py), built from
 the names below. Importing this package loads no library: `available()` or the first graph does,
-once. Nothing here imports `kernels.triton`, nor it this (tests/test_layering.py).
+once. Nothing here imports `kernels.triton`, nor it this (tests/repo/test_layering.py).
 """
 from . import attention, graph, moe, ops
 from .graph import Graph, layout

@@ -20,7 +20,7 @@ TRITON_INTERPRET is settled (the compile workers set it in their initializer, af
 is imported), and because two launchers carry their module's name (`qmatmul`, `kv_store`), which a
 re-export here would shadow as soon as the module is imported. GPU generations are `kernels.arch`,
 shared with the rest of kernels/. Nothing here imports `kernels.ggml`, nor it this
-(tests/test_layering.py).
+(tests/repo/test_layering.py).
 """
 __all__ = ["attention", "compile_check", "fused", "interpreter_compat", "kv_store", "launch", "qdequant",
            "qformats", "qkv", "qmatmul", "qpack", "sass"]

@@ -160,7 +160,7 @@ def test_gemma3_kernel_path():
     from gguf.quants import quantize
 
     from models.gemma3 import Gemma3Model
-    from test_batch_decode import tiny_gemma3
+    from tiny_models import tiny_gemma3
 
     dense = tiny_gemma3()
     emb = dense.w["token_embd.weight"]

@@ -29,7 +29,7 @@ from kernels.triton.qpack import PLANE_BYTES, PackedQuant, dequantize_packed_ref
 from models.quant import GGMLType, block_size, dequantize, row_bytes
 
 TYPES = [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.Q5_0, GGMLType.Q4_0]
-# Byte offsets of the float16 scale fields inside one block (as in tests/test_quant.py).
+# Byte offsets of the float16 scale fields inside one block (as in tests/models/test_quant.py).
 F16_FIELDS = {
     GGMLType.Q4_0: (0,), GGMLType.Q5_0: (0,), GGMLType.Q8_0: (0,),
     GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2), GGMLType.Q6_K: (208,),

@@ -1,0 +1,46 @@
+"""A Gemma 3 decode token as one ggml graph (models/gemma3_ggml.py: every layer, the final norm and
+the head) against one graph a layer and against the four graph runs a layer: the same nodes in the
+same order, so the engine's tokens and log-probabilities are bit for bit the same, on the real demo
+model (Gemma 3 270M Q4_K_M), two requests decoded together, past a window bucket (64 keys) so the
+step's graph is rebuilt on the way."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import ggml
+from kernels.env import reload
+from tests.models.test_ggml_layer import decode_greedy
+
+pytestmark = pytest.mark.skipif(not ggml.available(), reason=f"ggml binding unavailable: {ggml.reason()}")
+
+
+def test_one_graph_a_token_gives_the_layer_graphs_bits(gemma3_270m_path, monkeypatch):
+    from engine.api import open_model
+    from models import gemma3
+
+    lm = open_model(gemma3_270m_path, exact=False)
+    text = lm.tokenizer.encode("The lighthouse keeper climbed the stairs and")
+    prompts = (text + [236743] * 52, text[:5] + [236743] * 3)  # the first crosses 64 keys while decoding
+    step = gemma3.Gemma3Model.decode_step
+    ran = []
+    monkeypatch.setattr(gemma3.Gemma3Model, "decode_step",
+                        lambda self, *a: (lambda r: (ran.append(r is not None), r)[1])(step(self, *a)))
+    whole = decode_greedy(lm, prompts, 14)
+    assert sum(ran) >= 2 * 13 and all(ran)  # every decode step (the prompts' last rows too)
+    monkeypatch.setenv("EDGEGEM_CPU_STEP_GRAPH", "0")
+    reload()
+    layers = decode_greedy(lm, prompts, 14)
+    monkeypatch.setenv("EDGEGEM_CPU_LAYER_GRAPH", "0")
+    reload()
+    four = decode_greedy(lm, prompts, 14)
+    assert whole == layers == four
+    assert all(len(ids) == 14 for ids, _ in whole)
+
+
+def test_bad_inputs_are_one_line_errors():
+    from models.gemma3_ggml import decode_step
+
+    with pytest.raises(ValueError, match="ggml decode_step: one token"):
+        decode_step(object(), torch.zeros(2, 8), [], [(torch.ones(1, 1, 4), torch.zeros(1, 1, 4))], torch.ones(8),
+                    None, 1, 1, 8, 1e-6, 1.0, False)
