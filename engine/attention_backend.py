@@ -74,15 +74,19 @@ class TritonAttention(AttentionBackend):
 _REGISTRY = {"torch": TorchAttention, "triton": TritonAttention}
 
 
-def get_attention_backend(name: str = "auto", device: str | torch.device = "cpu") -> AttentionBackend:
-    """`auto`: triton where `kernels.arch.triton_supported(device)` (a CUDA GPU of sm_75 or newer,
-    triton importable), torch otherwise. `triton` named on an older GPU is a one-line ValueError
-    saying why (on the CPU it stays allowed: the interpreter runs it in tests)."""
+def get_attention_backend(name: str = "auto", device: str | torch.device = "cpu", runtime=None) -> AttentionBackend:
+    """`auto`: triton for a model whose runtime (`models.runtime.Runtime`, decided at load) is
+    triton, torch for every other runtime; a model built without the loader (no runtime) asks
+    `kernels.arch.triton_supported(device)` (a CUDA GPU of sm_75 or newer, triton importable).
+    `triton` named on an older GPU is a one-line ValueError saying why (on the CPU it stays
+    allowed: the interpreter runs it in tests)."""
     from kernels.arch import triton_supported
+    from models.runtime import Runtime
 
     device = torch.device(device)
     if name == "auto":
-        name = "triton" if triton_supported(device)[0] else "torch"
+        triton = runtime is Runtime.TRITON if runtime is not None else triton_supported(device)[0]
+        name = "triton" if triton else "torch"
     elif name == "triton" and device.type == "cuda":
         ok, why = triton_supported(device)
         if not ok:

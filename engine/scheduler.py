@@ -87,7 +87,7 @@ class Engine:
         self.spec, self.spec_stats = spec, SpecStats()
         self.window = model.cfg.sliding_window if any(model.cfg.is_sliding) else None
         self.runner = ModelRunner(model, self.config.fast_prefill)
-        backend = get_attention_backend(self.config.attention_backend, model.device)
+        backend = get_attention_backend(self.config.attention_backend, model.device, getattr(model, "runtime", None))
         self.attention_backend = None if backend.name == "torch" else backend
         self.ggml_attention = ggml_attention_for(model, self.attention_backend)  # each SequenceKV's, once
         self.waiting: deque[Request] = deque()

@@ -105,7 +105,7 @@ def measure(model, tokens: list[int], chunk: int = DEFAULT_CHUNK, formats: Optio
         formats, skipped = formats_to_check(device)
     else:
         skipped = {}
-    backend = get_attention_backend("auto", device)
+    backend = get_attention_backend("auto", device, getattr(model, "runtime", None))
     backend = None if backend.name == "torch" else backend  # the engine's choice: triton on CUDA
     runner = ModelRunner(model, fast_prefill=False)
     ref_kv = _sequence(model, ref, len(tokens), backend)  # its own pools even when `formats` names it too

@@ -169,11 +169,15 @@ class _Tripwire:
 
     @contextmanager
     def watching(self):
-        self.events, self.armed = [], True
+        """Records while armed. The import system's own byte-code writes (a module the render
+        imports for the first time, where `PYTHONDONTWRITEBYTECODE` is unset) are not the
+        template's doing: they are switched off meanwhile."""
+        dont_write = sys.dont_write_bytecode
+        self.events, self.armed, sys.dont_write_bytecode = [], True, True
         try:
             yield self.events
         finally:
-            self.armed = False
+            self.armed, sys.dont_write_bytecode = False, dont_write
 
 
 _TRIPWIRE: list[_Tripwire] = []

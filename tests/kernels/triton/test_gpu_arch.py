@@ -211,6 +211,20 @@ def test_gpus_older_than_turing_take_the_torch_path(fake_cuda, monkeypatch):
     assert use_kernels(torch.empty(1)) is False  # a CPU tensor outside kernels_on_cpu()
 
 
+def test_auto_attention_backend_follows_the_models_runtime(fake_cuda):
+    """The engine passes the runtime decided at load: triton attention for the triton runtime
+    only, whatever the device says; without a runtime (a model built by hand) the device decides."""
+    from models.runtime import Runtime
+
+    fake_cuda((8, 6))
+    assert get_attention_backend("auto", "cuda", Runtime.TRITON).name == "triton"
+    for rt in (Runtime.GPU_TORCH, Runtime.REFERENCE):  # the model was loaded for torch ops
+        assert get_attention_backend("auto", "cuda", rt).name == "torch", rt
+    assert get_attention_backend("auto", "cuda").name == "triton"
+    for rt in (Runtime.GGML, Runtime.CPU_TORCH, None):
+        assert get_attention_backend("auto", "cpu", rt).name == "torch", rt
+
+
 def test_gpu_support_table():
     rows = {cap: api.gpu_support(cap) for cap in ((6, 1), (7, 0), (7, 5), (8, 0), (8, 6), (8, 9), (9, 0))}
     assert [c for c, s in rows.items() if s.triton] == [(7, 5), (8, 0), (8, 6), (8, 9), (9, 0)]
