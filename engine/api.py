@@ -249,7 +249,7 @@ def engine_plan(lm: LoadedModel, opts: EngineOptions):
     the KV formats and prefill chunk it assumed (the fitted one when the plan lowered it); plan is
     None for an HF folder (no tensor table)."""
     from .kv.format import resolve_format
-    from .memory_plan import PlanOptions, default_budget, default_chunk, parse_size, plan_memory
+    from .memory_plan import PlanOptions, default_chunk, loaded_budget, parse_size, plan_memory
 
     device = lm.model.device.type
     kv = resolve_format(opts.kv_cache_dtype, device).name
@@ -257,7 +257,7 @@ def engine_plan(lm: LoadedModel, opts: EngineOptions):
     chunk = opts.prefill_chunk or default_chunk(device)
     plan = None
     if isinstance(getattr(lm.source, "tensors", None), dict):  # a GGUF: plan from its tensor table
-        budget = parse_size(opts.gpu_memory_budget) if opts.gpu_memory_budget else default_budget(device)[0]
+        budget = parse_size(opts.gpu_memory_budget) if opts.gpu_memory_budget else loaded_budget(device)[0]
         plan = plan_memory(lm.source, PlanOptions(budget=budget, device=device, kv_format=kv, swa_format=swa,
                                                   embed_weights=opts.embed_weights, prefill_chunk=opts.prefill_chunk,
                                                   max_running=opts.max_running_requests,

@@ -137,6 +137,27 @@ def host_available() -> int:
     raise RuntimeError("no MemAvailable in /proc/meminfo")
 
 
+def process_anon_bytes() -> int:
+    """This process's anonymous resident memory (RssAnon): what a model loaded into it holds
+    outside the page cache (weights read into buffers; a mapped file's pages count as available)."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def loaded_budget(device: str) -> tuple[int, str]:
+    """`default_budget` for a plan made after the model is loaded into this process: on the CPU
+    the weights already took their share of available memory, so what they hold (RssAnon) is
+    counted back in (the plan counts the weights in what it needs); a GPU's free memory is what
+    it is."""
+    budget, source = default_budget(device)
+    if device != "cpu":
+        return budget, source
+    return budget + process_anon_bytes(), f"{source}, plus what this process holds (the loaded weights)"
+
+
 def default_budget(device: str) -> tuple[int, str]:
     """90% of free memory: the other 10% is left to the desktop, other processes and fragmentation."""
     import torch

@@ -24,11 +24,10 @@ import torch
 import torch.nn.functional as F
 
 
-class ExpertMatrix:
-    """Expert e's [out, in] matrix: `raw` uint8 [out, row bytes], a view into the bank's bytes."""
+class _FileBytes:
+    """What a weight over GGUF bytes (`raw`, uint8) says of itself: its tensors, bytes, device."""
 
-    def __init__(self, raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]):
-        self.raw, self.ggml_type, self.shape = raw, int(ggml_type), (int(shape[0]), int(shape[1]))
+    raw: torch.Tensor
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -41,6 +40,13 @@ class ExpertMatrix:
     @property
     def device(self) -> torch.device:
         return self.raw.device
+
+
+class ExpertMatrix(_FileBytes):
+    """Expert e's [out, in] matrix: `raw` uint8 [out, row bytes], a view into the bank's bytes."""
+
+    def __init__(self, raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]):
+        self.raw, self.ggml_type, self.shape = raw, int(ggml_type), (int(shape[0]), int(shape[1]))
 
     def dense(self, dtype=torch.float32) -> torch.Tensor:
         """The expert's matrix dequantized (float32 values, exact in float64 too)."""
@@ -60,7 +66,7 @@ class ExpertMatrix:
         return dequantize_rows(self.raw, self.ggml_type, ids.reshape(-1).long(), self.shape[1])
 
 
-class ExpertBank:
+class ExpertBank(_FileBytes):
     """[E, out, in] experts in the file's bytes (`raw`: uint8 [E, out, row bytes]). `bank[e]` is
     expert e (ExpertMatrix, no copy); `ggml_bank()` the ggml tensor the MoE graph multiplies."""
 
@@ -71,18 +77,6 @@ class ExpertBank:
         E, n, k = self.shape
         self.raw = raw.reshape(E, n, row_bytes(self.ggml_type, k))
         self._ggml: Optional[object] = None
-
-    @property
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.raw,)
-
-    @property
-    def nbytes(self) -> int:
-        return self.raw.numel()
-
-    @property
-    def device(self) -> torch.device:
-        return self.raw.device
 
     def __len__(self) -> int:
         return self.shape[0]

@@ -132,6 +132,25 @@ def test_engine_config_runs_with_the_fitted_values(layouts, opts, chunk, running
     assert (ec.full_tokens, ec.window_tokens) == (plan.kv["full"]["tokens"], plan.kv["window"]["tokens"])
 
 
+def test_a_loaded_cpu_model_is_planned_with_the_memory_its_weights_already_hold(layouts, monkeypatch):
+    """The engine plans after the load: on the CPU the weights already took their share of
+    available memory, and the plan counts them again in what it needs, so what the process holds
+    (RssAnon) is counted back in. Without that a model filling most of RAM (the 26B-A4B's 16.8 GB
+    on 24 GiB) was refused at engine start for its own weights."""
+    from engine import memory_plan
+
+    g, cfg = layouts["e4b"]
+    lm = _fake_loaded(g, cfg, device="cpu")
+    held = int(parse_size("3GiB"))  # about E4B's weights (2.8 GB)
+    monkeypatch.setattr(memory_plan, "host_available", lambda: int(parse_size("2GiB")))  # what is left after the load
+    monkeypatch.setattr(memory_plan, "process_anon_bytes", lambda: held)  # what the load took
+    plan = api.engine_plan(lm, api.EngineOptions())[0]
+    assert plan.options["budget"] == int(0.9 * parse_size("2GiB")) + held
+    monkeypatch.setattr(memory_plan, "process_anon_bytes", lambda: 0)  # the same memory, weights not counted back
+    with pytest.raises(BudgetTooSmall):
+        api.engine_plan(lm, api.EngineOptions())
+
+
 def test_app_loading_plan_says_what_was_fitted(layouts):
     g, cfg = layouts["e4b"]
     plan = plan_memory(g, PlanOptions(budget=parse_size("3.5GiB")), cfg)
