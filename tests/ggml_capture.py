@@ -39,23 +39,7 @@ def capture_mul_mats(path: Path, batches: list[list[int]], weights: set[str], n_
         out.append((w_name, x, y))
         return True
 
-    mp = L.llama_model_default_params()
-    model = L.llama_model_load_from_file(str(path).encode(), mp)
-    cp = L.llama_context_default_params()
-    cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, n_ctx, n_ctx
-    cp.n_threads = cp.n_threads_batch = n_threads or default_threads()
-    cp.type_k = cp.type_v = 0  # F32 KV
-    cp.flash_attn_type = 0  # disabled
-    cp.cb_eval, cp.cb_eval_user_data = observe, None
-    ctx = L.llama_init_from_model(model, cp)
-    try:
-        for tokens in batches:
-            arr = (ctypes.c_int32 * len(tokens))(*tokens)
-            if L.llama_decode(ctx, L.llama_batch_get_one(arr, len(tokens))) != 0:
-                raise RuntimeError("llama_decode failed")
-    finally:
-        L.llama_free(ctx)
-        L.llama_model_free(model)
+    _decode(path, batches, observe, n_ctx, n_threads)
     return out
 
 
@@ -85,6 +69,15 @@ def capture_nodes(path: Path, batches: list[list[int]], names: set[str], n_ctx: 
         out[name].append(np.frombuffer(ggml.tensor_bytes(t), dtype=np.float32).copy())
         return True
 
+    _decode(path, batches, observe, n_ctx, n_threads, extra_bufts)
+    return out
+
+
+def _decode(path: Path, batches: list[list[int]], observe, n_ctx: int, n_threads: int, extra_bufts: bool = True) -> None:
+    """llama.cpp (CPU, F32 KV, no flash attention) over `batches`, one llama_decode each, with the
+    eval callback `observe` on every graph node; `extra_bufts` False keeps the GGUF weight layout."""
+    import llama_cpp as L
+
     mp = L.llama_model_default_params()
     mp.use_extra_bufts = extra_bufts
     model = L.llama_model_load_from_file(str(path).encode(), mp)
@@ -103,4 +96,3 @@ def capture_nodes(path: Path, batches: list[list[int]], names: set[str], n_ctx: 
     finally:
         L.llama_free(ctx)
         L.llama_model_free(model)
-    return out
