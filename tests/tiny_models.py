@@ -401,3 +401,25 @@ def tiny_gemma3(seed: int = 5) -> Gemma3Model:
                   b + "ffn_up.weight": mat(cfg.ffn_width, d), b + "ffn_down.weight": mat(d, cfg.ffn_width),
                   b + "post_ffw_norm.weight": norm(d)})
     return Gemma3Model(cfg, w)
+
+
+def greedy_forward(model, prompt: list[int], n: int) -> list[int]:
+    """`n` greedy tokens: the prompt in one forward, then one token a forward (as llama.cpp's
+    generation runs), over a DenseKVCache."""
+    from models.kv_cache import DenseKVCache
+
+    cache, out = DenseKVCache(), []
+    logits = model.forward(torch.tensor(prompt), cache=cache)[-1]
+    for _ in range(n):
+        out.append(int(logits.argmax()))
+        logits = model.forward(torch.tensor([out[-1]]), torch.tensor([len(prompt) + len(out) - 1]), cache)[-1]
+    return out
+
+
+def llama_cpp_greedy_until_near_tie(path, prompt: list[int], n: int, tie: float) -> list[int]:
+    """llama.cpp's greedy tokens up to (not including) the first whose top-2 logit gap is below `tie`
+    (a gap one flipped 8-bit activation rounding can close)."""
+    ref = llama_cpp_greedy(path, prompt, n)
+    logits = np.sort(llama_cpp_logits(path, prompt + ref)[len(prompt) - 1:], axis=-1)
+    gaps = logits[:, -1] - logits[:, -2]
+    return ref[:next((i for i, g in enumerate(gaps[:n]) if g < tie), n)]

@@ -20,7 +20,8 @@ import torch
 from kernels import ggml
 from models.formats import GGMLWeight
 from models.formats import ggml as ggml_format
-from tiny_models import TinySpec, llama_cpp_greedy, llama_cpp_logits, quantize_gguf, write_tiny_gemma4
+from tiny_models import (TinySpec, greedy_forward, llama_cpp_greedy_until_near_tie, llama_cpp_logits,
+                         quantize_gguf, write_tiny_gemma4)
 
 pytestmark = [pytest.mark.skipif(not ggml.available(), reason=f"ggml binding unavailable: {ggml.reason()}")]
 TIE = 0.01  # a top-2 logit gap one flipped 8-bit activation rounding can close (module doc)
@@ -41,24 +42,6 @@ def fast(tiny_q4km):
     return load_model(tiny_q4km, with_tokenizer=False, weight_dtype=torch.float16, cpu_quant=True).model
 
 
-def _greedy(model, prompt: list[int], n: int) -> list[int]:
-    """The prompt in one forward, then one token a forward (as llama.cpp's generation runs)."""
-    from models.kv_cache import DenseKVCache
-
-    cache, out = DenseKVCache(), []
-    logits = model.forward(torch.tensor(prompt), cache=cache)[-1]
-    for _ in range(n):
-        out.append(int(logits.argmax()))
-        logits = model.forward(torch.tensor([out[-1]]), torch.tensor([len(prompt) + len(out) - 1]), cache)[-1]
-    return out
-
-
-def _llama_cpp_until_near_tie(path, prompt: list[int], n: int) -> list[int]:
-    """llama.cpp's greedy tokens up to (not including) the first whose top-2 gap is below TIE."""
-    ref = llama_cpp_greedy(path, prompt, n)
-    logits = np.sort(llama_cpp_logits(path, prompt + ref)[len(prompt) - 1:], axis=-1)
-    gaps = logits[:, -1] - logits[:, -2]
-    return ref[:next((i for i, g in enumerate(gaps[:n]) if g < TIE), n)]
 
 
 def test_every_matrix_is_a_ggml_product(fast, tiny_q4km):
@@ -84,8 +67,8 @@ def test_every_matrix_is_a_ggml_product(fast, tiny_q4km):
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_tokens_equal_llama_cpps(fast, tiny_q4km, prompt, monkeypatch):
     monkeypatch.setattr(ggml_format, "PACKED_ROWS", 1 << 20)  # llama.cpp's placement for the prompt rows too
-    ref = _llama_cpp_until_near_tie(tiny_q4km, list(prompt), 24)
-    assert len(ref) >= 8 and _greedy(fast, list(prompt), 24)[:len(ref)] == ref
+    ref = llama_cpp_greedy_until_near_tie(tiny_q4km, list(prompt), 24, TIE)
+    assert len(ref) >= 8 and greedy_forward(fast, list(prompt), 24)[:len(ref)] == ref
 
 
 def test_engine_greedy_tokens_equal_llama_cpps(tiny_q4km, monkeypatch):
@@ -101,7 +84,7 @@ def test_engine_greedy_tokens_equal_llama_cpps(tiny_q4km, monkeypatch):
     reqs = [engine.add(list(p), SamplingParams(temperature=0.0, max_tokens=16)) for p in PROMPTS]
     engine.run_to_completion()
     for p, r in zip(PROMPTS, reqs):
-        ref = _llama_cpp_until_near_tie(tiny_q4km, list(p), 16)
+        ref = llama_cpp_greedy_until_near_tie(tiny_q4km, list(p), 16, TIE)
         assert len(ref) >= 8 and r.output_ids[:len(ref)] == ref
 
 

@@ -20,7 +20,7 @@ import torch
 from kernels import ggml
 from models.formats import ExpertBank
 from models.gguf import GGUFFile
-from tiny_models import TinySpec, llama_cpp_greedy, llama_cpp_logits, quantize_gguf, write_tiny_gemma4
+from tiny_models import (TinySpec, greedy_forward, llama_cpp_greedy_until_near_tie, quantize_gguf, write_tiny_gemma4)
 
 MOE = TinySpec(n_layer=3, pattern=[True, True, False], n_kv_shared=0, ple_width=0, n_head=4, n_kv_head=[2, 2, 1],
                n_expert=5, n_expert_used=3, expert_ffn=160, double_wide=False, v_on_full_layers=False, tied=False)
@@ -54,23 +54,6 @@ def _load(path, runtime: str, dtype=torch.float32):
     return _models[key]
 
 
-def _greedy(model, prompt: list[int], n: int) -> list[int]:
-    """The prompt in one forward (the MoE graph over all its rows), then one token a forward."""
-    from models.kv_cache import DenseKVCache
-
-    cache, out = DenseKVCache(), []
-    logits = model.forward(torch.tensor(prompt), cache=cache)[-1]
-    for _ in range(n):
-        out.append(int(logits.argmax()))
-        logits = model.forward(torch.tensor([out[-1]]), torch.tensor([len(prompt) + len(out) - 1]), cache)[-1]
-    return out
-
-
-def _llama_cpp_until_near_tie(path, prompt: list[int], n: int) -> list[int]:
-    ref = llama_cpp_greedy(path, prompt, n)
-    logits = np.sort(llama_cpp_logits(path, prompt + ref)[len(prompt) - 1:], axis=-1)
-    gaps = logits[:, -1] - logits[:, -2]
-    return ref[:next((i for i, g in enumerate(gaps[:n]) if g < TIE), n)]
 
 
 @pytest.mark.parametrize("runtime", ["reference", "ggml", "cpu_torch"])
@@ -179,8 +162,8 @@ def test_prefill_runs_one_moe_graph_a_layer_over_all_rows(moe_file, monkeypatch)
 @needs_ggml
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_tokens_equal_llama_cpps(moe_file, prompt):
-    ref = _llama_cpp_until_near_tie(moe_file, list(prompt), 16)
-    assert len(ref) >= 8 and _greedy(_load(moe_file, "ggml"), list(prompt), 16)[:len(ref)] == ref
+    ref = llama_cpp_greedy_until_near_tie(moe_file, list(prompt), 16, TIE)
+    assert len(ref) >= 8 and greedy_forward(_load(moe_file, "ggml"), list(prompt), 16)[:len(ref)] == ref
 
 
 @needs_ggml
@@ -196,7 +179,7 @@ def test_engine_batched_decode_gives_llama_cpps_tokens(moe_file):
     reqs = [engine.add(list(p), SamplingParams(temperature=0.0, max_tokens=12)) for p in PROMPTS]
     engine.run_to_completion()
     for p, r in zip(PROMPTS, reqs):
-        ref = _llama_cpp_until_near_tie(moe_file, list(p), 12)
+        ref = llama_cpp_greedy_until_near_tie(moe_file, list(p), 12, TIE)
         assert len(ref) >= 8 and r.output_ids[:len(ref)] == ref
 
 
@@ -221,7 +204,7 @@ def test_torch_fallback_gives_the_same_greedy_tokens(moe_file, torch_cpu_formats
     position of 40), so the tied steps are skipped rather than ending the comparison. (One prompt,
     12 tokens: each expert product dequantizes its expert, ~2 s a step on the loaded 2-core VM.)"""
     model, ref_model, prompt = _load(moe_file, "cpu_torch"), _load(moe_file, "reference", torch.float64), PROMPTS[0]
-    ref_tokens = _greedy(ref_model, list(prompt), 12)
+    ref_tokens = greedy_forward(ref_model, list(prompt), 12)
     ref = _decode_logits(ref_model, list(prompt), ref_tokens)
     top2 = ref.topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) >= 0.05
