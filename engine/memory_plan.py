@@ -129,22 +129,26 @@ def default_chunk(device: str) -> int:
     return 2048 if device == "cuda" else 512
 
 
-def host_available() -> int:
-    with open("/proc/meminfo") as fh:
+def _proc_kib(path: str, key: str) -> Optional[int]:
+    """Bytes of a "Key:   N kB" line of a /proc file, or None when it has no such line."""
+    with open(path) as fh:
         for line in fh:
-            if line.startswith("MemAvailable:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("no MemAvailable in /proc/meminfo")
+    return None
+
+
+def host_available() -> int:
+    n = _proc_kib("/proc/meminfo", "MemAvailable")
+    if n is None:
+        raise RuntimeError("no MemAvailable in /proc/meminfo")
+    return n
 
 
 def process_anon_bytes() -> int:
     """This process's anonymous resident memory (RssAnon): what a model loaded into it holds
     outside the page cache (weights read into buffers; a mapped file's pages count as available)."""
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return _proc_kib("/proc/self/status", "RssAnon") or 0
 
 
 def loaded_budget(device: str) -> tuple[int, str]:
