@@ -6,7 +6,7 @@ change under a running model and no module keeps a copy of its own. Every layer 
 so this module sits in the lowest one and imports nothing of ours (app/ reaches it through
 engine/env.py).
 
-Re-reading is explicit: `reload()` parses `os.environ` again (cheap: nine dictionary lookups). A
+Re-reading is explicit: `reload()` parses `os.environ` again (cheap: ten dictionary lookups). A
 test that sets a switch with `monkeypatch.setenv` calls `reload()` after it; tests/conftest.py
 reloads before and after every test, so one test's values never reach the next.
 
@@ -33,7 +33,7 @@ __all__ = ["ConfigError", "Env", "VARIABLES", "env", "reload"]
 # Every variable Env.from_environ reads (tests/kernels/test_env.py checks the two agree and that
 # docs/configuration.md documents each).
 VARIABLES = ("EDGEGEM_CPU_KERNELS", "EDGEGEM_CPU_ATTENTION", "EDGEGEM_CPU_LAYER_GRAPH", "EDGEGEM_CPU_STEP_GRAPH",
-             "EDGEGEM_IMAGE_PREVIEW", "EDGEGEM_FAILPOINTS", "EDGEGEM_DATA_DIR", "EDGEGEM_MODELS_DIR",
+             "EDGEGEM_CPU_REPACK", "EDGEGEM_IMAGE_PREVIEW", "EDGEGEM_FAILPOINTS", "EDGEGEM_DATA_DIR", "EDGEGEM_MODELS_DIR",
              "EDGEGEM_COMPILE_CACHE")
 
 _TRUE = ("1", "true", "on", "yes")
@@ -51,6 +51,7 @@ class Env:
     cpu_attention: str = "ggml"       # EDGEGEM_CPU_ATTENTION: decode attention on ggml | "torch"
     cpu_layer_graph: bool = True      # EDGEGEM_CPU_LAYER_GRAPH: a decode layer as one ggml graph
     cpu_step_graph: bool = True       # EDGEGEM_CPU_STEP_GRAPH: a decode token as one ggml graph
+    cpu_repack: str = "auto"          # EDGEGEM_CPU_REPACK: "auto" | "on" | "off" (models/formats/ggml.py)
     image_preview: str = "auto"       # EDGEGEM_IMAGE_PREVIEW: "auto" (graphics where the terminal has them) | "blocks"
     failpoints: str = ""              # EDGEGEM_FAILPOINTS: "NAME@N[,NAME@N...]", parsed by engine/failpoints.py
     data_dir: Optional[Path] = None   # EDGEGEM_DATA_DIR (~ expanded); None: the platform's user data dir
@@ -65,6 +66,7 @@ class Env:
             cpu_attention=_choice(environ, "EDGEGEM_CPU_ATTENTION", ("ggml", "torch")),
             cpu_layer_graph=_switch(environ, "EDGEGEM_CPU_LAYER_GRAPH", default=True),
             cpu_step_graph=_switch(environ, "EDGEGEM_CPU_STEP_GRAPH", default=True),
+            cpu_repack=_choice(environ, "EDGEGEM_CPU_REPACK", ("auto", "on", "off")),
             image_preview=_choice(environ, "EDGEGEM_IMAGE_PREVIEW", ("auto", "blocks")),
             failpoints=environ.get("EDGEGEM_FAILPOINTS", ""),
             data_dir=_folder(environ, "EDGEGEM_DATA_DIR", expand=True),

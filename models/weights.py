@@ -94,12 +94,13 @@ def repack_cpu(weights: dict, tables: frozenset) -> None:
     models/cpu_quant.cpu_weight's torch formats and the int8-ranked head (the GGUF copy is dropped
     as each is repacked)."""
     ggml = runtime.ggml_available()
+    copies = ggml and ggml_format.keeps_repacked_copies(repacked_bytes(weights, tables))
     for name in list(weights):
         w = weights[name]
         if isinstance(w, QuantWeight) and w.packed is None and name not in tables:
             weights[name] = None
             if ggml and ggml_format.takes(w.ggml_type, w.shape):
-                weights[name] = GGMLWeight(w.raw, w.ggml_type, w.shape)
+                weights[name] = GGMLWeight(w.raw, w.ggml_type, w.shape, repacked_copy=copies)
                 del w
                 continue
             q = _int8_head(w, weights.get("token_embd.host")) if name == "token_embd.weight" else None
@@ -107,6 +108,14 @@ def repack_cpu(weights: dict, tables: frozenset) -> None:
                 q = cpu_weight(w.raw, w.ggml_type, w.shape)
             weights[name] = HalfWeight(q) if isinstance(q, torch.Tensor) else q
             del w, q
+
+
+def repacked_bytes(weights: dict, tables: frozenset) -> int:
+    """Bytes of the repacked copies `repack_cpu` could add on the ggml runtime (formats/ggml.py)."""
+    from kernels import ggml
+
+    return sum(w.raw.numel() for n, w in weights.items() if isinstance(w, QuantWeight) and w.packed is None
+               and n not in tables and ggml_format.takes(w.ggml_type, w.shape) and ggml.repacks(w.ggml_type, w.shape[0]))
 
 
 def _int8_head(w: "QuantWeight", table) -> object | None:

@@ -15,11 +15,18 @@ AMD EPYC (AVX-512 VNNI/BF16) VM, one thread, CPU time (the VM was shared), 2026-
 | | 512 | - | 49.5 | 107 (float32 GEMM) |
 
 So ggml takes every product, one row or a prefill chunk. For the types ggml repacks on this CPU
-(Q4_K, Q4_0, IQ4_NL on AVX2; llama.cpp's own placement), the repacked layout is faster up to
-PACKED_ROWS rows (decode, a speculative verify, batched decode) and the GGUF bytes are faster for
-prefill chunks, 1.8x at 512 rows: both are kept for those types (the Q4_K bytes twice; E2B's
-peak RSS stays under its file's size since the 2.1 GB of lookup tables are read by pread and
-never resident). Other types (Q6_K, Q5_K, Q8_0, Q5_0, ..., and the dense F32/F16/BF16 matrices) are only the GGUF
+(Q4_K, Q4_0, IQ4_NL on AVX2; llama.cpp's own placement), a second copy in the repacked layout
+runs products of up to PACKED_ROWS rows (decode, a speculative verify, batched decode) where it
+pays, and the GGUF bytes everything else (prefill chunks: 1.8x faster at 512 rows above). That
+copy costs memory a user would rather give to context (E2B 0.9 GB, E4B 1.9 GB, 26B-A4B 0.8 GB,
+31B 14.2 GB at Q4_K_M), so it is held only where it pays (`keeps_repacked_copies`): on CPUs with
+AVX-512, where it was measured faster (table above); on AVX2 alone the GGUF bytes are as fast or
+faster at 1 to 4 rows (Q4_K, 2 threads, the 2-core AMD EPYC AVX2 VM, 2026-12-03, ms: [2112, 2816]
+1 row 0.34 vs 0.35 repacked, 4 rows 1.11 vs 1.16; [1536, 6144] 1 row 0.49 vs 0.63): the
+repacked layout only wins at 8 to 32 rows (8 rows 2.3 against 4.6 ms: ggml's K-quant products
+take 8 to 16 rows at the cost of 16, with another kernel, so a split would not be llama.cpp's
+bits), which a draft of the default 2 to 4 tokens (3 to 5 rows verified) never reaches.
+Other types (Q6_K, Q5_K, Q8_0, Q5_0, ..., and the dense F32/F16/BF16 matrices) are only the GGUF
 bytes, zero copy.
 Memory: the file's bytes (Q6_K: 0.82 bytes a weight, against float16's 2).
 """
@@ -30,6 +37,25 @@ from typing import Optional
 import torch
 
 PACKED_ROWS = 8  # rows up to which the repacked layout runs (crossover measured between 4 and 16)
+REPACK_SHARE = 0.25  # most of the memory free at load the repacked copies may take
+
+
+def keeps_repacked_copies(copy_bytes: int, free_bytes: Optional[int] = None) -> bool:
+    """Whether the matrices ggml repacks also get the repacked copy (module doc): where the CPU
+    has AVX-512 and the copies (`copy_bytes` in all) take at most REPACK_SHARE of the memory free
+    now (`free_bytes`; a 31B's 14 GB of copies never). EDGEGEM_CPU_REPACK=on|off decides instead."""
+    import os
+
+    from kernels import ggml
+    from kernels.env import env
+
+    if env().cpu_repack != "auto":
+        return env().cpu_repack == "on"
+    if not ggml.cpu_features().get("avx512"):
+        return False
+    if free_bytes is None:
+        free_bytes = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return copy_bytes <= REPACK_SHARE * free_bytes
 
 
 def takes(ggml_type: int, shape) -> bool:
@@ -53,13 +79,16 @@ class GGMLWeight:
     """A [out, in] GGUF matrix (`raw`: uint8 [out, row bytes]) multiplied by ggml (module doc).
     `.linear(x)` -> x W^T in x's dtype for any leading shape; `.rows(ids)` dequantizes rows."""
 
-    def __init__(self, raw: torch.Tensor, ggml_type: int, shape: tuple[int, int]):
+    def __init__(self, raw: torch.Tensor, ggml_type: int, shape: tuple[int, int],
+                 repacked_copy: Optional[bool] = None):
         from kernels import ggml
 
         self.ggml_type, self.shape = int(ggml_type), (int(shape[0]), int(shape[1]))
         self.plain = ggml.Matrix(raw, self.ggml_type, self.shape, repack=False)  # holds the bytes
         self.repacked: Optional[object] = None
-        if ggml.repacks(self.ggml_type, self.shape[0]):
+        if repacked_copy is None:  # one matrix on its own (the loader decides for a whole model)
+            repacked_copy = keeps_repacked_copies(self.plain.nbytes)
+        if repacked_copy and ggml.repacks(self.ggml_type, self.shape[0]):
             self.repacked = ggml.Matrix(self.plain.raw, self.ggml_type, self.shape, repack=True)
 
     @property

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from kernels import ggml
+from kernels.env import reload as reload_env
 from models.formats import GGMLWeight
 from models.formats import ggml as ggml_format
 from tiny_models import (TinySpec, greedy_forward, llama_cpp_greedy_until_near_tie, llama_cpp_logits,
@@ -37,9 +38,17 @@ def tiny_q4km(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fast(tiny_q4km):
+    """llama.cpp's placement: the repacked Q4_K copies held on every CPU (auto keeps them on AVX-512 only)."""
     from models.loader import load_model
 
-    return load_model(tiny_q4km, with_tokenizer=False, weight_dtype=torch.float16, cpu_quant=True).model
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EDGEGEM_CPU_REPACK", "on")
+        reload_env()
+        try:
+            return load_model(tiny_q4km, with_tokenizer=False, weight_dtype=torch.float16, cpu_quant=True).model
+        finally:
+            mp.delenv("EDGEGEM_CPU_REPACK")
+            reload_env()
 
 
 
@@ -79,6 +88,8 @@ def test_engine_greedy_tokens_equal_llama_cpps(tiny_q4km, monkeypatch):
     from engine.scheduler import Engine, EngineConfig
 
     monkeypatch.setattr(ggml_format, "PACKED_ROWS", 1 << 20)
+    monkeypatch.setenv("EDGEGEM_CPU_REPACK", "on")
+    reload_env()
     lm = open_model(tiny_q4km, exact=False)
     engine = Engine(lm.model, config=EngineConfig(full_tokens=256, prefill_chunk=512, fast_prefill=False))
     reqs = [engine.add(list(p), SamplingParams(temperature=0.0, max_tokens=16)) for p in PROMPTS]
@@ -124,3 +135,35 @@ def test_logits_stay_as_close_to_llama_cpp_as_the_reference(fast, tiny_q4km):
 
     assert cos(ours) >= 0.998 and cos(ours) >= cos(exact) - 2e-3
     assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+
+
+def test_repacked_copies_held_only_where_they_pay(monkeypatch):
+    """auto: the repacked copy on AVX-512 CPUs while it takes at most REPACK_SHARE of the free
+    memory, never on AVX2 alone (the GGUF bytes are as fast there); on/off force it."""
+    lib = ggml.library()
+    for avx512 in (False, True):
+        monkeypatch.setitem(lib.features, "avx512", avx512)
+        assert ggml_format.keeps_repacked_copies(10, free_bytes=1000) is avx512
+        assert ggml_format.keeps_repacked_copies(300, free_bytes=1000) is False  # a 31B's 14 GB on 24 GB
+        for forced, want in (("on", True), ("off", False)):
+            monkeypatch.setenv("EDGEGEM_CPU_REPACK", forced)
+            reload_env()
+            assert ggml_format.keeps_repacked_copies(300, free_bytes=1000) is want
+            monkeypatch.delenv("EDGEGEM_CPU_REPACK")
+            reload_env()
+
+
+def test_without_copies_every_matrix_is_the_files_bytes_once(tiny_q4km, monkeypatch):
+    """EDGEGEM_CPU_REPACK=off: no matrix holds a second layout, its bytes are the file's, and the
+    greedy tokens are llama.cpp's up to a near-tie (llama.cpp multiplies its repacked Q4_K: other
+    rounding, module doc)."""
+    from models.loader import load_model
+
+    monkeypatch.setenv("EDGEGEM_CPU_REPACK", "off")
+    reload_env()
+    one = load_model(tiny_q4km, with_tokenizer=False, weight_dtype=torch.float16, cpu_quant=True).model
+    mats = [v for v in one.w.values() if isinstance(v, GGMLWeight)]
+    assert mats and all(m.repacked is None and m.nbytes == m.plain.raw.numel() for m in mats)
+    assert any(ggml.repacks(m.ggml_type, m.shape[0]) for m in mats)  # there was something to copy
+    ref = llama_cpp_greedy_until_near_tie(tiny_q4km, list(PROMPTS[0]), 16, TIE)
+    assert len(ref) >= 8 and greedy_forward(one, list(PROMPTS[0]), 16)[:len(ref)] == ref
