@@ -63,8 +63,10 @@ def _greedy_loop(model, prompt: list[int], n_decode: int) -> dict:
 def _llama_cpp(path: Path, prompt: list[int], n_decode: int, threads: int) -> dict:
     import llama_cpp
 
+    t0 = time.perf_counter()
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(prompt) + n_decode + 8, n_batch=len(prompt),
                           n_ubatch=len(prompt), n_threads=threads, n_threads_batch=threads, verbose=False)
+    load_s = time.perf_counter() - t0  # its default placement: the file mapped, Q4_K repacked into memory
     try:
         t0 = time.perf_counter()
         llm.eval(prompt)
@@ -81,7 +83,8 @@ def _llama_cpp(path: Path, prompt: list[int], n_decode: int, threads: int) -> di
         decode_s = time.perf_counter() - t0
     finally:
         llm.close()
-    return {"prefill_tok_s": len(prompt) / prefill_s, "decode_tok_s": n_decode / decode_s, "ids": ids}
+    return {"load_s": load_s, "prefill_tok_s": len(prompt) / prefill_s, "decode_tok_s": n_decode / decode_s,
+            "ids": ids}
 
 
 def _peak_rss() -> int:
@@ -191,8 +194,9 @@ def synthetic_gguf(variant: Optional[str], keep: Optional[Path] = None) -> Itera
         yield write_synthetic_gguf(variant, Path(tmp) / f"synthetic-{variant}.gguf")
 
 
-CPU_COLUMNS = (Column("", 36, align="<"), Column("prefill tok/s", 13, ".1f"), Column("decode tok/s", 12, ".2f"),
-               Column("vs llama.cpp", 15), Column("peak RSS", 22), Column("greedy = llama.cpp's", 21))
+CPU_COLUMNS = (Column("", 36, align="<"), Column("load s", 7, ".1f"), Column("prefill tok/s", 13, ".1f"),
+               Column("decode tok/s", 12, ".2f"), Column("vs llama.cpp", 22), Column("peak RSS", 22),
+               Column("greedy = llama.cpp's", 21))
 
 
 def _leading_equal(a: list[int], b: list[int]) -> int:
@@ -221,10 +225,12 @@ def cpu_side_by_side(path: Optional[Path] = None, synthetic: Optional[str] = Non
         prompt = bench_prompt(vocab, n_prompt)
         file_bytes = os.path.getsize(path)
         rounds = [{k: run_child(k, path, prompt, n_decode, threads) for k in kinds} for _ in range(max(1, repeat))]
-    rows = {k: {"prefill_tok_s": max(r[k]["prefill_tok_s"] for r in rounds),
+    rows = {k: {"load_s": min(r[k]["load_s"] for r in rounds),
+                "prefill_tok_s": max(r[k]["prefill_tok_s"] for r in rounds),
                 "decode_tok_s": max(r[k]["decode_tok_s"] for r in rounds),
                 "peak_rss": max(r[k]["peak_rss"] for r in rounds),
-                "rounds": [{m: r[k][m] for m in ("prefill_tok_s", "decode_tok_s", "peak_rss")} for r in rounds]}
+                "rounds": [{m: r[k][m] for m in ("load_s", "prefill_tok_s", "decode_tok_s", "peak_rss")}
+                           for r in rounds]}
             for k in kinds}
     if "llama.cpp" in kinds:
         for k in kinds:
@@ -239,13 +245,20 @@ def cpu_side_by_side(path: Optional[Path] = None, synthetic: Optional[str] = Non
     lines = [f"{out['model']} ({file_bytes / 1e9:.2f} GB file): {n_prompt}-token prompt, {n_decode} decode steps, "
              f"{threads} threads, best of {repeat} alternating rounds",
              f"  {out['cpu']}", f"  edgegem's runtime: {out['runtime']}; CPU kernels: {out['kernels']}",
-             header(CPU_COLUMNS[:5 if ref is None else 6])]
+             header(CPU_COLUMNS[:6 if ref is None else 7])]
     for k, r in rows.items():
         vs = "" if ref is None or k == "llama.cpp" else \
-            f"{r['prefill_tok_s'] / ref['prefill_tok_s']:.2f}x / {r['decode_tok_s'] / ref['decode_tok_s']:.2f}x"
+            f"{r['prefill_tok_s'] / ref['prefill_tok_s']:.2f}x / {r['decode_tok_s'] / ref['decode_tok_s']:.2f}x / " \
+            f"{r['load_s'] / ref['load_s']:.2f}x"
         same = [f"{r['greedy_tokens_equal']} of {n_decode}"] if "greedy_tokens_equal" in r else []
-        lines.append(row(CPU_COLUMNS, [LABELS[k], r["prefill_tok_s"], r["decode_tok_s"], vs,
+        lines.append(row(CPU_COLUMNS, [LABELS[k], r["load_s"], r["prefill_tok_s"], r["decode_tok_s"], vs,
                                        f"{r['peak_rss'] / 1e9:.2f} GB ({r['peak_rss'] / file_bytes:.2f}x file)",
                                        *same]).rstrip())
+    if ref is not None and repeat > 1:  # every round's ratios, not only the best rounds'
+        for k, r in rows.items():
+            if k != "llama.cpp":
+                lines.append(f"  {LABELS[k]}, each round vs llama.cpp's same round (prefill / decode / load): " + ", ".join(
+                    f"{a['prefill_tok_s'] / b['prefill_tok_s']:.2f}x / {a['decode_tok_s'] / b['decode_tok_s']:.2f}x / "
+                    f"{a['load_s'] / b['load_s']:.2f}x" for a, b in zip(r["rounds"], ref["rounds"])))
     out["table"] = "\n".join(lines)
     return out

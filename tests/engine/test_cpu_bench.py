@@ -34,7 +34,7 @@ def test_side_by_side_reports_each_kind_and_its_greedy_agreement_with_llama_cpp(
     runs = out["runs"]
     assert list(runs) == ["llama.cpp", "loop", "engine"]
     for kind, r in runs.items():
-        assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and r["peak_rss"] > 0, kind
+        assert r["load_s"] > 0 and r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and r["peak_rss"] > 0, kind
         assert len(r["rounds"]) == 1
     assert "greedy_tokens_equal" not in runs["llama.cpp"]
     for kind in ("loop", "engine"):
