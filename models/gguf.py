@@ -89,6 +89,14 @@ class TensorInfo(TensorShape):
         """Raw bytes as a read-only uint8 view of the memory map (no copy)."""
         return self._file._mm[self.offset:self.offset + self.n_bytes]
 
+    def mapped(self) -> Optional[np.ndarray]:
+        """The raw bytes as a copy-on-write map of the file (writable, never written): no copy and
+        no read now; a page comes in from the page cache on first use and counts once, shared with
+        every process mapping the file (llama.cpp's default). None where they do not sit at ggml's
+        32-byte alignment (a file with a smaller general.alignment: read them instead)."""
+        view = self._file.cow_map()[self.offset:self.offset + self.n_bytes]
+        return view if view.ctypes.data % 32 == 0 else None
+
     def read(self, out: Optional[np.ndarray] = None) -> np.ndarray:
         """The raw bytes copied by a file read, not through the memory map: a weight repacked at load
         (models/cpu_quant.py) then leaves no mapped file pages behind in the process's RSS. `out`:
@@ -239,6 +247,7 @@ class GGUFFile(TensorTable):
             raise NotGGUFError(self.path, "not a GGUF file (empty)") from None
         except OSError as e:
             raise GGUFError(self.path, f"cannot open: {e.strerror or e}") from None
+        self._cow: Optional[np.memmap] = None
         cur = _Cursor(self._mm, self.path)
         if len(self._mm) < 4 or bytes(self._mm[:4]) != GGUF_MAGIC:
             raise NotGGUFError(self.path, "not a GGUF file (bad magic)")
@@ -310,6 +319,12 @@ class GGUFFile(TensorTable):
             raise UnsupportedTensorTypeError(self.path, f"unknown tensor type {gtype}", name) from None
         rel = cur.scalar("<Q", f"offset of {name}")
         return name, ne, gtype, rel
+
+    def cow_map(self) -> np.memmap:
+        """The whole file mapped copy-on-write (made on first use): `TensorInfo.mapped`."""
+        if self._cow is None:
+            self._cow = np.memmap(self.path, dtype=np.uint8, mode="c")
+        return self._cow
 
     def raw(self, name: str, shape: tuple[int, ...] | None = None) -> TensorInfo:
         """The tensor's info after checking its torch-order shape (when given) and type support."""

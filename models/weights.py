@@ -48,12 +48,24 @@ def _expert_bank(source, name: str, shape, device) -> ExpertBank | None:
     if shape is None or len(shape) != 3 or not hasattr(source, "raw"):
         return None
     info = source.raw(name, shape)
-    raw = torch.empty(info.n_bytes, dtype=torch.uint8)  # torch's allocator: 64-byte aligned, as ggml wants
-    if hasattr(info, "read"):  # a file read: no mapped pages stay resident
-        info.read(out=raw.numpy())
-    else:
-        raw.copy_(torch.from_numpy(np.asarray(info.data).reshape(-1).view(np.uint8)))
+    raw = _mapped(info) if torch.device(device).type == "cpu" else None
+    if raw is None:
+        raw = torch.empty(info.n_bytes, dtype=torch.uint8)  # torch's allocator: 64-byte aligned, as ggml wants
+        if hasattr(info, "read"):  # a file read: no mapped pages stay resident
+            info.read(out=raw.numpy())
+        else:
+            raw.copy_(torch.from_numpy(np.asarray(info.data).reshape(-1).view(np.uint8)))
     return ExpertBank(raw.to(device), info.ggml_type, shape)
+
+
+def _mapped(info) -> torch.Tensor | None:
+    """On the ggml runtime, a tensor that stays in its GGUF bytes is the file's map (gguf.py
+    `TensorInfo.mapped`): loading reads nothing, the pages come in on first use and count once
+    (page cache), as llama.cpp maps its files; None elsewhere (the bytes are read)."""
+    if not runtime.ggml_available() or not hasattr(info, "mapped"):
+        return None
+    view = info.mapped()
+    return None if view is None else torch.from_numpy(view)
 
 
 def _gguf_rows(source, name: str, shape, mapped: bool) -> QuantWeight | None:
@@ -76,8 +88,10 @@ def _gguf_rows(source, name: str, shape, mapped: bool) -> QuantWeight | None:
         with warnings.catch_warnings():  # a read-only map: the tables are only ever read
             warnings.simplefilter("ignore", UserWarning)
             data = torch.from_numpy(info.data)
-    else:
-        data = torch.from_numpy(info.read() if hasattr(info, "read") else info.data.copy())
+    else:  # to be repacked by the torch formats (a copy), or kept as the file's bytes by ggml (the map)
+        data = _mapped(info) if ggml_format.takes(info.ggml_type, shape) else None
+        if data is None:
+            data = torch.from_numpy(info.read() if hasattr(info, "read") else info.data.copy())
     raw = data.view(shape[0], row_bytes(info.ggml_type, shape[1]))
     w = QuantWeight(raw, info.ggml_type, shape, lookup=True)
     if mapped and hasattr(info, "_file"):  # rows are read with pread; the map only describes the bytes

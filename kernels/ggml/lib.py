@@ -318,7 +318,7 @@ class Matrix:
         if self.ggml_type not in TYPES:
             raise GGMLError(f"ggml type {ggml_type} is not a matrix type this binding multiplies")
         raw = raw.contiguous().view(torch.uint8).reshape(-1)
-        if raw.data_ptr() % 64:  # ggml wants TENSOR_ALIGNMENT (32); numpy buffers may be 16-aligned
+        if raw.data_ptr() % 32:  # ggml's TENSOR_ALIGNMENT; numpy buffers may be 16-aligned
             raw = raw.clone()  # torch's allocator aligns to 64
         if raw.numel() != lib.row_size(self.ggml_type, k) * n:
             raise ValueError(f"{TYPES[self.ggml_type]} [{n}, {k}]: {raw.numel()} bytes, expected "

@@ -25,7 +25,7 @@ from .lib import TYPES, GGMLError, library
 
 
 class Bank:
-    """[E, n, k] experts of `ggml_type` over `raw` (uint8, the GGUF bytes, 64-byte aligned, kept
+    """[E, n, k] experts of `ggml_type` over `raw` (uint8, the GGUF bytes, 32-byte aligned, kept
     alive here); `node` is the 3-D ggml tensor (ne = k, n, E) a graph binds (`Graph.matrix`)."""
 
     def __init__(self, raw: torch.Tensor, ggml_type: int, shape: tuple[int, int, int]):
@@ -35,8 +35,8 @@ class Bank:
         if self.ggml_type not in TYPES:
             raise GGMLError(f"ggml type {ggml_type} is not a matrix type this binding multiplies")
         raw = raw.view(torch.uint8).reshape(-1)
-        if not raw.is_contiguous() or raw.data_ptr() % 64:
-            raise ValueError("an expert bank's bytes must be contiguous and 64-byte aligned")
+        if not raw.is_contiguous() or raw.data_ptr() % 32:
+            raise ValueError("an expert bank's bytes must be contiguous and 32-byte aligned")
         if raw.numel() != lib.row_size(self.ggml_type, k) * n * E:
             raise ValueError(f"{TYPES[self.ggml_type]} [{E}, {n}, {k}]: {raw.numel()} bytes, expected "
                              f"{lib.row_size(self.ggml_type, k) * n * E}")

@@ -95,7 +95,7 @@ class ExpertBank(_FileBytes):
         if self._ggml is None:
             from kernels import ggml
 
-            if self.raw.data_ptr() % 64:  # ggml's alignment; the loader's reads are aligned already
+            if self.raw.data_ptr() % 32:  # ggml's TENSOR_ALIGNMENT; the loader's bytes are aligned already
                 self.raw = self.raw.clone()  # torch's allocator aligns to 64 (the bytes stay held once)
             self._ggml = ggml.Bank(self.raw, self.ggml_type, self.shape)
         return self._ggml
