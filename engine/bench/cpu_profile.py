@@ -23,6 +23,9 @@ PIECES = {  # label -> (module, attribute) wrapped; layer stretches are patched 
     "MLP + per-layer input + norms": ("ffn_residual",),
     "whole layer in one ggml graph (Gemma 3 decode: all of the above and the attention)": ("fused_decode_layer",),
     "whole token in one ggml graph (Gemma 3 decode: every layer, the final norm, the head)": ("fused_decode_step",),
+    "MoE block in one ggml graph (router, 8 of 128 experts, dense branch)": ("fused_moe_ffn",),
+    "o projection (MoE layers)": ("linear",),
+    "residual adds + norms (MoE layers)": ("add_rms_norm",),
 }
 
 
@@ -112,11 +115,21 @@ def profile_decode(lm, context: int = 1024, steps: int = 16, aten_rows: int = 12
              f"  {'piece':58s} {'ms/step':>8s} {'share':>6s} {'calls/step':>10s}"]
     for label, t, n in rows:
         lines.append(f"  {label:58s} {t * 1e3:8.2f} {t / total:6.1%} {n:10.0f}")
+    split = None
+    if getattr(lm.config, "n_expert", 0) and lm.runtime.value == "ggml":
+        from .moe_profile import moe_block_split
+
+        split = moe_block_split(model, rows=1)
+        whole = split["ms"]["whole block"]
+        lines.append(f"  the MoE block's parts, each its own graph on one row, summed over its {split['layers']} layers "
+                     f"(engine/bench/moe_profile.py):")
+        for part, ms in split["ms"].items():
+            lines.append(f"    {part:56s} {ms:8.2f} {ms / whole:6.1%} of the block")
     lines.append("  top torch ops (torch.profiler, 4 steps; ggml runs under ctypes and is not listed):")
     for e in aten:
         lines.append(f"    {e.key:40s} {e.self_cpu_time_total / 4e3:8.2f} ms/step {e.count // 4:6d} calls/step")
     return {"model": lm.path.name, "context": context, "threads": cpu_runtime.threads(), "runtime": lm.runtime.value,
             "kernels": kern["name"],
             "step_ms": total * 1e3, "pieces": [{"piece": lbl, "ms": t * 1e3, "calls": n} for lbl, t, n in rows],
-            "load_average": load, "cpu": cpu_flags(), "table": "\n".join(lines)}
+            "load_average": load, "cpu": cpu_flags(), "moe_split": split, "table": "\n".join(lines)}
 
