@@ -223,7 +223,8 @@ def check_cpu_kernels(f: Facts) -> Check:
     if k["name"] == "ggml":
         return Check(OK, "cpu kernels", f"{k['detail']}{threads}")
     hint = "unset EDGEGEM_CPU_KERNELS" if k["reason"].startswith("EDGEGEM_CPU_KERNELS") else (
-        f"{f.executable} -m pip install 'edgegem[cpu]' (builds llama-cpp-python once, 5-15 min; "
+        f"{f.executable} -m pip install 'edgegem[cpu]': llama.cpp's kernels, the CPU fast path (builds "
+        "llama-cpp-python once, 5-15 min; the 26B-A4B and 31B load without it but run many times slower; "
         "docs/benchmarks.md, \"CPU: edgegem beside llama.cpp\", has what it gains)")
     return Check(WARN, "cpu kernels", f"{k['detail']}{threads}: llama.cpp's kernels not used ({k['reason']})", hint)
 

@@ -69,7 +69,7 @@ def test_cpu_kernels_line_says_which_kernels_run_and_why():
                       reason="llama-cpp-python is not installed (pip install 'edgegem[cpu]')")
     c = by_name(evaluate(facts(cpu_kernels=torch_only)))["cpu kernels"]
     assert c.status == WARN and "not used (llama-cpp-python is not installed" in c.finding
-    assert c.hint.startswith(f"{EXE} -m pip install 'edgegem[cpu]'")
+    assert c.hint.startswith(f"{EXE} -m pip install 'edgegem[cpu]'") and "the CPU fast path" in c.hint
     forced = dict(torch_only, reason="EDGEGEM_CPU_KERNELS=torch: the torch formats are forced")
     assert by_name(evaluate(facts(cpu_kernels=forced)))["cpu kernels"].hint == "unset EDGEGEM_CPU_KERNELS"
     assert by_name(evaluate(facts(torch_version=None, cpu_kernels=None)))["cpu kernels"].status == FAIL
