@@ -22,8 +22,12 @@ def cmd_info(a) -> int:
 
         mmproj = a.mmproj or api.find_mmproj(model)
         opt = replace(opt, mmproj=Path(mmproj) if mmproj else None)
+    from dataclasses import replace
+
+    runtime = api.runtime_info(a.device, a.exact, Path(model) if model else None)
+    opt = replace(opt, dequantizes=runtime["name"] != "ggml")  # llama.cpp's kernels expand no matrix
     d = api.describe(api.open_layout(model, a.synthetic), plan=opt)
-    d["runtime"] = api.runtime_info(a.device, a.exact, Path(model) if model else None)
+    d["runtime"] = runtime
     if a.json:
         print(json.dumps(d, indent=1))
         return 0

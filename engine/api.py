@@ -251,6 +251,8 @@ def engine_plan(lm: LoadedModel, opts: EngineOptions):
     from .kv.format import resolve_format
     from .memory_plan import PlanOptions, default_chunk, loaded_budget, parse_size, plan_memory
 
+    from models.runtime import Runtime
+
     device = lm.model.device.type
     kv = resolve_format(opts.kv_cache_dtype, device).name
     swa = resolve_format(opts.swa_kv_cache_dtype, device).name
@@ -258,11 +260,15 @@ def engine_plan(lm: LoadedModel, opts: EngineOptions):
     plan = None
     if isinstance(getattr(lm.source, "tensors", None), dict):  # a GGUF: plan from its tensor table
         budget = parse_size(opts.gpu_memory_budget) if opts.gpu_memory_budget else loaded_budget(device)[0]
-        plan = plan_memory(lm.source, PlanOptions(budget=budget, device=device, kv_format=kv, swa_format=swa,
+        plan = plan_memory(lm.source, PlanOptions(budget=budget, device=device, kv_format=opts.kv_cache_dtype,
+                                                  swa_format=opts.swa_kv_cache_dtype,
                                                   embed_weights=opts.embed_weights, prefill_chunk=opts.prefill_chunk,
                                                   max_running=opts.max_running_requests,
-                                                  mmproj=getattr(lm, "mmproj", None)), lm.config)
+                                                  mmproj=getattr(lm, "mmproj", None),
+                                                  dequantizes=getattr(lm, "runtime", None) is not Runtime.GGML),
+                           lm.config)
         chunk = plan.options["prefill_chunk"]
+        kv, swa = plan.kv["full"]["format"], plan.kv["window"]["format"]  # "auto" as the fit resolved it
     return plan, kv, swa, chunk
 
 

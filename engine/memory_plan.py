@@ -97,6 +97,7 @@ class PlanOptions:
     draft: Any = None  # path of a draft GGUF, or an opened layout
     mmproj: Any = None  # path of the image/audio encoders' mmproj GGUF, or an opened layout
     runtime_reserve: int = 300 * MiB
+    dequantizes: bool = True  # prefill dequantizes a layer matrix (CUDA, the torch formats; not llama.cpp's kernels)
     spec_margin: int = 8  # draft tokens verified per request and step
     prefix_windows: int = 2  # cached prefix windows kept per running request
     prefix_contexts: int = DEFAULT_RUNNING  # whole contexts of cached prefixes the full pool keeps beyond
@@ -197,7 +198,7 @@ def activation_workspace(cfg, opt: PlanOptions) -> dict[str, int]:
         # fp32 logits of the sampled rows: each running request's decode row and its draft tokens
         "logits": rows * cfg.vocab_size * 4,
         # one quantized layer matrix dequantized for the prefill GEMM (the head is never expanded)
-        "dequant": _largest_layer_matrix(cfg) * a,
+        "dequant": _largest_layer_matrix(cfg) * a if opt.dequantizes else 0,
         # MoE (26B-A4B): fp32 router probabilities [T, E], and gate/up of the top-k experts of
         # every row [T, k, 2I] (26B at T = 2084: 1.0 + 44.8 MiB in bf16)
         "experts": (T * getattr(cfg, "n_expert", 0) * 4
@@ -339,6 +340,17 @@ def fit_steps(opt: PlanOptions) -> list[PlanOptions]:
     """The settings plan_memory tries, in order: the options as given first, then for each running
     count from the default down to 1 every chunk from the default halving down to MIN_FIT_CHUNK,
     so requests are given up only when no chunk fits. Values the user set are never changed."""
+    steps = _chunks_then_running(opt)
+    if opt.device == "cpu" and "auto" in (opt.kv_format, opt.swa_format):
+        # the CPU's "auto" KV is fp32 (exact numerics); where that does not fit with a smaller
+        # chunk, bf16 (llama.cpp's default is f16) before any request is given up: a 31B on 24 GB
+        narrow = replace(opt, kv_format="bf16" if opt.kv_format == "auto" else opt.kv_format,
+                         swa_format="bf16" if opt.swa_format == "auto" else opt.swa_format)
+        steps = [t for t in steps if t.running == opt.running] + _chunks_then_running(narrow)
+    return steps
+
+
+def _chunks_then_running(opt: PlanOptions) -> list[PlanOptions]:
     chunks = [opt.chunk]
     if opt.prefill_chunk is None:
         while chunks[-1] // 2 >= MIN_FIT_CHUNK:
@@ -350,7 +362,9 @@ def fit_steps(opt: PlanOptions) -> list[PlanOptions]:
 def fitted_note(asked: PlanOptions, got: PlanOptions) -> str:
     """One line naming what the fit lowered ("" when the options fit as asked)."""
     changes = [f"{what} {a} -> {b}" for what, a, b in (("prefill chunk", asked.chunk, got.chunk),
-                                                       ("running requests", asked.running, got.running)) if a != b]
+                                                       ("running requests", asked.running, got.running),
+                                                       ("KV", asked.kv_format, got.kv_format),
+                                                       ("window KV", asked.swa_format, got.swa_format)) if a != b]
     return "fitted to the budget: " + ", ".join(changes) if changes else ""
 
 

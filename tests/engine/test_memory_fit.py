@@ -28,18 +28,38 @@ def layouts():
 
 
 def steps(opt: PlanOptions) -> list[tuple[int, int]]:
-    return [(s.chunk, s.running) for s in fit_steps(opt)]
+    """(chunk, running) of the steps that keep the KV formats as asked."""
+    return [(s.chunk, s.running) for s in fit_steps(opt) if (s.kv_format, s.swa_format) == (opt.kv_format, opt.swa_format)]
 
 
 def test_fit_order_chunk_first_then_running_requests():
     cuda = steps(PlanOptions())
     assert cuda[:5] == [(2048, 4), (1024, 4), (512, 4), (256, 4), (2048, 3)] and cuda[-1] == (256, 1)
     assert len(cuda) == 16
-    assert steps(PlanOptions(device="cpu")) == [(512, 4), (256, 4), (512, 3), (256, 3), (512, 2), (256, 2),
-                                                (512, 1), (256, 1)]
+    assert steps(PlanOptions(device="cpu", kv_format="fp32", swa_format="fp32")) == [
+        (512, 4), (256, 4), (512, 3), (256, 3), (512, 2), (256, 2), (512, 1), (256, 1)]
     assert steps(PlanOptions(prefill_chunk=2048)) == [(2048, 4), (2048, 3), (2048, 2), (2048, 1)]
     assert steps(PlanOptions(max_running=2)) == [(2048, 2), (1024, 2), (512, 2), (256, 2)]
     assert steps(PlanOptions(prefill_chunk=100, max_running=8)) == [(100, 8)]  # given: kept, even below 256
+
+
+def test_cpu_auto_kv_narrows_to_bf16_before_a_request_is_given_up():
+    """The CPU's "auto" KV (fp32) is tried at every chunk, then bf16 from the default settings on,
+    before the running requests are lowered (llama.cpp's default KV is f16)."""
+    got = [(s.kv_format, s.swa_format, s.chunk, s.running) for s in fit_steps(PlanOptions(device="cpu", swa_format="auto"))]
+    assert got[:3] == [("auto", "auto", 512, 4), ("auto", "auto", 256, 4), ("bf16", "bf16", 512, 4)]
+    assert all(k == w == "bf16" for k, w, _, _ in got[2:]) and len(got) == 10 and got[-1][2:] == (256, 1)
+    assert all(s.kv_format == "auto" for s in fit_steps(PlanOptions(device="cuda")))  # CUDA's auto is bf16 already
+
+
+def test_31b_fits_a_24_gb_machine_on_bf16_kv_with_a_one_line_note():
+    from engine.memory_plan import plan_memory
+
+    g = synthetic_layout("31b")
+    plan = plan_memory(g, PlanOptions(budget=int(21 * 2**30), device="cpu", kv_format="auto", swa_format="auto",
+                                      dequantizes=False), Gemma4Config.from_gguf(g))
+    assert plan.kv["full"]["format"] == plan.kv["window"]["format"] == "bf16"
+    assert "KV auto -> bf16" in plan.fitted and plan.max_context >= 4096
 
 
 FITS = [  # variant, budget, embed weights, chunk, running requests, note (synthetic Q4_K_M layouts, cuda)
@@ -187,7 +207,7 @@ def test_cli_run_says_it_fitted_and_runs(tmp_path, capsys):
     tiny = write_tiny_gemma4(tmp_path / "tiny.gguf", TinySpec(), seed=3)
     lm = load_model(tiny)
     with pytest.raises(BudgetTooSmall) as ei:
-        exact = PlanOptions(budget=1, device="cpu", swa_format="auto", prefill_chunk=256, max_running=4)
+        exact = PlanOptions(budget=1, device="cpu", kv_format="fp32", swa_format="fp32", prefill_chunk=256, max_running=4)
         plan_memory(lm.source, exact, lm.config, _suggest=False)
     budget = str(ei.value.needed)
     ec = api.engine_config(lm, api.EngineOptions(gpu_memory_budget=budget))
