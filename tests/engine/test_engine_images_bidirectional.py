@@ -4,8 +4,12 @@ one would hide its later rows from its earlier ones. A tiny 26B-like model (test
 with chunk sizes that would land inside an image."""
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere (the triton case)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 pytest.importorskip("transformers")
 pytest.importorskip("PIL")
@@ -40,10 +44,10 @@ def _inside_an_image(ids, boundary: int) -> bool:
     return 0 < boundary < len(ids) and ids[boundary - 1] == IMG and ids[boundary] == IMG
 
 
-def _run(lm, ids, images, prefill_chunk):
+def _run(lm, ids, images, prefill_chunk, attention_backend="torch", max_tokens=6):
     """Greedy tokens, the prompt's chunks (start, length) and the last prompt row's logits."""
     cfg = EngineConfig(full_tokens=1024, window_tokens=1024, kv_cache_dtype="fp32", swa_kv_cache_dtype="fp32",
-                       prefill_chunk=prefill_chunk)
+                       prefill_chunk=prefill_chunk, attention_backend=attention_backend)
     eng = Engine(lm.model, None, cfg, vision=lm.vision, model_id="m")
     chunks, first_logits, forward = [], [], eng.runner.forward
 
@@ -56,7 +60,7 @@ def _run(lm, ids, images, prefill_chunk):
         return out
 
     eng.runner.forward = spy
-    req = eng.add(ids, GREEDY, images=images)
+    req = eng.add(ids, SamplingParams(max_tokens=max_tokens), images=images)
     eng.run_to_completion()
     assert req.finish_reason in ("stop", "length")
     return req.output_ids, [c for c in chunks if c[0] + c[1] <= len(ids)], first_logits[0]
@@ -74,6 +78,19 @@ def test_chunks_never_end_inside_an_image_and_equal_one_whole_forward(tiny, pref
     whole = lm.model.forward(torch.tensor(ids), media=rows)
     assert torch.allclose(logits, whole[-1], atol=1e-4, rtol=0), float((logits - whole[-1]).abs().max())
     assert out[0] == int(whole[-1].argmax())
+
+
+def test_the_triton_backend_sees_the_whole_image_too(tiny):
+    """Its kernels mask on positions alone: a chunk's image rows on a sliding layer take the
+    reference attention over the gathered slots (engine/attention_backend.py); the interpreter runs
+    the rest on the CPU. Same first-token logits and greedy tokens as the torch backend."""
+    pytest.importorskip("triton")
+    lm, a = tiny["lm"], tiny["images"][0]
+    ids = [2, 10, BOI] + [IMG] * a.n_tokens + [EOI, 12]  # one image: the interpreter is slow
+    ref_out, _, ref_logits = _run(lm, ids, [a], 25, max_tokens=2)
+    out, _, logits = _run(lm, ids, [a], 25, attention_backend="triton", max_tokens=2)
+    assert torch.allclose(logits, ref_logits, atol=1e-4, rtol=0), float((logits - ref_logits).abs().max())
+    assert out == ref_out
 
 
 def test_a_chunk_cut_inside_an_image_would_change_the_logits(tiny, monkeypatch):
