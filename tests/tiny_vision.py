@@ -254,3 +254,52 @@ def write_text_gguf(folder: Path, path: Path, special: dict | None = None) -> Pa
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def llama_cpp_logits_with_images(path: Path, pieces: list) -> np.ndarray:
+    """llama.cpp's logits at every position ([T, vocab] float32, F32 KV cache) of a prompt given as
+    pieces: token ids (a list) or image soft-token rows (a float32 array [N, d]). Each image is one
+    batch of embeddings decoded with causal attention off, as mtmd's `mtmd_helper_decode_image_chunk`
+    does for a model where `mtmd_decode_use_non_causal` holds (gemma4v unless n_embd is 1536 or
+    2560); gemma4's `LLAMA_NON_CAUSAL_TYPE_SWA_ONLY` then lifts the causal mask on the SWA layers
+    only. The batch holds the whole prompt piece, so an image is never split (n_ubatch = n_ctx)."""
+    import ctypes
+
+    import llama_cpp
+
+    from tiny_models import default_threads, quiet_llama_cpp
+
+    quiet_llama_cpp()
+    n_ctx = 512
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
+                          type_k=0, type_v=0, n_threads=default_threads(), verbose=False, flash_attn=False)
+    ctx, n_vocab = llm._ctx.ctx, llm.n_vocab()
+    out, n_past = [], 0
+    try:
+        for piece in pieces:
+            image = isinstance(piece, np.ndarray)
+            n = len(piece)
+            batch = llama_cpp.llama_batch_init(n, piece.shape[1] if image else 0, 1)
+            try:
+                batch.n_tokens = n
+                if image:
+                    rows = np.ascontiguousarray(piece, dtype=np.float32)
+                    ctypes.memmove(batch.embd, rows.ctypes.data, rows.nbytes)
+                for i in range(n):
+                    if not image:
+                        batch.token[i] = int(piece[i])
+                    batch.pos[i], batch.n_seq_id[i], batch.seq_id[i][0], batch.logits[i] = n_past + i, 1, 0, 1
+                llama_cpp.llama_set_causal_attn(ctx, not image)
+                try:
+                    assert llama_cpp.llama_decode(ctx, batch) == 0
+                finally:
+                    llama_cpp.llama_set_causal_attn(ctx, True)
+                for i in range(n):
+                    row = llama_cpp.llama_get_logits_ith(ctx, i)
+                    out.append(np.ctypeslib.as_array(row, shape=(n_vocab,)).copy())
+            finally:
+                llama_cpp.llama_batch_free(batch)
+            n_past += n
+    finally:
+        llm.close()
+    return np.stack(out)

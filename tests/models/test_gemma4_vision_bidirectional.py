@@ -121,3 +121,40 @@ def test_use_bidirectional_attention_is_read_from_the_config(big):
     cfg["text_config"]["use_bidirectional_attention"] = "all"  # an encoder, not a chat model
     with pytest.raises(ConfigError, match="use_bidirectional_attention 'all'"):
         Gemma4Config.from_hf(cfg)
+
+
+def test_logits_equal_llama_cpp_on_the_same_gguf(big):
+    """llama.cpp (llama-cpp-python 0.3.36) over the same text GGUF, the image rows (ours, float32)
+    decoded as mtmd decodes them (tiny_vision.llama_cpp_logits_with_images). Its CPU GELU reads a
+    float16 table (ggml-cpu/vec.h GGML_GELU_FP16), so it differs from our float64 run already on a
+    text-only prompt of the same length (~0.02-0.1 on these tiny models): twice that is the gate.
+    The causal mask (E2B/E4B's rule) is off by more than ten gates."""
+    pytest.importorskip("llama_cpp")
+    from tiny_models import llama_cpp_logits
+    from tiny_vision import llama_cpp_logits_with_images
+
+    ref, images = big["refs"][2], big["images"]
+    lm = _load(big, "gguf")
+    ids = ref.ids
+    rows = _rows(lm, images, ids)
+    rows = MediaRows(rows.mask, rows.rows.float().double(), rows.pad_id, image=rows.image)  # what llama.cpp gets
+    is_image, pieces, start, row = (ids == IMG).tolist(), [], 0, 0
+    for k in range(1, len(ids) + 1):  # runs of text ids and of image rows, in order
+        if k == len(ids) or is_image[k] != is_image[start]:
+            if is_image[start]:
+                pieces.append(rows.rows[row:row + k - start].float().numpy())
+                row += k - start
+            else:
+                pieces.append(ids[start:k].tolist())
+            start = k
+    theirs = torch.from_numpy(llama_cpp_logits_with_images(big["gguf"], pieces)).double()
+    ours = lm.model.forward(ids, media=rows).double()
+    causal = lm.model.forward(ids, media=MediaRows(rows.mask, rows.rows, rows.pad_id)).double()
+    assert theirs.shape == ours.shape
+    text = torch.where(ids == IMG, torch.arange(len(ids)) % 400 + 20, ids)  # the images' places as text
+    floor = float((lm.model.forward(text).double() - torch.from_numpy(llama_cpp_logits(big["gguf"], text.tolist())))
+                  .abs().max())
+    gate = 2 * max(floor, 1e-3)
+    off = float((ours - theirs).abs().max())
+    assert off <= gate, (off, floor)
+    assert float((causal - theirs).abs().max()) > 10 * gate
