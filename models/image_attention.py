@@ -39,15 +39,14 @@ def image_last_key(pos: torch.Tensor, image: Optional[torch.Tensor]) -> Optional
     those keys are earlier, visible anyway."""
     if image is None or not bool(image.any()):
         return None
-    image = image.to(pos.device)
+    image = image.cpu()  # the run bookkeeping stays on the host: no device sync per forward
     T = image.shape[0]
     assert pos.shape == (T,), f"pos {tuple(pos.shape)} for {T} image flags"
-    idx = torch.arange(T, device=pos.device)
+    idx = torch.arange(T)
     starts = image & ~torch.cat([image.new_zeros(1), image[:-1]])
     run = torch.cumsum(starts.long(), 0) - 1  # run index of each image position
-    n_runs = int(starts.sum())
-    ends = torch.zeros(n_runs, dtype=torch.long, device=pos.device)
+    ends = torch.zeros(int(starts.sum()), dtype=torch.long)
     ends.scatter_reduce_(0, run[image], idx[image], reduce="amax")
     last = idx.clone()
     last[image] = ends[run[image]]
-    return pos[last]
+    return pos[last.to(pos.device)]
