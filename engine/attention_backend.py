@@ -27,8 +27,10 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def attend(self, pool: KVPool, slab: int, slots: torch.Tensor, k_pos: torch.Tensor, q: torch.Tensor,
-               q_pos: torch.Tensor, window: Optional[int], scale: float) -> torch.Tensor:
-        """q [T, n_h, hd] at q_pos [T] over the keys at `slots` (positions k_pos) -> [T, n_h * hd]."""
+               q_pos: torch.Tensor, window: Optional[int], scale: float,
+               last_key: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """q [T, n_h, hd] at q_pos [T] over the keys at `slots` (positions k_pos) -> [T, n_h * hd].
+        `last_key` [T]: the last position each query sees (models.ops.attention)."""
 
 
 class TorchAttention(AttentionBackend):
@@ -37,9 +39,9 @@ class TorchAttention(AttentionBackend):
     def store(self, pool, layer, slots, k, v):
         pool.write(layer, slots, k, v)
 
-    def attend(self, pool, slab, slots, k_pos, q, q_pos, window, scale):
+    def attend(self, pool, slab, slots, k_pos, q, q_pos, window, scale, last_key=None):
         k, v = pool.read(slab, slots, q.dtype)
-        return attention(q, k, v, q_pos, k_pos.to(q.device), window, scale)
+        return attention(q, k, v, q_pos, k_pos.to(q.device), window, scale, last_key)
 
 
 class TritonAttention(AttentionBackend):
@@ -57,7 +59,12 @@ class TritonAttention(AttentionBackend):
         self._store.kv_store(k.contiguous(), v.contiguous(), pool.k[layer], pool.v[layer], slots.to(pool.device),
                              pool.k_scale[layer] if scaled else None, pool.v_scale[layer] if scaled else None)
 
-    def attend(self, pool, slab, slots, k_pos, q, q_pos, window, scale):
+    def attend(self, pool, slab, slots, k_pos, q, q_pos, window, scale, last_key=None):
+        if last_key is not None:
+            # The image rows of a 26B/31B prefill chunk on a sliding layer (models/image_attention.py):
+            # the kernels mask on positions alone, so this one chunk of this layer gathers its keys
+            # (at most the window plus the chunk) and runs the reference (one copy of those K/V).
+            return TorchAttention.attend(self, pool, slab, slots, k_pos, q, q_pos, window, scale, last_key)
         dev = q.device
         scales = ((pool.k_scale[slab], pool.v_scale[slab]) if pool.fmt.scaled else (None, None))
         args = (pool.k[slab], pool.v[slab], slots.to(dev), k_pos.to(dev))

@@ -128,6 +128,23 @@ class PromptMedia:
             rows[self._masks[name][self.mask].to(rows.device)] = e  # this kind's slots among all media slots
         self.rows = rows
 
+    def whole_images_end(self, start: int, end: int) -> int:
+        """The end of a prefill chunk [start, end) moved so that it cuts no image: on 26B/31B an
+        image's tokens attend to each other both ways (models/image_attention.py), so all of an
+        image's rows not already in the cache must be in one forward. An end inside an image goes
+        back to the image's first token, or, when the chunk starts inside or at that image (it is
+        longer than the chunk, or a cached prefix ends inside it), on to its end: that chunk is
+        then longer than asked, by at most one image (1120 tokens at the largest budget)."""
+        image = self._masks.get("image")
+        if image is None or not start < end < len(self.prompt_ids) or not (image[end - 1] and image[end]):
+            return end
+        text_before = (~image[:end]).nonzero()
+        first = int(text_before[-1]) + 1 if len(text_before) else 0  # the image's first token
+        if first > start:
+            return first
+        text_after = (~image[end:]).nonzero()
+        return end + int(text_after[0]) if len(text_after) else len(self.prompt_ids)
+
     def chunk(self, start: int, n: int):
         """models.gemma4.MediaRows for prompt positions [start, start + n) (None: no media there)."""
         from models.gemma4 import MediaRows
@@ -136,7 +153,9 @@ class PromptMedia:
         if start >= end or not bool(self.mask[start:end].any()):
             return None
         pad = next(iter(self.kinds[k].pad_id for k in self.items))
-        return MediaRows(self.mask[start:end], self.rows[int(self.before[start]):int(self.before[end])], pad)
+        image = self._masks["image"][start:end] if "image" in self._masks else None
+        return MediaRows(self.mask[start:end], self.rows[int(self.before[start]):int(self.before[end])], pad,
+                         image=image)
 
 
 def prompt_media(prompt_ids: Sequence[int], items: Mapping[str, Sequence], kinds: Mapping[str, MediaKind],

@@ -45,6 +45,7 @@ class ModelRunner:
             if failpoints.ACTIVE:
                 failpoints.maybe_fail("forward.oom")
             x, pl = model.embed(ids) if media is None else model.embed(ids, media)
+            last_key = model.attention_limits(pos, media)  # 26B/31B image rows: their whole image
             step = getattr(model, "decode_step", None) if len(tokens) == 1 and want_logits and pl is None \
                 and media is None and not return_hidden else None
             out = step(x, pos, kv) if step is not None else None
@@ -54,7 +55,7 @@ class ModelRunner:
                 watch.check()
                 return logits if all_rows else logits[0]
             for i in range(self.first_shared):
-                x = model.layer(i, x, pos, None if pl is None else pl[:, i], kv)
+                x = model.layer(i, x, pos, None if pl is None else pl[:, i], kv, last_key=last_key)
                 watch.layer(i, x)
             if self.fast_prefill and not all_rows and self.first_shared < L:
                 if not want_logits:
@@ -62,8 +63,9 @@ class ModelRunner:
                     return None  # an intermediate chunk: the shared layers would feed nothing
                 x, pos = x[-1:], pos[-1:]
                 pl = None if pl is None else pl[-1:]
+                last_key = None  # one row sees up to itself
             for i in range(self.first_shared, L):
-                x = model.layer(i, x, pos, None if pl is None else pl[:, i], kv)
+                x = model.layer(i, x, pos, None if pl is None else pl[:, i], kv, last_key=last_key)
                 watch.layer(i, x)
             watch.check()
             if not want_logits:

@@ -82,6 +82,8 @@ class Engine:
         self.vision = vision  # models.gemma4_vision.Gemma4Vision or None (no images)
         self.audio = audio  # models.gemma4_audio.Gemma4Audio or None (no audio)
         self.media_kinds = media_kinds(vision, audio)  # engine/media.py: what requests may carry
+        # 26B/31B: a prefill chunk never ends inside an image (`_chunk_size`)
+        self.images_bidirectional = bool(getattr(model.cfg, "image_bidirectional", False))
         if spec is not None:
             check_draft(spec.draft, model.cfg)
         self.spec, self.spec_stats = spec, SpecStats()
@@ -190,9 +192,9 @@ class Engine:
             if req.state == RequestState.PREFILL:
                 if budget <= 0:
                     continue
-                n = min(budget, req.prefill_end - req.computed_len)
+                n = self._chunk_size(req, budget)
                 budget -= n
-                if n > 1 and req.computed_len + n == req.prefill_end:
+                if n > 1 and req.computed_len + n == req.prefill_end and self._chunk_size(req, n - 1) == n - 1:
                     # The prompt's last token is a forward of its own, as it is when the prefix
                     # cache serves the rest: its logits (and the draft's h) are then the same
                     # whether or not the prompt was cached, so a seed repeats (a 1-row and an
@@ -213,6 +215,16 @@ class Engine:
         for i in range(0, len(decoding), BUCKETS[-1]):
             self._decode_batch([r for r in decoding[i:i + BUCKETS[-1]] if r.state == RequestState.DECODE])
         return touched
+
+    def _chunk_size(self, req: Request, budget: int) -> int:
+        """Prompt tokens of `req`'s next prefill forward: up to `budget`, but never ending inside
+        an image when the model's image tokens attend both ways (26B/31B: engine/media.py
+        `whole_images_end`): then fewer (up to the image), or more than `budget` when the image
+        starts the chunk and is longer than the budget."""
+        end = min(req.computed_len + budget, req.prefill_end)
+        if req.media is not None and self.images_bidirectional:
+            end = req.media.whole_images_end(req.computed_len, end)
+        return end - req.computed_len
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.config.max_running_requests:

@@ -118,6 +118,11 @@ class DecoderModel:
             return normed
         return rms_norm(x, weight, self.cfg.rms_eps)
 
+    def attention_limits(self, pos: torch.Tensor, media) -> Optional[torch.Tensor]:
+        """The last key position each row of a forward with `media` sees ([T]; None: causal). A
+        family whose image tokens attend both ways overrides it (models/gemma4.py)."""
+        return None
+
     def embed_into(self, tokens: torch.Tensor, x_out: torch.Tensor, pl_out: Optional[torch.Tensor]) -> None:
         """`embed(tokens)` written into preallocated buffers (the batched decoder's static inputs)."""
         x, pl = self.embed(tokens)
@@ -140,11 +145,12 @@ class DecoderModel:
         pos = torch.arange(tokens.shape[0], device=self.device) if pos is None else pos.to(self.device)
         cache = DenseKVCache() if cache is None else cache
         x, pl = self.embed(tokens) if media is None else self.embed(tokens, media)
+        last_key = self.attention_limits(pos, media)
         if trace:
             trace("inp_scaled", -1, x)
         watch = FiniteWatch(self.device, self.cfg.n_layer)
         for i in range(self.cfg.n_layer):
-            x = self.layer(i, x, pos, None if pl is None else pl[:, i], cache, trace)
+            x = self.layer(i, x, pos, None if pl is None else pl[:, i], cache, trace, last_key)
             watch.layer(i, x)
         watch.check()
         if logits_rows is not None:

@@ -149,7 +149,8 @@ class Gemma3Model(DecoderModel):
         return x * math.sqrt(self.cfg.d_model), None
 
     def layer(self, i: int, x: torch.Tensor, pos: torch.Tensor, pl: None, cache: KVStore,
-              trace: Trace = None) -> torch.Tensor:
+              trace: Trace = None, last_key: None = None) -> torch.Tensor:
+        """Decoder layer i; `last_key` is always None (no images here: causal throughout)."""
         cfg, w, b, eps = self.cfg, self.w, f"blk.{i}.", self.cfg.rms_eps
         hd = cfg.head_dim
         a = self.pre_norm(x, w[b + "attn_norm.weight"])

@@ -13,6 +13,7 @@ import torch
 
 from .decoder import DecoderModel, Trace
 from .gemma4_ggml import fused_moe_ffn
+from .image_attention import image_last_key
 from .kv_cache import KVStore
 from .metadata import ConfigError, metadata_reader, vocab_size_of
 from .ops import (add_rms_norm, attend, attention_prologue, attn_residual, embedding_rows, ffn_residual, gated_mlp,
@@ -125,6 +126,8 @@ class Gemma4Config:
     n_expert_used: int = 0
     expert_ffn_width: int = 0
     context_length: int = 131072
+    # 26B/31B: image tokens attend both ways inside their image on sliding layers (image_attention.py)
+    image_bidirectional: bool = False
     # Derived in __post_init__: the one list attention and the KV pool both read.
     kv_shared_layers: tuple[tuple[int, int], ...] = field(init=False)
 
@@ -190,6 +193,9 @@ class Gemma4Config:
             n_expert_used=key.int("expert_used_count", 0),
             expert_ffn_width=_per_layer(key.int_or_ints("expert_feed_forward_length", 0), L, "expert_ffn")[0],
             context_length=key.int("context_length", 131072),
+            # No GGUF key says it: llama.cpp turns it on unless n_embd is 1536/2560 (E2B/E4B); the
+            # per-layer embeddings tell the same families apart here, tiny test models included.
+            image_bidirectional=not key.int("embedding_length_per_layer_input", 0),
         )
 
     @classmethod
@@ -215,6 +221,9 @@ class Gemma4Config:
             n_rot_pairs = int(float(rf.get("partial_rotary_factor", 1.0)) * hd_f / 2)
             factors = tuple(1.0 if j < n_rot_pairs else 1e30 for j in range(hd_f // 2))
         moe = bool(c.get("enable_moe_block"))
+        bidir = c.get("use_bidirectional_attention")
+        if bidir not in (None, "vision"):  # "all": an encoder (transformers' is_causal False), not a chat model
+            raise ConfigError(f"use_bidirectional_attention {bidir!r} is not supported (null or \"vision\")")
         return cls(
             n_layer=L,
             d_model=int(c["hidden_size"]),
@@ -237,6 +246,7 @@ class Gemma4Config:
             n_expert_used=int(c.get("top_k_experts", 0) or 0) if moe else 0,
             expert_ffn_width=int(c.get("moe_intermediate_size", 0) or 0) if moe else 0,
             context_length=int(c.get("max_position_embeddings", 131072)),
+            image_bidirectional=bidir == "vision",
         )
 
 
@@ -281,10 +291,13 @@ HF_LAYER_NAMES = {
 class MediaRows:
     """Image and audio soft tokens of one forward: `rows` [n, d] (embed_vision / embed_audio
     output, in prompt order) fill the positions where `mask` [T] bool is set; `pad_id` is the PLE
-    row those positions read. Both kinds follow the same rules (vision spec §4.2-4.3, audio §5)."""
+    row those positions read. Both kinds follow the same rules (vision spec §4.2-4.3, audio §5).
+    `image` [T] bool: which of them are image soft tokens (None: none), the runs that attend both
+    ways inside their image on 26B/31B (models/image_attention.py)."""
     mask: torch.Tensor
     rows: torch.Tensor
     pad_id: int = 0
+    image: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         n = int(self.mask.sum())
@@ -423,9 +436,17 @@ class Gemma4Model(DecoderModel):
         else:
             super().embed_into(tokens, x_out, pl_out)
 
+    def attention_limits(self, pos: torch.Tensor, media: Optional[MediaRows]) -> Optional[torch.Tensor]:
+        """`last_key` [T] of a forward whose rows hold `media` when its images attend both ways
+        (26B/31B: image_attention.py), else None (causal)."""
+        if not self.cfg.image_bidirectional or media is None:
+            return None
+        return image_last_key(pos, media.image)
+
     def layer(self, i: int, x: torch.Tensor, pos: torch.Tensor, pl: Optional[torch.Tensor],
-              cache: KVStore, trace: Trace = None) -> torch.Tensor:
+              cache: KVStore, trace: Trace = None, last_key: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Decoder layer i (§3.4). x: [T, d]; pl: this layer's PLE slice [T, P] or None.
+        `last_key` [T] (`attention_limits`): the sliding layers' image rows see their whole image.
         On the kernel path (ops.kernel_path) the same code runs fused kernels: the attention
         prologue in one launch, each residual update with the norm the next op needs."""
         cfg, w, b, eps = self.cfg, self.w, f"blk.{i}.", self.cfg.rms_eps
@@ -434,7 +455,8 @@ class Gemma4Model(DecoderModel):
         cos, sin = self.rope(i, pos, rope_dtype(x))
         # q/k norm + RoPE, v norm (no attn_v: V = raw K), K/V stored; KV-shared layers: q only
         q = attention_prologue(a, w, b, nh, nkv, hd, eps, cos, sin, cache, i, pos, has_kv=cfg.has_kv(i))
-        o = attend(cache, i, cfg.kv_source(i), q, pos, cfg.window(i), scale=1.0)
+        o = attend(cache, i, cfg.kv_source(i), q, pos, cfg.window(i), scale=1.0,
+                   last_key=last_key if cfg.is_sliding[i] else None)  # full layers stay causal (HF, llama.cpp)
         if trace:
             trace("attn_out", i, o)
         # The layer's last residual update also gives the next layer's attention norm (or the final norm).

@@ -445,4 +445,4 @@ def image_rows(tokens: Sequence[int] | torch.Tensor, embeds: Sequence[torch.Tens
         raise ImageError(f"the prompt has {n_slots} image placeholder tokens; the images give {n_rows} "
                          f"({' + '.join(str(int(e.shape[0])) for e in embeds) or 'no images'})")
     rows = torch.cat(list(embeds)) if embeds else torch.zeros(0, cfg.text_width)
-    return ImageRows(mask, rows, cfg.pad_id)
+    return ImageRows(mask, rows, cfg.pad_id, image=mask)

@@ -415,21 +415,25 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tens
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-              k_pos: torch.Tensor, window: Optional[int], scale: float) -> torch.Tensor:
+              k_pos: torch.Tensor, window: Optional[int], scale: float,
+              last_key: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal (optionally sliding-window) GQA attention.
 
     q: [T, n_h, hd]; k, v: [S, n_kv, hd]; q_pos: [T]; k_pos: [S] absolute positions.
     Key j is visible to query i iff k_pos[j] <= q_pos[i] and (no window or q_pos[i] - k_pos[j] < window):
     a window of W keys includes the query's own position (llama.cpp `is_masked_swa`).
+    `last_key` [T]: the last position each query sees instead of its own (an image token on the
+    sliding layers of 26B/31B sees the rest of its image: models/image_attention.py).
     Returns [T, n_h * hd].
     """
     T, n_h, hd = q.shape
     n_kv = k.shape[1]
     if T == 1 and q.device.type == "cpu":  # a decode step: no SDPA mask broadcast (E2B, 2 threads,
-        # a full layer at 1024 keys: 380 us against SDPA's 575; the time is reading K and V once)
+        # a full layer at 1024 keys: 380 us against SDPA's 575; the time is reading K and V once).
+        # One row's last_key is its own position (an image run of one row ends there).
         return decode_attention_parts(q, [k], [v], q_pos, [k_pos], window, scale)
     diff = q_pos[:, None].to(k_pos.device) - k_pos[None, :]  # [T, S]
-    mask = diff >= 0
+    mask = diff >= 0 if last_key is None else k_pos[None, :] <= last_key[:, None].to(k_pos.device)
     if window is not None:
         mask &= diff < window
     group = n_h // n_kv
@@ -496,14 +500,16 @@ def decode_attention(q: torch.Tensor, ks: Sequence[torch.Tensor], vs: Sequence[t
 
 
 def attend(cache, layer: int, source: int, q: torch.Tensor, pos: torch.Tensor, window: Optional[int],
-           scale: float) -> torch.Tensor:
+           scale: float, last_key: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of `layer` over the K/V of `source` (its KV source layer): a cache with its own
     `attend` (the engine's pooled KV, possibly a Triton backend) resolves the slab itself from the
-    same `kv_shared_layers` list; a plain cache is read at `source`."""
+    same `kv_shared_layers` list; a plain cache is read at `source`. `last_key`: see `attention`."""
     if hasattr(cache, "attend"):
-        return cache.attend(layer, q, pos, window, scale)
+        if last_key is None:  # the caches that never see images keep their signature
+            return cache.attend(layer, q, pos, window, scale)
+        return cache.attend(layer, q, pos, window, scale, last_key=last_key)
     ks, vs, kpos = cache.read(source)
-    return attention(q, ks, vs, pos, kpos, window, scale)
+    return attention(q, ks, vs, pos, kpos, window, scale, last_key)
 
 
 def head_logits(y: torch.Tensor, w, cap: Optional[float]) -> torch.Tensor:

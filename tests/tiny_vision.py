@@ -21,21 +21,35 @@ V, BOI, EOI, IMG = 512, 500, 501, 502
 BUDGET = 70
 
 
-def build_tiny_multimodal(folder: Path):
-    """Save the §7 recipe's model to `folder`; returns the float64 eager transformers model."""
+# 26B-A4B / 31B in miniature (gemma4-architecture.md §1.1, gemma4-vision.md §1.2): no per-layer
+# embeddings, no KV sharing, full layers with K = V, images attending both ways inside themselves on
+# the sliding layers; a standardized tower without clipped linears. The 26B's MoE block on every
+# layer. Window 8 against images of 60 soft tokens: each image row sees its whole image ahead and
+# only 8 keys behind.
+BIG_TEXT = dict(hidden_size_per_layer_input=0, num_kv_shared_layers=0, attention_k_eq_v=True,
+                num_global_key_value_heads=1, use_bidirectional_attention="vision",
+                layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2, num_hidden_layers=6)
+BIG_VISION = dict(use_clipped_linears=False, standardize=True)
+TEXT_26B = dict(BIG_TEXT, enable_moe_block=True, num_experts=5, top_k_experts=3, moe_intermediate_size=48)
+TEXT_31B = BIG_TEXT
+
+
+def build_tiny_multimodal(folder: Path, text: Optional[dict] = None, vision: Optional[dict] = None):
+    """Save the §7 recipe's model to `folder` (`text` / `vision`: config values over the recipe's,
+    e.g. TEXT_26B and BIG_VISION); returns the float64 eager transformers model."""
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
     cfg = Gemma4Config(
-        text_config=dict(vocab_size=V, vocab_size_per_layer_input=V, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                         global_head_dim=64, hidden_size_per_layer_input=16, num_kv_shared_layers=2,
-                         sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
-                         final_logit_softcapping=30.0, use_bidirectional_attention=None, pad_token_id=0,
-                         bos_token_id=2, eos_token_id=1),
-        vision_config=dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=3,
-                           num_key_value_heads=3, head_dim=16, patch_size=16, pooling_kernel_size=3,
-                           position_embedding_size=64, use_clipped_linears=True, standardize=False,
-                           rope_parameters={"rope_type": "default", "rope_theta": 100.0}),
+        text_config=dict(dict(vocab_size=V, vocab_size_per_layer_input=V, hidden_size=64, intermediate_size=128,
+                              num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                              global_head_dim=64, hidden_size_per_layer_input=16, num_kv_shared_layers=2,
+                              sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
+                              final_logit_softcapping=30.0, use_bidirectional_attention=None, pad_token_id=0,
+                              bos_token_id=2, eos_token_id=1), **(text or {})),
+        vision_config=dict(dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=3,
+                                num_key_value_heads=3, head_dim=16, patch_size=16, pooling_kernel_size=3,
+                                position_embedding_size=64, use_clipped_linears=True, standardize=False,
+                                rope_parameters={"rope_type": "default", "rope_theta": 100.0}), **(vision or {})),
         audio_config=None, boi_token_id=BOI, eoi_token_id=EOI, image_token_id=IMG)
     torch.manual_seed(0)
     m = Gemma4ForConditionalGeneration(cfg).eval()
@@ -45,14 +59,18 @@ def build_tiny_multimodal(folder: Path):
             p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g) if "norm" in n else
                     torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1] if p.dim() > 1 else 2))
         for n, b in m.named_buffers():
-            if n.endswith("layer_scalar"):
+            if n.endswith("layer_scalar") or n.endswith("std_scale"):
                 b.copy_(0.5 + torch.rand(b.shape, generator=g))
+            if n.endswith("std_bias"):
+                b.copy_(0.5 * torch.randn(b.shape, generator=g))
             for s, v in (("input_min", -1.5), ("input_max", 1.5), ("output_min", -2.0), ("output_max", 2.0)):
                 if n.endswith(s):
                     b.fill_(v)
     m.save_pretrained(folder)
-    return Gemma4ForConditionalGeneration.from_pretrained(folder, dtype=torch.float64,
-                                                          attn_implementation="eager").eval()
+    m = Gemma4ForConditionalGeneration.from_pretrained(folder, dtype=torch.float64, attn_implementation="eager")
+    if cfg.text_config.enable_moe_block:  # the grouped_mm experts take no float64
+        m.set_experts_implementation("eager")
+    return m.eval()
 
 
 def random_image(h: int, w: int, seed: int = 0):
@@ -86,7 +104,9 @@ def reference(model, images: list, ids_text: list[list[int]], budget: int = BUDG
             embeds = [e.reshape(-1, e.shape[-1]) for e in emb]
         else:
             embeds = list(torch.split(emb.reshape(-1, emb.shape[-1]), ns))
-        logits = model(input_ids=ids_t, pixel_values=pv, image_position_ids=pos).logits[0]
+        # the processor's token types (1 at image soft tokens): HF's bidirectional mask reads them
+        types = (ids_t == IMG).long()
+        logits = model(input_ids=ids_t, pixel_values=pv, image_position_ids=pos, mm_token_type_ids=types).logits[0]
     return Reference(embeds, logits, ids_t[0])
 
 
@@ -154,10 +174,14 @@ def write_mmproj(folder: Path, path: Path, f16_patch: bool = False, quant: Optio
         for gg, hh in LINEARS.items():
             _add_matrix(w, g + gg + ".weight", sd[h + hh + ".linear.weight"].numpy(), quant)
             for s in ("input_min", "input_max", "output_min", "output_max"):
-                w.add_tensor(g + gg + "." + s, sd[h + hh + "." + s].reshape(1).numpy())
+                if h + hh + "." + s in sd:  # use_clipped_linears (E2B/E4B)
+                    w.add_tensor(g + gg + "." + s, sd[h + hh + "." + s].reshape(1).numpy())
         for gg, hh in NORMS.items():
             w.add_tensor(g + gg + ".weight", sd[h + hh + ".weight"].numpy())
     _add_matrix(w, "mm.input_projection.weight", sd["model.embed_vision.embedding_projection.weight"].numpy(), quant)
+    if v.get("standardize"):  # 26B/31B
+        for s in ("std_bias", "std_scale"):
+            w.add_tensor(f"v.{s}", sd[pre + s].numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -204,6 +228,10 @@ def write_text_gguf(folder: Path, path: Path, special: dict | None = None) -> Pa
     w.add_uint32(f"{arch}.attention.shared_kv_layers", c["num_kv_shared_layers"])
     w.add_uint32(f"{arch}.embedding_length_per_layer_input", c["hidden_size_per_layer_input"])
     w.add_float32(f"{arch}.final_logit_softcapping", c["final_logit_softcapping"])
+    if c.get("enable_moe_block"):
+        w.add_uint32(f"{arch}.expert_count", c["num_experts"])
+        w.add_uint32(f"{arch}.expert_used_count", c["top_k_experts"])
+        w.add_uint32(f"{arch}.expert_feed_forward_length", c["moe_intermediate_size"])
     add_tiny_tokenizer(w, V, {BOI: "<|image>", EOI: "<image|>", IMG: "<|image|>", **(special or {})})
     # proportional RoPE on full layers: the first partial_rotary_factor of the pairs rotate
     rf = rp["full_attention"]
@@ -226,3 +254,52 @@ def write_text_gguf(folder: Path, path: Path, special: dict | None = None) -> Pa
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def llama_cpp_logits_with_images(path: Path, pieces: list) -> np.ndarray:
+    """llama.cpp's logits at every position ([T, vocab] float32, F32 KV cache) of a prompt given as
+    pieces: token ids (a list) or image soft-token rows (a float32 array [N, d]). Each image is one
+    batch of embeddings decoded with causal attention off, as mtmd's `mtmd_helper_decode_image_chunk`
+    does for a model where `mtmd_decode_use_non_causal` holds (gemma4v unless n_embd is 1536 or
+    2560); gemma4's `LLAMA_NON_CAUSAL_TYPE_SWA_ONLY` then lifts the causal mask on the SWA layers
+    only. The batch holds the whole prompt piece, so an image is never split (n_ubatch = n_ctx)."""
+    import ctypes
+
+    import llama_cpp
+
+    from tiny_models import default_threads, quiet_llama_cpp
+
+    quiet_llama_cpp()
+    n_ctx = 512
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
+                          type_k=0, type_v=0, n_threads=default_threads(), verbose=False, flash_attn=False)
+    ctx, n_vocab = llm._ctx.ctx, llm.n_vocab()
+    out, n_past = [], 0
+    try:
+        for piece in pieces:
+            image = isinstance(piece, np.ndarray)
+            n = len(piece)
+            batch = llama_cpp.llama_batch_init(n, piece.shape[1] if image else 0, 1)
+            try:
+                batch.n_tokens = n
+                if image:
+                    rows = np.ascontiguousarray(piece, dtype=np.float32)
+                    ctypes.memmove(batch.embd, rows.ctypes.data, rows.nbytes)
+                for i in range(n):
+                    if not image:
+                        batch.token[i] = int(piece[i])
+                    batch.pos[i], batch.n_seq_id[i], batch.seq_id[i][0], batch.logits[i] = n_past + i, 1, 0, 1
+                llama_cpp.llama_set_causal_attn(ctx, not image)
+                try:
+                    assert llama_cpp.llama_decode(ctx, batch) == 0
+                finally:
+                    llama_cpp.llama_set_causal_attn(ctx, True)
+                for i in range(n):
+                    row = llama_cpp.llama_get_logits_ith(ctx, i)
+                    out.append(np.ctypeslib.as_array(row, shape=(n_vocab,)).copy())
+            finally:
+                llama_cpp.llama_batch_free(batch)
+            n_past += n
+    finally:
+        llm.close()
+    return np.stack(out)

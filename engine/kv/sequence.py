@@ -276,12 +276,14 @@ class SequenceKV:
         return (pool.k[slab], pool.v[slab], new_win if pool is self.pools.window else new_full, *masked)
 
     def attend(self, layer: int, q: torch.Tensor, pos: torch.Tensor, window: Optional[int],
-               scale: float) -> torch.Tensor:
+               scale: float, last_key: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Attention of `layer` over its slab (the source's when sharing, its own copy in the debug
         mode): the torch reference reads the slab's slot runs in place for a CPU decode step (cut
         to the visible positions: no mask) and gathers once a step otherwise; a kernel backend
         reads the slots in place; on the ggml runtime (`ggml_attention`) a decode step runs
-        llama.cpp's kernel over a window of the slab."""
+        llama.cpp's kernel over a window of the slab. `last_key` [T] (an image on a sliding layer of
+        26B/31B, models/image_attention.py): the chunk's image rows also see the rest of their
+        image; one row (a decode step) never carries one."""
         if self.backend is None:
             decode = q.shape[0] == 1 and q.device.type == "cpu"
             # ggml's kernel reads float32 rows with a unit last stride: a dtype and layout condition,
@@ -298,10 +300,12 @@ class SequenceKV:
             if parts is not None:
                 return decode_attention_parts(q, parts[0], parts[1], pos, parts[2], window, scale)
             k, v, k_pos = self.read(layer)
-            return attention(q, k, v, pos, k_pos, window, scale)
+            return attention(q, k, v, pos, k_pos, window, scale, last_key)
         slab = self.pools.slab(layer)
         pool = self.pools.pool_of(slab)
         slots, k_pos = self._device_slots(pool)
+        if last_key is not None:
+            return self.backend.attend(pool, slab, slots, k_pos, q, pos, window, scale, last_key=last_key)
         return self.backend.attend(pool, slab, slots, k_pos, q, pos, window, scale)
 
     def end(self) -> None:

@@ -61,6 +61,8 @@ def text_config(spec: TinySpec) -> dict:
         "sliding_window": spec.sliding_window, "rms_norm_eps": 1e-6,
         "final_logit_softcapping": spec.softcap, "max_position_embeddings": 4096,
         "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+        # as published: "vision" on 26B/31B (no per-layer embeddings), null on E2B/E4B
+        "use_bidirectional_attention": None if spec.ple_width else "vision",
         "rope_parameters": {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "proportional", "rope_theta": 1_000_000.0,
