@@ -54,7 +54,7 @@ def plain(pair):
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_greedy_with_the_assistant_equals_the_target_alone(pair, plain, k):
     target, draft = pair
-    out, eng = _generate(target, _prompts(), SpecConfig(draft, tokens=k))
+    out, eng = _generate(target, _prompts(), SpecConfig(draft, tokens=k, adaptive=False))
     assert out == plain
     st = eng.status()["speculative"]
     assert st["rounds"] > 0 and st["drafted"] > 0
@@ -66,7 +66,7 @@ def test_greedy_with_drafts_wrong_at_every_depth_equals_the_target_alone(pair, p
     right), so rounds accept every length from 0 to k and roll the rest of the KV back."""
     target, draft = pair
     prompts = _prompts()
-    eng = Engine(target.model, target.tokenizer, EngineConfig(full_tokens=1024), spec=SpecConfig(draft, tokens=k))
+    eng = Engine(target.model, target.tokenizer, EngineConfig(full_tokens=1024), spec=SpecConfig(draft, tokens=k, adaptive=False))
     reqs = [eng.add(p, GREEDY) for p in prompts]
     wrong_at = itertools.cycle(range(k + 1))
 
