@@ -35,7 +35,7 @@ from .request import ErrorKind, Request, RequestState, StreamEvent
 from .runner import ModelRunner
 from .sampler import SamplingParams
 from .kv.sequence import SequenceKV, ggml_attention_for
-from .speculative import SpecConfig, SpecStats, accept, check_draft, draft_tokens, max_draft
+from .speculative import SpecConfig, SpecStats, accept, check_draft, draft_policy, draft_tokens, max_draft
 
 
 class ContextOverflowError(ValueError):
@@ -87,6 +87,9 @@ class Engine:
         if spec is not None:
             check_draft(spec.draft, model.cfg)
         self.spec, self.spec_stats = spec, SpecStats()
+        # on/off and k from measured costs and the acceptance (None: always spec.tokens)
+        self.draft_policy = draft_policy(spec) if spec is not None else None
+        self.draft_k = 0  # draft tokens this step (0: plain decode)
         self.window = model.cfg.sliding_window if any(model.cfg.is_sliding) else None
         self.runner = ModelRunner(model, self.config.fast_prefill)
         backend = get_attention_backend(self.config.attention_backend, model.device, getattr(model, "runtime", None))
@@ -184,6 +187,8 @@ class Engine:
         if failpoints.ACTIVE:
             failpoints.maybe_fail("step.error")
         self._admit()
+        if self.spec is not None:
+            self.draft_k = self.draft_policy.tokens() if self.draft_policy is not None else self.spec.tokens
         budget = self.config.prefill_chunk
         touched, decoding = [], []
         for req in list(self.running):
@@ -206,7 +211,7 @@ class Engine:
                 self._run(req, req.all_ids[req.computed_len:req.computed_len + n])
             elif self.decoder is not None:
                 decoding.append(req)  # stepped together below
-            elif self.spec is not None:
+            elif self.draft_k:
                 self._spec_round(req)
             else:
                 self._run(req, [req.all_ids[-1]])
@@ -279,10 +284,13 @@ class Engine:
             media = None
             if req.media is not None and req.state == RequestState.PREFILL:
                 media = req.media.chunk(req.computed_len, len(tokens))
+            t0 = time.perf_counter()
             logits = self._retry_oom(lambda: self.runner.forward(req.kv, tokens, req.computed_len,
                                                                  want_logits=last_of_prompt, return_hidden=hidden,
                                                                  media=media),
                                      lambda: req.kv.truncate(req.computed_len))
+            if req.state == RequestState.DECODE:
+                self._record_forward(1, t0)
         except KVPoolFull as e:
             self._finish(req, "error", str(e), ErrorKind.CAPACITY)
             return
@@ -367,27 +375,34 @@ class Engine:
             batch.append((req, tokens))
         if not batch:
             return
-        T = 1 + self.spec.tokens if self.spec is not None else 1
+        T = 1 + self.draft_k
         try:
+            t0 = time.perf_counter()
             logits, ys = self._retry_oom(
                 lambda: self.decoder.forward([r.kv for r, _ in batch], [t for _, t in batch], T))
+            self._record_forward(T, t0)
         finally:
             for req, _ in batch:
                 req.kv.end()
         for (req, tokens), lg, y in zip(batch, logits, ys):
-            if self.spec is not None:
+            if self.draft_k:
                 self._commit_verified(req, req.computed_len, tokens[1:], lg[:len(tokens)], y)
             else:
                 req.computed_len += 1
+                if self.spec is not None:
+                    req.h = y[0]  # the draft's h, should it come back on
                 req.check()
                 self._postprocess(req, lg[0])
 
     def _drafts(self, req: Request) -> list[int]:
-        if self.spec is None:
+        if not self.draft_k:
             return []
-        k = max_draft(self.spec.tokens, len(req.all_ids), len(req.output_ids), req.params.max_tokens,
+        k = max_draft(self.draft_k, len(req.all_ids), len(req.output_ids), req.params.max_tokens,
                       self.context_limit)
+        t0 = time.perf_counter()
         drafts = draft_tokens(self.spec, self.model, req.kv, req.all_ids[-1], req.h, req.computed_len, k) if k else []
+        if self.draft_policy is not None:  # steps run: the drafts, and one a p_min cut stopped
+            self.draft_policy.record_draft(min(k, len(drafts) + 1), self._elapsed(t0))
         if req.grammar is not None:  # a draft the grammar forbids is never accepted: verify only the valid prefix
             drafts = drafts[:req.grammar.valid_prefix(drafts)]
         return drafts
@@ -400,9 +415,11 @@ class Engine:
         if not self._room_for([(req, len(tokens))]):
             return
         try:
+            t0 = time.perf_counter()
             logits, ys = self._retry_oom(lambda: self.runner.forward(req.kv, tokens, start, want_logits=True,
                                                                      all_rows=True, return_hidden=True),
                                          lambda: req.kv.truncate(start))
+            self._record_forward(len(tokens), t0)
         except KVPoolFull as e:
             self._finish(req, "error", str(e), ErrorKind.CAPACITY)
             return
@@ -415,6 +432,8 @@ class Engine:
         n_acc = len(out) - 1
         req.kv.truncate(start + 1 + n_acc)  # drop the rejected drafts' KV
         req.computed_len, req.h = start + 1 + n_acc, ys[n_acc]
+        if self.draft_policy is not None:
+            self.draft_policy.record_round(len(drafts), n_acc)
         st = self.spec_stats
         st.rounds, st.drafted, st.accepted, st.emitted = (st.rounds + 1, st.drafted + len(drafts),
                                                           st.accepted + n_acc, st.emitted + len(out))
@@ -422,6 +441,16 @@ class Engine:
             self._accept_token(req, tok)
             if req.state == RequestState.FINISHED:
                 break
+
+    def _elapsed(self, t0: float) -> float:
+        if self.model.device.type == "cuda":  # the forward's kernels, not their launches
+            torch.cuda.synchronize(self.model.device)
+        return time.perf_counter() - t0
+
+    def _record_forward(self, rows: int, t0: float) -> None:
+        """A decode-phase forward of `rows` rows a sequence, for the draft's cost (draft_policy.py)."""
+        if self.draft_policy is not None:
+            self.draft_policy.record_forward(rows, self._elapsed(t0))
 
     # --- failures ------------------------------------------------------------------------------
     def _retry_oom(self, forward, undo=None):
@@ -557,8 +586,14 @@ class Engine:
                 "waiting": len(self.waiting), "context_limit": self.context_limit,
                 "images": self.vision is not None,  # whether requests may carry images
                 "audio": self.audio is not None,  # and audio clips
-                "speculative": self.spec_stats.as_dict() if self.spec is not None else None,
+                "speculative": self._spec_status(),
                 "device_memory": self._device_memory()}
+
+    def _spec_status(self) -> Optional[dict]:
+        if self.spec is None:
+            return None
+        policy = self.draft_policy.as_dict() if self.draft_policy is not None else {"draft": "draft on (fixed)"}
+        return {**self.spec_stats.as_dict(), **policy}
 
     def _device_memory(self) -> Optional[dict]:
         """CUDA: bytes torch has allocated now and at peak (weights, pools, workspace); None on the CPU."""

@@ -15,7 +15,11 @@ One round for a sequence whose last sampled token τ sits at position P (not yet
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
+
 import torch
+
+from .draft_policy import DraftPolicy
 
 
 @dataclass
@@ -23,6 +27,13 @@ class SpecConfig:
     draft: object  # models.gemma4_assistant.Gemma4Assistant
     tokens: int = 2  # K; vLLM recommends 2 for E2B, 4 for E4B
     p_min: float = 0.0  # stop drafting when the draft's top probability falls below this
+    # engine/draft_policy.py: the draft goes off by itself where it cannot pay (adaptive=False:
+    # always K). verify_cost: t(verify of 1 + K rows) / t(one decode row), draft_cost: t(one
+    # draft step) / t(one decode row), when measured elsewhere (e.g. on the full-size model);
+    # None: measured on the running engine.
+    adaptive: bool = True
+    verify_cost: Optional[float] = None
+    draft_cost: Optional[float] = None
 
 
 @dataclass
@@ -67,6 +78,16 @@ def accept(sample, logits: torch.Tensor, drafts: list[int], history: list[int], 
         if tok in eog or i == len(drafts) or tok != drafts[i]:
             break
     return out
+
+
+def draft_policy(spec: SpecConfig):
+    """The engine's on/off and k decision for `spec` (engine/draft_policy.py), costs pinned from
+    `spec.verify_cost` / `spec.draft_cost` where given; None when not adaptive."""
+    if not spec.adaptive:
+        return None
+    policy = DraftPolicy(spec.tokens)
+    policy.pin_costs({spec.tokens + 1: spec.verify_cost} if spec.verify_cost is not None else None, spec.draft_cost)
+    return policy
 
 
 def check_draft(draft, target_cfg) -> None:

@@ -246,16 +246,24 @@ def write_tiny_assistant(path: Path, target_spec: TinySpec, seed: int = 0, *, n_
                          d_model: int = 64, n_head: int = 4, ffn: int = 128, n_centroids: int = 0,
                          d_backbone: Optional[int] = None, n_kv_head: Optional[int] = None) -> Path:
     """Write an F32 GGUF of a random Gemma-4 assistant (MTP drafter, §2.3/§2.7) for a target shaped
-    by `target_spec`: layers [S,..,S,F], the target's KV-head count, head dims, window and vocab.
+    by `target_spec`: layers [S,..,S,F], the target's head dims, window and vocab, and per layer the
+    KV-head count of the target layer it reads (the last sliding / the last full one; written as an
+    array when they differ, as for a 26B-A4B-like target with per-layer KV heads).
     `n_centroids` > 0 adds `masked_embd_centroids.weight` + `masked_embd_ordering` (HF-style sparse
     head). `d_backbone` / `n_kv_head` override the target's values (to build mismatched drafts)."""
     rng = np.random.default_rng(seed)
     arch = "gemma4-assistant"
     L, d, V = n_layer, d_model, target_spec.n_vocab
     D = target_spec.d_model if d_backbone is None else d_backbone
-    tkv = target_spec.n_kv_head if isinstance(target_spec.n_kv_head, int) else target_spec.n_kv_head[0]
-    nk = tkv if n_kv_head is None else n_kv_head
     sliding = [True] * (L - 1) + [False]
+    if n_kv_head is not None:
+        nk = [n_kv_head] * L
+    elif isinstance(target_spec.n_kv_head, int):
+        nk = [target_spec.n_kv_head] * L
+    else:
+        t_sliding = target_spec.layer_pattern()
+        last = {s: max(i for i, ts in enumerate(t_sliding) if ts == s) for s in (True, False)}
+        nk = [target_spec.n_kv_head[last[s]] for s in sliding]
 
     mat, norm = _tame_random(rng)
 
@@ -268,7 +276,10 @@ def write_tiny_assistant(path: Path, target_spec: TinySpec, seed: int = 0, *, n_
     w.add_uint32(f"{arch}.nextn_predict_layers", L)
     w.add_uint32(f"{arch}.feed_forward_length", ffn)
     w.add_uint32(f"{arch}.attention.head_count", n_head)
-    w.add_uint32(f"{arch}.attention.head_count_kv", nk)
+    if len(set(nk)) == 1:
+        w.add_uint32(f"{arch}.attention.head_count_kv", nk[0])
+    else:
+        w.add_array(f"{arch}.attention.head_count_kv", nk)
     _add_attention_keys(w, arch, target_spec, sliding, L)
     w.add_uint32(f"{arch}.embedding_length_per_layer_input", 0)
     add_tiny_tokenizer(w, V)

@@ -65,6 +65,8 @@ class StatusPanel(Static):
         if spec:
             lines.append(f"draft   {100 * spec.get('acceptance_rate', 0.0):.0f}% accepted, "
                          f"{spec.get('tokens_per_target_forward', 0.0):.2f} tok/forward")
+            if spec.get("draft", "").startswith("draft off"):  # the engine's own decision, one line
+                lines.append(f"  {spec['draft']}")
         if status.get("running"):
             lines.append(f"running {status['running']}, waiting {status.get('waiting', 0)}")
         if server is not None:

@@ -28,6 +28,7 @@ def spec_bench(target_path: Path, draft_path: Path, n_prompt: int = 64, n_decode
     lm = load_model(target_path, device=device, weight_dtype=None if exact else torch.float16,
                     quantized=device == "cuda")
     spec = load_draft(str(draft_path), lm, spec_tokens)
+    spec.adaptive = False  # measure the draft at K every step, wherever the engine would turn it off
     vocab = len(GGUFFile(target_path).metadata.get("tokenizer.ggml.tokens", ())) or lm.config.vocab_size
     prompt = bench_prompt(vocab, n_prompt)
     params = SamplingParams(temperature=0.0, max_tokens=n_decode)

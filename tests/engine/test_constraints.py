@@ -219,7 +219,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=128)   # both constraints be
 
 
 def _constrained(tiny_lm, prompts, con, draft=None, engine=None, **cfg):
-    spec = SpecConfig(draft, tokens=3) if draft is not None else None
+    spec = SpecConfig(draft, tokens=3, adaptive=False) if draft is not None else None
     eng = engine or Engine(tiny_lm.model, tiny_lm.tokenizer, EngineConfig(full_tokens=2048, **cfg), spec=spec)
     reqs = [eng.add(p, GREEDY, grammar=GrammarState(con, tiny_lm.tokenizer)) for p in prompts]
     eng.run_to_completion()

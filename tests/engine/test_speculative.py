@@ -33,7 +33,7 @@ def _prompt(n, seed):
 
 
 def _generate(target, prompts, params, draft=None, k=3, **cfg):
-    spec = SpecConfig(draft, tokens=k) if draft is not None else None
+    spec = SpecConfig(draft, tokens=k, adaptive=False) if draft is not None else None
     eng = Engine(target.model, target.tokenizer, EngineConfig(full_tokens=2048, **cfg), spec=spec)
     reqs = [eng.add(p, params) for p in prompts]
     eng.run_to_completion()
@@ -64,7 +64,7 @@ def test_second_turn_with_draft_hits_prefix_cache(pair):
     target, draft = pair
     params = SamplingParams(temperature=0.0, max_tokens=40)
     prompt = _prompt(30, 3)
-    eng = Engine(target.model, target.tokenizer, EngineConfig(full_tokens=2048), spec=SpecConfig(draft, 2))
+    eng = Engine(target.model, target.tokenizer, EngineConfig(full_tokens=2048), spec=SpecConfig(draft, 2, adaptive=False))
     r1 = eng.add(prompt, params)
     eng.run_to_completion()
     turn2 = prompt + r1.output_ids + [105, 40, 41, 106]
@@ -118,7 +118,7 @@ def test_sampling_with_draft_matches_target_distribution(pair):
     target, draft = pair
     prompt = _prompt(12, 7)
     params = dict(temperature=1.0, top_k=4, max_tokens=2)
-    eng = Engine(target.model, target.tokenizer, EngineConfig(full_tokens=4096), spec=SpecConfig(draft, 2))
+    eng = Engine(target.model, target.tokenizer, EngineConfig(full_tokens=4096), spec=SpecConfig(draft, 2, adaptive=False))
     pairs = []
     for seed in range(1500):
         r = eng.add(prompt, SamplingParams(seed=seed, **params))

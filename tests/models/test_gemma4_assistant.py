@@ -1,11 +1,10 @@
 """The Gemma 4 assistant (MTP drafter, design doc §4) against a tiny target.
 
-llama.cpp runs the assistant only inside its MTP speculative loop (a second context whose
-`ctx_other` is the target; the nextn-embedding setters are unexported C++ symbols in the
-llama-cpp-python 0.3.36 build), so the draft step is checked against an independent float64
-re-implementation of §4.3/§4.4 written plainly below (weights read with the `gguf` package's own
-reader, explicit einsum attention and masks, sources hard-coded from the spec), and float32 against
-float64 of the model itself.
+The draft step is checked against an independent float64 re-implementation of §4.3/§4.4 written
+plainly below (weights read with the `gguf` package's own reader, explicit einsum attention and
+masks, sources hard-coded from the spec), and float32 against float64 of the model itself.
+llama.cpp's own `gemma4-assistant` (an MTP context over the target's, tests/llama_cpp_mtp.py) is
+the oracle of tests/models/test_gemma4_assistant_26b.py.
 """
 from __future__ import annotations
 
