@@ -55,30 +55,46 @@ class KVPool:
             self.v_scale = {i: torch.zeros_like(self.k_scale[i]) for i in self.layers}
         self.unit_bytes = sum(fmt.unit_bytes(*layer_dims[i]) for i in self.layers)
         # Free slots, in a structure whose cost does not grow with the capacity: the never-used
-        # slots are the range [_fresh, capacity), handed out in order (slot 0 first); freed slots
-        # go on a stack (int64 [capacity], pages touched only as slots are freed), the last freed
-        # handed out first. (A Python list of every slot cost ~36 bytes a slot: 0.8 GB of host RAM
-        # and about a second for a 21.4M-slot pool, again at every rebuild.)
+        # slots are the range [_fresh, capacity); freed slots (all below _fresh) sit ascending in
+        # _freed[_lo:_top] (int64 [capacity], pages touched only as slots are freed). A sequence
+        # takes the lowest free slots above its own (`alloc`), so its slots ascend with its
+        # positions until the pool nears full: attention reads a slab in slot order, and ggml's online
+        # softmax (and a sum over slot runs) rounds by that order, so a request computed afresh
+        # repeats bit for bit whatever ran before (llama.cpp's `cache_prompt: false`), and a
+        # cached prefix extends in order. (A Python list of every slot cost ~36 bytes a slot:
+        # 0.8 GB of host RAM and about a second for a 21.4M-slot pool, again at every rebuild.)
         self._fresh = 0
-        self._stack = torch.empty(self.capacity, dtype=torch.long)  # freed slots in [:_top]
-        self._top = 0
+        self._freed = torch.empty(self.capacity, dtype=torch.long)
+        self._lo = self._top = 0
 
     # --- accounting -----------------------------------------------------------------------
     @property
     def n_free(self) -> int:
-        return self.capacity - self._fresh + self._top
+        return self.capacity - self._fresh + self._top - self._lo
 
     @property
     def n_used(self) -> int:
         return self.capacity - self.n_free
 
-    def alloc(self, n: int) -> torch.Tensor:
-        """n free slots (int64 [n], CPU): the most recently freed first, then never-used ones."""
+    def alloc(self, n: int, above: int = -1) -> torch.Tensor:
+        """n free slots (int64 [n], CPU, ascending): the lowest free ones above `above` (a
+        sequence's latest slot, one handed out before, so its slots keep ascending with its positions: the comment in
+        __init__), or, where fewer are free above it (a pool near full), the lowest free ones."""
         if n > self.n_free:
             raise KVPoolFull(f"{self.name} KV pool: {n} slots wanted, {self.n_free} free of {self.capacity}")
-        reused = min(n, self._top)
-        out = self._stack[self._top - reused:self._top].flip(0)
-        self._top -= reused
+        freed = self._freed[self._lo:self._top]
+        i = int(torch.searchsorted(freed, above, right=True)) if above >= 0 and freed.numel() else 0
+        if freed.numel() - i + self.capacity - self._fresh < n:
+            i = 0
+        reused = min(n, freed.numel() - i)
+        out = freed[i:i + reused].clone()
+        if i == 0:
+            self._lo += reused
+        elif reused:  # taken from the middle: the ones above move down (few: those freed above)
+            freed[i:freed.numel() - reused] = freed[i + reused:].clone()
+            self._top -= reused
+        if self._lo == self._top:
+            self._lo = self._top = 0
         if n > reused:
             fresh = torch.arange(self._fresh, self._fresh + n - reused)
             self._fresh += n - reused
@@ -88,17 +104,20 @@ class KVPool:
     def free(self, slots) -> None:
         """Give slots back (negative entries, "no slot", are skipped)."""
         s = torch.as_tensor(slots, dtype=torch.long).reshape(-1)
-        # reversed onto the stack: slots freed together come back out in their order, so a
-        # sequence's window slots stay a few consecutive runs (read in place, not gathered)
-        s = s[s >= 0].flip(0)
+        s = s[s >= 0]
         if s.numel() > self.n_used:  # a double free would hand one slot to two sequences
             raise RuntimeError(f"{self.name} KV pool: {s.numel()} slots freed, only {self.n_used} in use")
-        self._stack[self._top:self._top + s.numel()] = s
-        self._top += s.numel()
+        if not s.numel():
+            return
+        # two ascending runs merged (a stable sort finds the runs: linear), kept at the front
+        held = self._freed[self._lo:self._top]
+        merged = torch.cat([held, s.sort().values]).sort(stable=True).values if held.numel() else s.sort().values
+        self._freed[:merged.numel()] = merged
+        self._lo, self._top = 0, merged.numel()
 
     def free_slots(self) -> torch.Tensor:
-        """Every free slot (int64, CPU): consistency checks and tests."""
-        return torch.cat([self._stack[:self._top], torch.arange(self._fresh, self.capacity)])
+        """Every free slot (int64, CPU, ascending): consistency checks and tests."""
+        return torch.cat([self._freed[self._lo:self._top], torch.arange(self._fresh, self.capacity)])
 
     # --- data ------------------------------------------------------------------------------
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

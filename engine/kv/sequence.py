@@ -18,6 +18,7 @@ from models.ops import attention, decode_attention, decode_attention_parts
 from .pool import HybridKVPool
 
 _EMPTY = torch.empty(0, dtype=torch.long)
+SINGLE_PASS = 512  # windows of fewer slots: one pass of ggml's decode attention (measured: 511 exact, 512 not)
 MAX_RUNS = 8  # a decode step attends over up to this many slot runs in place; more: one gather
 
 
@@ -35,6 +36,10 @@ def to_device_once(parts: dict[str, torch.Tensor], device: torch.device) -> dict
     torch.cat(flat, out=host)
     on_dev = host.to(device, non_blocking=True)
     return dict(zip(parts, on_dev.split(sizes)))
+
+
+def _last(slots: torch.Tensor) -> int:
+    return int(slots[-1]) if slots.numel() else -1
 
 
 def ggml_attention_for(model, backend=None) -> bool:
@@ -82,10 +87,11 @@ class SequenceKV:
         """Allocate slots for positions `pos` (the next len(pos) positions) in both pools."""
         n = len(self)
         assert pos.numel() and int(pos[0]) == n and int(pos[-1]) == n + pos.numel() - 1, "positions must extend"
-        new_full = self.pools.full.alloc(pos.numel()) if self.pools.full.layers else \
+        # above the sequence's latest slot: its slots ascend with its positions (KVPool.__init__)
+        new_full = self.pools.full.alloc(pos.numel(), _last(self.full_slots)) if self.pools.full.layers else \
             torch.full((pos.numel(),), -1, dtype=torch.long)
         try:
-            new_win = self.pools.window.alloc(pos.numel()) if self.has_window else _EMPTY
+            new_win = self.pools.window.alloc(pos.numel(), _last(self.win_slots)) if self.has_window else _EMPTY
         except Exception:
             self.pools.full.free(new_full)
             raise
@@ -228,7 +234,11 @@ class SequenceKV:
         views of `layer`'s slab over the slots [lo, lo + S) that hold every position this step's
         query sees, mask float16 [1, S] (0 at those slots, -inf elsewhere); S a multiple of BUCKET
         (one graph serves a growing sequence for BUCKET steps). None for 8-bit pools, or slots
-        spread over more than twice their count (a fragmented pool: the torch path reads them).
+        spread over more than twice their count (a fragmented pool: the torch path reads them)
+        and SINGLE_PASS or more: below it ggml's kernel makes one pass over the window, skipping
+        the -inf slots exactly, so a request's numerics do not hang on where its slots lie (what
+        other requests hold, `KVPool.alloc`); from it on the keys are split between threads at
+        fixed offsets of the window, which then round by the layout.
         The window and mask once a step per pool and window (slabs of a pool share slots)."""
         slab = self.pools.slab(layer)
         pool = self.pools.pool_of(slab)
@@ -243,7 +253,7 @@ class SequenceKV:
             if n:
                 lo, hi = (int(x) for x in torch.aminmax(slots))
                 size = min(pool.capacity, -(-(hi - lo + 1) // BUCKET) * BUCKET)
-                if size <= 2 * n + BUCKET:
+                if size <= 2 * n + BUCKET or size < SINGLE_PASS:
                     lo = min(lo, pool.capacity - size)
                     mask = torch.full((1, size), float("-inf"), dtype=torch.float16)
                     mask[0, slots - lo] = 0.0
