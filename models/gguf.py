@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import struct
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -324,7 +325,11 @@ class GGUFFile(TensorTable):
         """The whole file mapped copy-on-write (made on first use): `TensorInfo.mapped`."""
         if self._cow is None:
             self._cow = np.memmap(self.path, dtype=np.uint8, mode="c")
+            start = self._cow.ctypes.data
+            _COW_RANGES[id(self)] = (start, start + self._cow.nbytes)
+            weakref.finalize(self, _COW_RANGES.pop, id(self), None)
         return self._cow
+
 
     def raw(self, name: str, shape: tuple[int, ...] | None = None) -> TensorInfo:
         """The tensor's info after checking its torch-order shape (when given) and type support."""
@@ -347,3 +352,11 @@ class GGUFFile(TensorTable):
 
         info = self.raw(name, shape)
         return dequantize(info.data, info.ggml_type, info.shape, dtype=dtype or torch.float32)
+
+
+_COW_RANGES: dict[int, tuple[int, int]] = {}  # id(GGUFFile) -> its cow_map's [start, end) addresses
+
+
+def in_cow_map(ptr: int, n_bytes: int) -> bool:
+    """Whether [ptr, ptr + n_bytes) lies inside a live GGUF copy-on-write map (`GGUFFile.cow_map`)."""
+    return any(start <= ptr and ptr + n_bytes <= end for start, end in list(_COW_RANGES.values()))

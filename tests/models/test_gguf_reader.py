@@ -175,3 +175,37 @@ def test_cli_reports_bad_file_in_one_line(tmp_path):
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("edgegem: error: junk.gguf:"), r.stderr
     assert "Traceback" not in r.stderr
+
+
+def _resident_kb() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc are Linux's")
+def test_released_mapped_pages_leave_the_rss_and_read_back_the_same(tmp_path):
+    """A fused matrix copies its parts out of the file's map; `release_mapped` then drops their
+    mapped pages from the RSS (31B's q/k/v and gate/up counted twice without it), and a later read
+    faults the same bytes back in from the file. Memory that is not a GGUF map is left alone."""
+    import torch
+
+    from models.weights import release_mapped
+
+    path = tmp_path / "big.gguf"
+    w = GGUFWriter(str(path), arch="gemma4")
+    w.add_tensor("big.weight", np.random.default_rng(1).standard_normal((4096, 1531)).astype(np.float32))  # 25 MB
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    f = GGUFFile(path)
+    t = torch.from_numpy(f.tensor("big.weight").mapped())
+    total = float(t.view(torch.float32).double().sum())  # every page in
+    before = _resident_kb()
+    release_mapped(t)
+    after = _resident_kb()
+    assert before - after > 20_000, (before, after)
+    assert float(t.view(torch.float32).double().sum()) == total
+    other = torch.ones(1 << 20)
+    release_mapped(other)  # not a map: untouched
+    assert float(other.sum()) == 1 << 20
