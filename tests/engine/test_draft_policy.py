@@ -77,6 +77,16 @@ def test_low_acceptance_turns_it_off_then_it_is_tried_again():
     assert p.tokens() >= 1 and p.reason.startswith("draft on")
 
 
+def test_the_measured_26b_costs_turn_the_draft_off_at_a_real_acceptance():
+    """The full-size synthetic 26B-A4B on the 2-core VM (docs/speculative.md): one row 436 ms, 3
+    rows 1,172, 5 rows 1,485; a draft step taken as a tenth of a decode. At an acceptance of 3 in 4
+    no k pays; a draft accepted every time would (3 tokens for 2.69 + 0.2 decodes)."""
+    p = DraftPolicy(4)
+    _measured(p, 0.436, {3: 1.172, 5: 1.485}, 0.0436, rounds=[(4, 2), (4, 4), (4, 3), (4, 1)] * 2)
+    assert p.tokens() == 0 and "at acceptance" in p.reason
+    assert speedup(1.0, 2, p.verify_cost(2), p.draft_cost()) > 1.0
+
+
 def test_pinned_costs_need_no_warmup():
     p = DraftPolicy(3)
     p.pin_costs({4: 3.9}, 0.05)
