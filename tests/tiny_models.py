@@ -242,6 +242,16 @@ def write_tiny_gemma4(path: Path, spec: TinySpec, seed: int = 0) -> Path:
 
 
 
+def load_tiny_pair(d: Path, spec: TinySpec, seeds: tuple[int, int] = (31, 32)):
+    """(target LoadedModel, assistant draft) of `spec` written under folder d: speculative tests."""
+    from models.gemma4_assistant import load_gemma4_assistant
+    from models.gguf import GGUFFile
+    from models.loader import load_model
+
+    target = load_model(write_tiny_gemma4(d / "t.gguf", spec, seed=seeds[0]))
+    return target, load_gemma4_assistant(GGUFFile(write_tiny_assistant(d / "a.gguf", spec, seed=seeds[1])))
+
+
 def write_tiny_assistant(path: Path, target_spec: TinySpec, seed: int = 0, *, n_layer: int = 4,
                          d_model: int = 64, n_head: int = 4, ffn: int = 128, n_centroids: int = 0,
                          d_backbone: Optional[int] = None, n_kv_head: Optional[int] = None) -> Path:

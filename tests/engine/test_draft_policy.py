@@ -10,10 +10,7 @@ from engine.draft_policy import DraftPolicy, expected_tokens, speedup
 from engine.sampler import SamplingParams
 from engine.scheduler import Engine, EngineConfig
 from engine.speculative import SpecConfig
-from models.gemma4_assistant import load_gemma4_assistant
-from models.gguf import GGUFFile
-from models.loader import load_model
-from tiny_models import TinySpec, write_tiny_assistant, write_tiny_gemma4
+from tiny_models import TinySpec, load_tiny_pair
 
 
 def test_expected_tokens_is_the_geometric_sum():
@@ -106,10 +103,7 @@ SPEC = TinySpec()
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    d = tmp_path_factory.mktemp("policy")
-    target = load_model(write_tiny_gemma4(d / "t.gguf", SPEC, seed=31))
-    draft = load_gemma4_assistant(GGUFFile(write_tiny_assistant(d / "a.gguf", SPEC, seed=32)))
-    return target, draft
+    return load_tiny_pair(tmp_path_factory.mktemp("policy"), SPEC)
 
 
 def _run(target, spec, **cfg):

@@ -14,18 +14,14 @@ from engine.scheduler import Engine, EngineConfig
 from engine.speculative import SpecConfig, accept
 from models.gemma4_assistant import load_gemma4_assistant
 from models.gguf import GGUFFile
-from models.loader import load_model
-from tiny_models import TinySpec, write_tiny_assistant, write_tiny_gemma4
+from tiny_models import TinySpec, load_tiny_pair, write_tiny_assistant, write_tiny_gemma4
 
 SPEC = TinySpec()  # 8 layers, 4 KV-shared, window 8
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    d = tmp_path_factory.mktemp("spec")
-    target = load_model(write_tiny_gemma4(d / "t.gguf", SPEC, seed=31))
-    draft = load_gemma4_assistant(GGUFFile(write_tiny_assistant(d / "a.gguf", SPEC, seed=32)))
-    return target, draft
+    return load_tiny_pair(tmp_path_factory.mktemp("spec"), SPEC)
 
 
 def _prompt(n, seed):
