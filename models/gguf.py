@@ -330,7 +330,6 @@ class GGUFFile(TensorTable):
             weakref.finalize(self, _COW_RANGES.pop, id(self), None)
         return self._cow
 
-
     def raw(self, name: str, shape: tuple[int, ...] | None = None) -> TensorInfo:
         """The tensor's info after checking its torch-order shape (when given) and type support."""
         from .quant import SUPPORTED_TYPES

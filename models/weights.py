@@ -65,9 +65,7 @@ def _mapped(info) -> torch.Tensor | None:
     if not runtime.ggml_available() or not hasattr(info, "mapped"):
         return None
     view = info.mapped()
-    if view is None:
-        return None
-    return torch.from_numpy(view)
+    return None if view is None else torch.from_numpy(view)
 
 
 def release_mapped(*tensors: torch.Tensor) -> None:
@@ -85,7 +83,7 @@ def release_mapped(*tensors: torch.Tensor) -> None:
     if not sys.platform.startswith("linux"):
         return
     page = mmap.PAGESIZE
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = ctypes.CDLL(None)  # a failed madvise leaves the pages resident: nothing lost
     for t in tensors:
         start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
         if not in_cow_map(start, end - start):
