@@ -34,6 +34,33 @@ class ModelRunner:
         with cpu_chains(self.model):
             return self._forward(kv, tokens, start, want_logits, all_rows, return_hidden, media)
 
+    @torch.no_grad()
+    def decode_together(self, kvs: list[SequenceKV], tokens: list[int]) -> torch.Tensor:
+        """One decode token per sequence (tokens[b] at the position `kvs[b].begin` was given: the
+        caller begins and ends each forward) in one forward -> logits [B, V]: on llama.cpp's CPU
+        kernels the model's token graph takes the B rows at once (models/token_graph.py: each
+        weight read once for all of them); where it does not apply, each row runs as `forward`
+        runs a decode token."""
+        with cpu_chains(self.model):
+            model, L = self.model, self.model.cfg.n_layer
+            if failpoints.ACTIVE:
+                failpoints.maybe_fail("forward.oom")
+            # a token at a time: the per-layer inputs' projection is a float matrix (F32/BF16),
+            # whose ggml product of several rows rounds otherwise than one row's
+            rows = [model.embed(torch.tensor([t], dtype=torch.long)) for t in tokens]
+            x = torch.cat([r[0] for r in rows])
+            pl = None if rows[0][1] is None else torch.cat([r[1] for r in rows])
+            pos = torch.cat([kv.positions(model.device) for kv in kvs])
+            step = getattr(model, "decode_step", None)
+            out = step(x, pos, kvs, pl) if step is not None else None
+            if out is not None:
+                watch = FiniteWatch(model.device, L)
+                watch.layer(L - 1, out[1])
+                watch.check()
+                return out[0]
+            return torch.stack([self._layers(kv, x[b:b + 1], None if pl is None else pl[b:b + 1], pos[b:b + 1],
+                                             True, False, False, None) for b, kv in enumerate(kvs)])
+
     def _forward(self, kv, tokens, start, want_logits, all_rows, return_hidden, media):
         model, L = self.model, self.model.cfg.n_layer
         ids = torch.tensor(tokens, dtype=torch.long)
@@ -46,34 +73,41 @@ class ModelRunner:
                 failpoints.maybe_fail("forward.oom")
             x, pl = model.embed(ids) if media is None else model.embed(ids, media)
             last_key = model.attention_limits(pos, media)  # 26B/31B image rows: their whole image
-            step = getattr(model, "decode_step", None) if len(tokens) == 1 and want_logits and pl is None \
+            step = getattr(model, "decode_step", None) if len(tokens) == 1 and want_logits \
                 and media is None and not return_hidden else None
-            out = step(x, pos, kv) if step is not None else None
-            if out is not None:  # the whole token as one ggml graph (Gemma 3 on llama.cpp's CPU kernels)
+            out = step(x, pos, [kv], pl) if step is not None else None
+            if out is not None:  # the whole token as one ggml graph (on llama.cpp's CPU kernels)
                 logits, h = out
                 watch.layer(L - 1, h)
                 watch.check()
                 return logits if all_rows else logits[0]
-            for i in range(self.first_shared):
-                x = model.layer(i, x, pos, None if pl is None else pl[:, i], kv, last_key=last_key)
-                watch.layer(i, x)
-            if self.fast_prefill and not all_rows and self.first_shared < L:
-                if not want_logits:
-                    watch.check()
-                    return None  # an intermediate chunk: the shared layers would feed nothing
-                x, pos = x[-1:], pos[-1:]
-                pl = None if pl is None else pl[-1:]
-                last_key = None  # one row sees up to itself
-            for i in range(self.first_shared, L):
-                x = model.layer(i, x, pos, None if pl is None else pl[:, i], kv, last_key=last_key)
-                watch.layer(i, x)
-            watch.check()
-            if not want_logits:
-                return None
-            y = model.norm(x if all_rows else x[-1:])
-            logits = model.head(y)
-            if return_hidden:
-                return (logits, y) if all_rows else (logits[0], y[0])
-            return logits if all_rows else logits[0]
+            return self._layers(kv, x, pl, pos, want_logits, all_rows, return_hidden, last_key)
         finally:
             kv.end()
+
+    def _layers(self, kv, x, pl, pos, want_logits, all_rows, return_hidden, last_key):
+        """The layers one by one over rows x [T, d] of `kv`'s forward (begun), fast prefill's
+        cut included, the final norm and the head."""
+        model, L = self.model, self.model.cfg.n_layer
+        watch = FiniteWatch(model.device, L)  # one check a step (CPU), naming the layer
+        for i in range(self.first_shared):
+            x = model.layer(i, x, pos, None if pl is None else pl[:, i], kv, last_key=last_key)
+            watch.layer(i, x)
+        if self.fast_prefill and not all_rows and self.first_shared < L:
+            if not want_logits:
+                watch.check()
+                return None  # an intermediate chunk: the shared layers would feed nothing
+            x, pos = x[-1:], pos[-1:]
+            pl = None if pl is None else pl[-1:]
+            last_key = None  # one row sees up to itself
+        for i in range(self.first_shared, L):
+            x = model.layer(i, x, pos, None if pl is None else pl[:, i], kv, last_key=last_key)
+            watch.layer(i, x)
+        watch.check()
+        if not want_logits:
+            return None
+        y = model.norm(x if all_rows else x[-1:])
+        logits = model.head(y)
+        if return_hidden:
+            return (logits, y) if all_rows else (logits[0], y[0])
+        return logits if all_rows else logits[0]

@@ -35,6 +35,7 @@ from .request import ErrorKind, Request, RequestState, StreamEvent
 from .runner import ModelRunner
 from .sampler import SamplingParams
 from .kv.sequence import SequenceKV, ggml_attention_for
+from models.token_graph import MAX_ROWS as TOGETHER  # decode tokens in one CPU forward
 from .speculative import SpecConfig, SpecStats, accept, check_draft, draft_policy, draft_tokens, max_draft
 
 
@@ -190,7 +191,7 @@ class Engine:
         if self.spec is not None:
             self.draft_k = self.draft_policy.tokens() if self.draft_policy is not None else self.spec.tokens
         budget = self.config.prefill_chunk
-        touched, decoding = [], []
+        touched, decoding, together = [], [], []
         for req in list(self.running):
             if req.state not in (RequestState.PREFILL, RequestState.DECODE):
                 continue  # preempted (or finished) by an earlier forward of this step
@@ -214,11 +215,16 @@ class Engine:
             elif self.draft_k:
                 self._spec_round(req)
             else:
-                self._run(req, [req.all_ids[-1]])
+                together.append(req)  # one forward for all of them below
             touched.append(req)
         decoding = [r for r in decoding if r.state == RequestState.DECODE]  # not preempted meanwhile
         for i in range(0, len(decoding), BUCKETS[-1]):
             self._decode_batch([r for r in decoding[i:i + BUCKETS[-1]] if r.state == RequestState.DECODE])
+        together = [r for r in together if r.state == RequestState.DECODE]
+        if len(together) == 1:
+            self._run(together[0], [together[0].all_ids[-1]])
+        for i in range(0, len(together) if len(together) > 1 else 0, TOGETHER):
+            self._decode_together([r for r in together[i:i + TOGETHER] if r.state == RequestState.DECODE])
         return touched
 
     def _chunk_size(self, req: Request, budget: int) -> int:
@@ -393,6 +399,36 @@ class Engine:
                     req.h = y[0]  # the draft's h, should it come back on
                 req.check()
                 self._postprocess(req, lg[0])
+
+    def _decode_together(self, reqs: list[Request]) -> None:
+        """Decode-phase requests without the batched decoder (the CPU) in one forward, a token
+        each (ModelRunner.decode_together: one token graph of B rows on llama.cpp's kernels)."""
+        batch = []
+        for req, _ in self._room_for([(req, 1) for req in reqs]):
+            try:
+                req.kv.begin(torch.tensor([req.computed_len]))
+            except KVPoolFull as e:
+                self._finish(req, "error", str(e), ErrorKind.CAPACITY)
+                continue
+            batch.append(req)
+        if not batch:
+            return
+        try:
+            t0 = time.perf_counter()
+            logits = self._retry_oom(lambda: self.runner.decode_together([r.kv for r in batch],
+                                                                         [r.all_ids[-1] for r in batch]))
+            self._record_forward(1, t0)
+        except BaseException:
+            for req in batch:
+                req.kv.end()
+                req.kv.truncate(req.computed_len)
+            raise
+        for req in batch:
+            req.kv.end()
+        for req, lg in zip(batch, logits):
+            req.computed_len += 1
+            req.check()
+            self._postprocess(req, lg)
 
     def _drafts(self, req: Request) -> list[int]:
         if not self.draft_k:

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from .decoder import DecoderModel, Trace
-from .gemma3_ggml import fused_decode_layer, fused_decode_step
+from .gemma3_ggml import fused_decode_layer
 from .kv_cache import KVStore
 from .metadata import ConfigError, metadata_reader, vocab_size_of
 from .ops import (
@@ -30,8 +30,8 @@ from .ops import (
     rope_inv_freq,
     rows_to_device,
     head_logits,
-    softcap,
 )
+from .token_graph import fused_decode_step
 from .weights import load_weights
 
 
@@ -174,22 +174,14 @@ class Gemma3Model(DecoderModel):
             trace("l_out", i, x)
         return x
 
-    def decode_step(self, x: torch.Tensor, pos: torch.Tensor, cache) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """One embedded decode token x [1, d] through every layer, the final norm and the head as
-        one ggml graph (models.gemma3_ggml.fused_decode_step) -> (logits [1, vocab], the last layer's
-        residual [1, d]: for the caller's finite check), or None where it does not apply (the
-        caller then runs the layers one by one)."""
-        cfg = self.cfg
-        firsts = self.rope_sets()  # one layer of each frequency set
-        set_of = {self._rope_key(i, None): r for r, i in enumerate(firsts)}
-        rope_of = [set_of[self._rope_key(i, None)] for i in range(cfg.n_layer)]
-        ropes = [self.rope(i, pos, rope_dtype(x)) for i in firsts]
-        out = fused_decode_step(x, self.w, cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.rms_eps, ropes,
-                                rope_of, [cfg.window(i) for i in range(cfg.n_layer)], cfg.query_scale, False, cache,
-                                self.head_w, self)
-        if out is None:
-            return None
-        return softcap(out[0], cfg.final_softcap), out[1]
+    def decode_step(self, x: torch.Tensor, pos: torch.Tensor, caches: list, pl: None = None
+                    ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """B embedded decode tokens x [B, d] at positions pos [B], one per sequence (caches[b] row
+        b's KV), through every layer, the final norm and the head as one ggml graph
+        (models.token_graph) -> (logits [B, vocab], the last layer's residual [B, d]: for the
+        caller's finite check), or None where it does not apply (the caller then runs the layers
+        one by one)."""
+        return fused_decode_step(self, x, None, pos, caches, False, self.cfg.query_scale)
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.pre_norm(x, self.w["output_norm.weight"])

@@ -19,6 +19,7 @@ from .metadata import ConfigError, metadata_reader, vocab_size_of
 from .ops import (add_rms_norm, attend, attention_prologue, attn_residual, embedding_rows, ffn_residual, gated_mlp,
                   gelu_tanh, head_logits, kernel_path, linear, linear_gelu_mul, quant_rows_to_device, quantized_table,
                   rms_norm, rope_dtype, rope_inv_freq, rows_to_device, scaled_add_rms_norm)
+from .token_graph import fused_decode_step
 from .weights import load_weights
 
 
@@ -513,6 +514,15 @@ class Gemma4Model(DecoderModel):
             out = linear(gelu_tanh(gate) * up, w[b + "ffn_down_exps.weight"][e])
             h2.index_add_(0, rows, out * top_p[rows, slot, None])
         return h1 + rms_norm(h2, w[b + "post_ffw_norm_2.weight"], eps)
+
+    def decode_step(self, x: torch.Tensor, pos: torch.Tensor, caches: list, pl: Optional[torch.Tensor] = None
+                    ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """B embedded decode tokens x [B, d] at positions pos [B], one per sequence (caches[b] row
+        b's KV; pl [B, L, P] their per-layer inputs), through every layer, the final norm and the
+        head as one ggml graph (models.token_graph) -> (logits [B, vocab], the last layer's
+        residual [B, d]: for the caller's finite check), or None where it does not apply (the
+        caller then runs the layers one by one)."""
+        return fused_decode_step(self, x, pl, pos, caches, True, 1.0)
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
         """Post-final-norm hidden state y (the LM-head input and the assistant's h)."""

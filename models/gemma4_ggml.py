@@ -105,22 +105,33 @@ def moe_parts(w, b: str, rows: int) -> Optional[dict]:
     return p
 
 
+def _moe_norms(w, b: str) -> dict:
+    return {k: w[b + n] for k, n in (("ffn_norm", "ffn_norm.weight"), ("post_1", "post_ffw_norm_1.weight"),
+                                     ("pre_2", "pre_ffw_norm_2.weight"), ("post_2", "post_ffw_norm_2.weight"),
+                                     ("router_scale", "ffn_gate_inp.scale"))}
+
+
+def moe_constants(g: Graph, w, b: str, parts: dict, d: int) -> dict:
+    """`moe_nodes`' `m`: the layer's matrices and banks (`moe_parts`) with its norm weights, router
+    scale and per-expert down scale bound as constants of graph g."""
+    E = parts["down_exps"].shape[0]
+    m = dict(parts, d=d, E=E, **{k: g.constant(t.float().contiguous()) for k, t in _moe_norms(w, b).items()})
+    down_scale = w.get(b + "ffn_down_exps.scale")
+    m["down_scale"] = None if down_scale is None else g.constant(down_scale.float().reshape(1, E, 1))
+    return m
+
+
 def moe_ffn(r: torch.Tensor, w, b: str, eps: float, n_used: int, parts: dict) -> torch.Tensor:
     """The block for residual rows r [T, d] float32 -> [T, d] (one graph run)."""
     check_cpu_float32(r)
     T, d = r.shape
-    E = parts["down_exps"].shape[0]
-    norms = {k: w[b + n] for k, n in (("ffn_norm", "ffn_norm.weight"), ("post_1", "post_ffw_norm_1.weight"),
-                                      ("pre_2", "pre_ffw_norm_2.weight"), ("post_2", "post_ffw_norm_2.weight"),
-                                      ("router_scale", "ffn_gate_inp.scale"))}
+    norms = _moe_norms(w, b)
     down_scale = w.get(b + "ffn_down_exps.scale")
 
     def build(big):
         g = Graph(64 + 2 * n_used, big)
         gr = g.input(r)
-        m = dict(parts, d=d, E=E, **{k: g.constant(t.float().contiguous()) for k, t in norms.items()})
-        m["down_scale"] = None if down_scale is None else g.constant(down_scale.float().reshape(1, E, 1))
-        g.output(moe_nodes(g, gr, T, m, eps, n_used))
+        g.output(moe_nodes(g, gr, T, moe_constants(g, w, b, parts, d), eps, n_used))
         return g.finish()
 
     key = ("moe", b, *(id(v) for v in parts.values()), *(id(t) for t in norms.values()), id(down_scale),
@@ -140,3 +151,4 @@ def fused_moe_ffn(model, i: int, r: torch.Tensor) -> Optional[torch.Tensor]:
     if parts is None:
         return None
     return moe_ffn(r, model.w, b, model.cfg.rms_eps, model.cfg.n_expert_used, parts)
+

@@ -265,23 +265,31 @@ class SequenceKV:
         lo, size, mask = hit
         return pool.k[slab][lo:lo + size], pool.v[slab][lo:lo + size], mask
 
-    def decode_target(self, layer: int, window: Optional[int]):
-        """For a layer computed whole in one ggml graph (models/gemma3_ggml.py): (k slab, v slab,
-        this token's slot [1], k window, v window, mask) of `layer`'s own float32 slabs, or None
-        (attention not on ggml's kernel, a kernel backend, more than one token, a KV-shared layer,
-        the debug copies, another format, or a window `_masked` does not give)."""
+    def decode_window(self, layer: int, window: Optional[int]):
+        """(k window, v window, mask) of `layer`'s slab (its source's for a KV-shared layer) for a
+        decode token computed whole in one ggml graph (models/gemma3_ggml.py, models/gemma4_ggml.py),
+        or None (attention not on ggml's kernel, a kernel backend, more than one token, the debug
+        copies, not float32, or a window `_masked` does not give)."""
         if not self.ggml_attention or self.backend is not None or self.pools.copies or self._step is None \
                 or len(self._pos) != 1:
             return None
         slab = self.pools.slab(layer)
-        if slab != layer:
-            return None
         pool = self.pools.pool_of(slab)
         if pool.k[slab].dtype != torch.float32 or pool.fmt.scaled:
             return None
-        masked = self._masked(layer, window)
+        return self._masked(layer, window)
+
+    def decode_target(self, layer: int, window: Optional[int]):
+        """`decode_window` of a layer that owns its slab, with the slabs and this token's slot:
+        (k slab, v slab, slot [1], k window, v window, mask), or None (`decode_window`'s cases and
+        a KV-shared layer)."""
+        slab = self.pools.slab(layer)
+        if slab != layer:
+            return None
+        masked = self.decode_window(layer, window)
         if masked is None:
             return None
+        pool = self.pools.pool_of(slab)
         new_full, new_win = self._step
         return (pool.k[slab], pool.v[slab], new_win if pool is self.pools.window else new_full, *masked)
 

@@ -1,4 +1,4 @@
-"""A Gemma 3 decode token as one ggml graph (models/gemma3_ggml.py: every layer, the final norm and
+"""A Gemma 3 decode token as one ggml graph (models/token_graph.py: every layer, the final norm and
 the head) against one graph a layer and against the four graph runs a layer: the same nodes in the
 same order, so the engine's tokens and log-probabilities are bit for bit the same, on the real demo
 model (Gemma 3 270M Q4_K_M), two requests decoded together, past a window bucket (64 keys) so the
@@ -6,7 +6,6 @@ step's graph is rebuilt on the way."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kernels import ggml
 from kernels.env import reload
@@ -25,9 +24,10 @@ def test_one_graph_a_token_gives_the_layer_graphs_bits(gemma3_270m_path, monkeyp
     step = gemma3.Gemma3Model.decode_step
     ran = []
     monkeypatch.setattr(gemma3.Gemma3Model, "decode_step",
-                        lambda self, *a: (lambda r: (ran.append(r is not None), r)[1])(step(self, *a)))
+                        lambda self, x, *a: (lambda r: (ran.append(0 if r is None else x.shape[0]), r)[1])(
+                            step(self, x, *a)))
     whole = decode_greedy(lm, prompts, 14)
-    assert sum(ran) >= 2 * 13 and all(ran)  # every decode step (the prompts' last rows too)
+    assert sum(ran) >= 2 * 13 and all(ran) and max(ran) == 2  # every decode token, the two together
     monkeypatch.setenv("EDGEGEM_CPU_STEP_GRAPH", "0")
     reload()
     layers = decode_greedy(lm, prompts, 14)
@@ -37,10 +37,3 @@ def test_one_graph_a_token_gives_the_layer_graphs_bits(gemma3_270m_path, monkeyp
     assert whole == layers == four
     assert all(len(ids) == 14 for ids, _ in whole)
 
-
-def test_bad_inputs_are_one_line_errors():
-    from models.gemma3_ggml import decode_step
-
-    with pytest.raises(ValueError, match="ggml decode_step: one token"):
-        decode_step(object(), torch.zeros(2, 8), [], [(torch.ones(1, 1, 4), torch.zeros(1, 1, 4))], torch.ones(8),
-                    None, 1, 1, 8, 1e-6, 1.0, False)
