@@ -22,7 +22,7 @@ PIECES = {  # label -> (module, attribute) wrapped; layer stretches are patched 
     "residual after attention (o projection + norms)": ("attn_residual",),
     "MLP + per-layer input + norms": ("ffn_residual",),
     "whole layer in one ggml graph (Gemma 3 decode: all of the above and the attention)": ("fused_decode_layer",),
-    "whole token in one ggml graph (Gemma 3 decode: every layer, the final norm, the head)": ("fused_decode_step",),
+    "whole token in one ggml graph (every layer, the final norm, the head)": ("fused_decode_step",),
     "MoE block in one ggml graph (router, 8 of 128 experts, dense branch)": ("fused_moe_ffn",),
     "o projection (MoE layers)": ("linear",),
     "residual adds + norms (MoE layers)": ("add_rms_norm",),
