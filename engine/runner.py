@@ -12,6 +12,7 @@ import torch
 
 from models.decoder import FiniteWatch
 from models.ops import cpu_chains
+from models.token_graph import MAX_ROWS as TOKEN_ROWS
 
 from . import failpoints
 from .kv.sequence import SequenceKV
@@ -53,7 +54,7 @@ class ModelRunner:
             pos = torch.cat([kv.positions(model.device) for kv in kvs])
             step = getattr(model, "decode_step", None)
             out = step(x, pos, kvs, pl) if step is not None else None
-            if out is not None:
+            if out is not None:  # (logits, h, y)
                 watch = FiniteWatch(model.device, L)
                 watch.layer(L - 1, out[1])
                 watch.check()
@@ -73,13 +74,17 @@ class ModelRunner:
                 failpoints.maybe_fail("forward.oom")
             x, pl = model.embed(ids) if media is None else model.embed(ids, media)
             last_key = model.attention_limits(pos, media)  # 26B/31B image rows: their whole image
-            step = getattr(model, "decode_step", None) if len(tokens) == 1 and want_logits \
-                and media is None and not return_hidden else None
-            out = step(x, pos, [kv], pl) if step is not None else None
-            if out is not None:  # the whole token as one ggml graph (on llama.cpp's CPU kernels)
-                logits, h = out
+            # a decode token, the prompt's last token, a draft's verify rows: one ggml graph (on
+            # llama.cpp's CPU kernels), each row attending as a decode step at its position would
+            step = getattr(model, "decode_step", None) if want_logits and media is None and (
+                len(tokens) == 1 or (all_rows and len(tokens) <= TOKEN_ROWS)) else None
+            out = step(x, pos, [kv] * len(tokens), pl) if step is not None else None
+            if out is not None:
+                logits, h, y = out
                 watch.layer(L - 1, h)
                 watch.check()
+                if return_hidden:
+                    return (logits, y) if all_rows else (logits[0], y[0])
                 return logits if all_rows else logits[0]
             return self._layers(kv, x, pl, pos, want_logits, all_rows, return_hidden, last_key)
         finally:

@@ -516,12 +516,12 @@ class Gemma4Model(DecoderModel):
         return h1 + rms_norm(h2, w[b + "post_ffw_norm_2.weight"], eps)
 
     def decode_step(self, x: torch.Tensor, pos: torch.Tensor, caches: list, pl: Optional[torch.Tensor] = None
-                    ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """B embedded decode tokens x [B, d] at positions pos [B], one per sequence (caches[b] row
-        b's KV; pl [B, L, P] their per-layer inputs), through every layer, the final norm and the
-        head as one ggml graph (models.token_graph) -> (logits [B, vocab], the last layer's
-        residual [B, d]: for the caller's finite check), or None where it does not apply (the
-        caller then runs the layers one by one)."""
+                    ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """B embedded tokens x [B, d] at positions pos [B] (pl [B, L, P] their per-layer inputs),
+        caches[b] row b's KV (one sequence a row, or one repeated for a verify's rows), through
+        every layer, the final norm and the head as one ggml graph (models.token_graph) ->
+        (logits [B, vocab], the last residual [B, d] for the caller's finite check, the final
+        norm's rows [B, d]), or None where it does not apply (the layers then run one by one)."""
         return fused_decode_step(self, x, pl, pos, caches, True, 1.0)
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:

@@ -227,15 +227,26 @@ def _step_layer(model, i: int, rope: int) -> Optional[StepLayer]:
                      scalar(w.get(b + "layer_output_scale.weight")), norms, rope, own, cfg.window(i), (w, b))
 
 
-def _targets(ly: StepLayer, i: int, caches: Sequence) -> Optional[list[tuple]]:
-    """Per sequence (k slab, v slab, slot [1]) or (None, None, None) for a KV-shared layer, then
-    (k window, v window, mask): layer i's part of this step's caches, or None where one gives none."""
+def _rows(caches: Sequence) -> list[int]:
+    """Each row's index within its cache's forward: caches[b] may repeat one sequence for the
+    consecutive rows of a draft's verify (its rows t = 0, 1, ...)."""
+    seen: dict = {}
     out = []
     for c in caches:
-        t = c.decode_target(i, ly.window) if ly.own else c.decode_window(i, ly.window)
-        if t is None:
+        out.append(seen.get(id(c), 0))
+        seen[id(c)] = out[-1] + 1
+    return out
+
+
+def _targets(ly: StepLayer, i: int, caches: Sequence, rows: Sequence[int]) -> Optional[list[tuple]]:
+    """Per row (k slab, v slab, slot [1]) or (None, None, None) for a KV-shared layer, then
+    (k window, v window, mask): layer i's part of this step's caches, or None where one gives none."""
+    out = []
+    for c, t in zip(caches, rows):
+        got = c.decode_target(i, ly.window, t) if ly.own else c.decode_window(i, ly.window, t)
+        if got is None:
             return None
-        out.append(t if ly.own else (None, None, None, *t))
+        out.append(got if ly.own else (None, None, None, *got))
     return out
 
 
@@ -260,9 +271,9 @@ def fused_decode_step(model, x: torch.Tensor, pl: Optional[torch.Tensor], pos: t
     layers = step_layers(model)
     if layers is None:
         return None
-    targets = []
+    targets, rows = [], _rows(caches)
     for i, ly in enumerate(layers):
-        t = _targets(ly, i, caches)
+        t = _targets(ly, i, caches, rows)
         if t is None:
             return None
         targets.append(t)
@@ -274,14 +285,13 @@ def fused_decode_step(model, x: torch.Tensor, pl: Optional[torch.Tensor], pos: t
         kept = (key, _build(tensors, plan, layers, model.w["output_norm.weight"], head, cfg.rms_eps,
                             getattr(cfg, "n_expert_used", 0), cfg.d_model, v_norm, attn_scale))
         model._ggml_step_graph = kept
-    h = torch.empty(x.shape)
+    h, y = torch.empty(x.shape), torch.empty(x.shape)
     if head is None:  # a head off ggml (a torch format): the graph gives the normed rows
-        y = torch.empty(x.shape)
         kept[1].run(tensors, [y, h])
-        return model.head(y), h
+        return model.head(y), h, y
     logits = torch.empty(B, head.shape[0])
-    kept[1].run(tensors, [logits, h])
-    return softcap(logits, cfg.final_softcap), h
+    kept[1].run(tensors, [logits, h, y])
+    return softcap(logits, cfg.final_softcap), h, y
 
 
 def _plan(x, pl, ropes, layers, targets) -> tuple[list[torch.Tensor], list]:
@@ -352,4 +362,6 @@ def _build(tensors, plan, layers, final_norm, head, eps, n_used, d, v_norm, attn
         a = norm_nodes(g, h, c(layers[i + 1].norms["attn"] if i + 1 < len(layers) else final_norm), eps)
     g.output(a if head is None else g.mul_mat(g.matrix(head), a))
     g.output(h)
+    if head is not None:
+        g.output(a)
     return g.finish()

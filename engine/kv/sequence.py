@@ -229,26 +229,31 @@ class SequenceKV:
             self._reads[key] = out
         return self._reads[key]
 
-    def _masked(self, layer: int, window: Optional[int]):
-        """(k, v, mask) for ggml's decode attention (kernels/ggml/attention.py): k, v [S, n_kv, hd]
-        views of `layer`'s slab over the slots [lo, lo + S) that hold every position this step's
-        query sees, mask float16 [1, S] (0 at those slots, -inf elsewhere); S a multiple of BUCKET
-        (one graph serves a growing sequence for BUCKET steps). None for 8-bit pools, or slots
-        spread over more than twice their count (a fragmented pool: the torch path reads them)
-        and SINGLE_PASS or more: below it ggml's kernel makes one pass over the window, skipping
-        the -inf slots exactly, so a request's numerics do not hang on where its slots lie (what
-        other requests hold, `KVPool.alloc`); from it on the keys are split between threads at
-        fixed offsets of the window, which then round by the layout.
-        The window and mask once a step per pool and window (slabs of a pool share slots)."""
+    def _masked(self, layer: int, window: Optional[int], row: int = -1):
+        """(k, v, mask) for ggml's decode attention (kernels/ggml/attention.py) of this forward's
+        row `row` (default the last: a decode step's one row): k, v [S, n_kv, hd] views of
+        `layer`'s slab over the slots [lo, lo + S) that hold every position that row's query
+        sees, mask float16 [1, S] (0 at those slots, -inf elsewhere); S a multiple of BUCKET
+        (one graph serves a growing sequence for BUCKET steps). The window is what a decode step
+        at that row's position would get, so a verify row attends as the decode step would. None
+        for 8-bit pools, or slots spread over more than twice their count (a fragmented pool: the
+        torch path reads them) and SINGLE_PASS or more: below it ggml's kernel makes one pass over
+        the window, skipping the -inf slots exactly, so a request's numerics do not hang on where
+        its slots lie (what other requests hold, `KVPool.alloc`); from it on the keys are split
+        between threads at fixed offsets of the window, which then round by the layout.
+        The window and mask once a step per pool, window and row (slabs of a pool share slots)."""
         slab = self.pools.slab(layer)
         pool = self.pools.pool_of(slab)
         if pool.fmt.scaled:
             return None
-        key = ("masked", pool.name, window)
+        q_pos = int(self._pos[row]) if self._step is not None else len(self) - 1
+        key = ("masked", pool.name, window, q_pos)
         if key not in self._reads:
             slots, positions = self._slots(pool)
+            seen = positions <= q_pos
             if window:
-                slots = slots[positions > len(self) - 1 - window]
+                seen &= positions > q_pos - window
+            slots = slots[seen]
             out, n = None, slots.numel()
             if n:
                 lo, hi = (int(x) for x in torch.aminmax(slots))
@@ -265,33 +270,35 @@ class SequenceKV:
         lo, size, mask = hit
         return pool.k[slab][lo:lo + size], pool.v[slab][lo:lo + size], mask
 
-    def decode_window(self, layer: int, window: Optional[int]):
-        """(k window, v window, mask) of `layer`'s slab (its source's for a KV-shared layer) for a
-        decode token computed whole in one ggml graph (models/gemma3_ggml.py, models/gemma4_ggml.py),
-        or None (attention not on ggml's kernel, a kernel backend, more than one token, the debug
-        copies, not float32, or a window `_masked` does not give)."""
-        if not self.ggml_attention or self.backend is not None or self.pools.copies or self._step is None \
-                or len(self._pos) != 1:
+    def decode_window(self, layer: int, window: Optional[int], row: int = 0):
+        """(k window, v window, mask) of `layer`'s slab (its source's for a KV-shared layer) for
+        row `row` of this forward computed in one ggml graph (models/token_graph.py: a decode
+        token, or a row of a draft's verify), or None (attention not on ggml's kernel, a kernel
+        backend, the debug copies, not float32, or a window `_masked` does not give)."""
+        if not self.ggml_attention or self.backend is not None or self.pools.copies or self._step is None:
             return None
         slab = self.pools.slab(layer)
         pool = self.pools.pool_of(slab)
         if pool.k[slab].dtype != torch.float32 or pool.fmt.scaled:
             return None
-        return self._masked(layer, window)
+        return self._masked(layer, window, row)
 
-    def decode_target(self, layer: int, window: Optional[int]):
-        """`decode_window` of a layer that owns its slab, with the slabs and this token's slot:
+    def decode_target(self, layer: int, window: Optional[int], row: int = 0):
+        """`decode_window` of a layer that owns its slab, with the slabs and the row's new slot:
         (k slab, v slab, slot [1], k window, v window, mask), or None (`decode_window`'s cases and
         a KV-shared layer)."""
         slab = self.pools.slab(layer)
         if slab != layer:
             return None
-        masked = self.decode_window(layer, window)
+        masked = self.decode_window(layer, window, row)
         if masked is None:
             return None
         pool = self.pools.pool_of(slab)
-        new_full, new_win = self._step
-        return (pool.k[slab], pool.v[slab], new_win if pool is self.pools.window else new_full, *masked)
+        key = ("slot", pool.name, row)
+        if key not in self._reads:  # one tensor a pool and row: the graph's inputs are keyed by it
+            new_full, new_win = self._step
+            self._reads[key] = (new_win if pool is self.pools.window else new_full)[row:row + 1]
+        return (pool.k[slab], pool.v[slab], self._reads[key], *masked)
 
     def attend(self, layer: int, q: torch.Tensor, pos: torch.Tensor, window: Optional[int],
                scale: float, last_key: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -31,9 +31,20 @@ def _prompt(n, seed):
 def _generate(target, prompts, params, draft=None, k=3, **cfg):
     spec = SpecConfig(draft, tokens=k, adaptive=False) if draft is not None else None
     eng = Engine(target.model, target.tokenizer, EngineConfig(full_tokens=2048, **cfg), spec=spec)
-    reqs = [eng.add(p, params) for p in prompts]
+    eng.reqs = [eng.add(p, params) for p in prompts]
     eng.run_to_completion()
-    return [r.output_ids for r in reqs], eng
+    return [r.output_ids for r in eng.reqs], eng
+
+
+def _logprobs(eng) -> list[list[float]]:
+    """The sampled tokens' log-probabilities of each of `_generate`'s requests, in order."""
+    out = []
+    for r in eng.reqs:
+        events = []
+        while not r.events.empty():
+            events.append(r.events.get_nowait())
+        out.append([lp.logprob for ev in events for lp in (ev.logprobs or [])])
+    return out
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=200)
@@ -168,7 +179,9 @@ def test_spec_bench_reports_both_speeds_and_acceptance(tmp_path):
 
 def test_greedy_with_draft_on_llama_cpp_kernels_equals_greedy_without(tmp_path):
     """Target and draft on the CPU runtime (a Q4_K_M target on llama.cpp's kernels, the draft's
-    matrices too): the verify's 1 + k rows take the decode's layout, so greedy output is unchanged."""
+    matrices too): the verify's 1 + k rows go through the token graph (models/token_graph.py),
+    each row attending as the decode step at its position would, so greedy output and its
+    log-probabilities are the plain decode's bit for bit."""
     from engine.api import load_draft, open_model
     from models.formats import GGMLWeight
     from models.runtime import Runtime, ggml_available
@@ -181,7 +194,20 @@ def test_greedy_with_draft_on_llama_cpp_kernels_equals_greedy_without(tmp_path):
     spec = load_draft(str(write_tiny_assistant(tmp_path / "a.gguf", SPEC, seed=32)), target, spec_tokens=3)
     assert spec.draft.runtime is Runtime.GGML and isinstance(spec.draft.w["blk.0.attn_q.weight"], GGMLWeight)
     prompts = [_prompt(23, 1), _prompt(14, 2)]
-    params = SamplingParams(temperature=0.0, max_tokens=60)
-    plain, _ = _generate(target, prompts, params)
-    drafted, eng = _generate(target, prompts, params, draft=spec.draft)
+    params = SamplingParams(temperature=0.0, max_tokens=60, logprobs=1)
+    plain, eng = _generate(target, prompts, params)
+    plain_lp = _logprobs(eng)
+    verify_rows = []
+    step = type(target.model).decode_step
+
+    def spy(self, x, pos, caches, pl=None):
+        out = step(self, x, pos, caches, pl)
+        if out is not None and len(set(map(id, caches))) == 1:
+            verify_rows.append(x.shape[0])
+        return out
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(target.model), "decode_step", spy)
+        drafted, eng = _generate(target, prompts, params, draft=spec.draft)
     assert drafted == plain and eng.status()["speculative"]["drafted"] > 0
+    assert _logprobs(eng) == plain_lp
+    assert max(verify_rows) == 4  # 1 + k rows of one sequence in one graph
