@@ -108,7 +108,7 @@ class RadixCache:
         if 0 < rows - m < EXACT_ROWS:
             m = self._servable(win, max(0, rows - EXACT_ROWS))
         need = self._window_positions(m)
-        nodes = self._lock_upto(nodes, m)
+        nodes = self._lock_upto(self._cut(nodes, m), m)
         return PrefixMatch(m, full[:m], need, win[need] if m else need, nodes)
 
     def lookup(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,6 +136,17 @@ class RadixCache:
                 return m
             m = int(need[int(missing[-1])])  # serve at most up to the last missing position
         return 0
+
+    @staticmethod
+    def _cut(nodes: list[_Node], m: int) -> list[_Node]:
+        """`nodes` with the one holding position m split there, so that locking the first m tokens
+        leaves the rest free (a later insert may swap in exact KV for them)."""
+        total = 0
+        for i, n in enumerate(nodes):
+            if total < m < total + len(n.tokens):
+                return nodes[:i] + [n.split(m - total)]
+            total += len(n.tokens)
+        return nodes
 
     def _lock_upto(self, nodes: list[_Node], m: int) -> list[_Node]:
         out, total, now = [], 0, next(_clock)
