@@ -295,12 +295,13 @@ class SequenceKV:
     def attend(self, layer: int, q: torch.Tensor, pos: torch.Tensor, window: Optional[int],
                scale: float, last_key: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Attention of `layer` over its slab (the source's when sharing, its own copy in the debug
-        mode): the torch reference reads the slab's slot runs in place for a CPU decode step (cut
-        to the visible positions: no mask) and gathers once a step otherwise; a kernel backend
-        reads the slots in place; on the ggml runtime (`ggml_attention`) a decode step runs
-        llama.cpp's kernel over a window of the slab. `last_key` [T] (an image on a sliding layer of
-        26B/31B, models/image_attention.py): the chunk's image rows also see the rest of their
-        image; one row (a decode step) never carries one."""
+        mode), rounded by positions, not slots (engine/kv/canonical.py): on the ggml runtime
+        (`ggml_attention`) a decode step runs llama.cpp's kernel over a window of the slab (or of
+        the visible keys gathered); the torch reference's decode step takes the visible keys as one
+        tensor (in place where their slots are consecutive) and its prefill rows go in position
+        tiles; a kernel backend reads the slots in place. `last_key` [T] (an image on a sliding
+        layer of 26B/31B, models/image_attention.py): the chunk's image rows also see the rest of
+        their image (one gather, untiled); one row (a decode step) never carries one."""
         if self.backend is None:
             decode = q.shape[0] == 1 and q.device.type == "cpu"
             # ggml's kernel reads float32 rows with a unit last stride: a dtype and layout condition,
