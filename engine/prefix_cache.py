@@ -113,12 +113,15 @@ class RadixCache:
 
     def lookup(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(full slots [m], window slots [m], -1 where absent) of the longest cached prefix of
-        `tokens`, whether or not a query could be served from it; nothing is locked (KV files read
-        the slots at once, on the engine thread)."""
+        `tokens` whose KV is exact (what a match could serve), whether or not a query could be
+        served from it; nothing is locked (KV files read the slots at once, on the engine thread,
+        and a restored file's KV counts as exact)."""
         nodes, m = self._walk(tokens)
         if not nodes:
             e = torch.empty(0, dtype=torch.long)
             return e, e.clone()
+        inexact = (~torch.cat([n.exact for n in nodes])[:m]).nonzero()
+        m = int(inexact[0]) if inexact.numel() else m
         return torch.cat([n.full for n in nodes])[:m], torch.cat([n.win for n in nodes])[:m]
 
     def _window_positions(self, m: int) -> torch.Tensor:
