@@ -5,6 +5,14 @@ kept). A match of m tokens is served only up to the largest m' <= m whose last `
 positions still have window slots: a sliding layer's first new query needs them. Sequences hand
 their slots over at the end of the prompt (so "regenerate" reuses the prompt) and at the end of the
 answer (so the next turn reuses the conversation); locked nodes are never evicted.
+
+Each token also records whether its KV was computed in a prefill forward of at least EXACT_ROWS
+rows (engine/kv/canonical.py): a fresh prefill computes every row of a prompt but its last so, and
+ggml's K-quant products round other row counts otherwise. A match serves only such tokens, and
+never leaves fewer than EXACT_ROWS rows to compute before the prompt's last token (it steps back
+instead), so a cached prompt computes its rows as a fresh one does. A decoded answer's KV (one row a
+forward) is kept for nothing but that: the next turn recomputes it, as it does the last token of
+the prompt before it (the cost: those rows' prefill in the second turn's time to first token).
 """
 from __future__ import annotations
 
@@ -14,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from .kv.canonical import EXACT_ROWS
 from .kv.pool import HybridKVPool
 
 _clock = itertools.count()
@@ -24,6 +33,7 @@ class _Node:
     tokens: torch.Tensor  # [n] int64
     full: torch.Tensor  # [n] full-pool slots
     win: torch.Tensor  # [n] window-pool slots, -1 where absent
+    exact: torch.Tensor  # [n] bool: computed in a prefill forward of >= EXACT_ROWS rows
     parent: Optional["_Node"] = None
     children: dict = field(default_factory=dict)  # first token -> node
     lock: int = 0
@@ -34,12 +44,14 @@ class _Node:
         """Cut this node after k tokens; returns the new upper part (self keeps the tail). Whoever
         holds this node now holds the upper part too: it joins their lists, so their release
         unlocks both."""
-        upper = _Node(self.tokens[:k], self.full[:k], self.win[:k], self.parent, {int(self.tokens[k]): self},
+        upper = _Node(self.tokens[:k], self.full[:k], self.win[:k], self.exact[:k], self.parent,
+                      {int(self.tokens[k]): self},
                       self.lock, self.last_used, list(self.holders))
         for held in self.holders:
             held.append(upper)
         self.parent.children[int(self.tokens[0])] = upper
         self.tokens, self.full, self.win, self.parent = self.tokens[k:], self.full[k:], self.win[k:], upper
+        self.exact = self.exact[k:]
         return upper
 
 
@@ -59,8 +71,8 @@ class RadixCache:
         self.pools, self.window = pools, window
         self.before_evict = None  # called once before KV would be let go (KV files save there)
         self.has_window = bool(pools.window.layers) and bool(window)
-        self.root = _Node(torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long),
-                          torch.empty(0, dtype=torch.long))
+        e = torch.empty(0, dtype=torch.long)
+        self.root = _Node(e, e.clone(), e.clone(), torch.empty(0, dtype=torch.bool))
 
     # --- lookup ------------------------------------------------------------------------------
     def _walk(self, tokens: list[int]) -> tuple[list[_Node], int]:
@@ -83,23 +95,33 @@ class RadixCache:
         return path, m
 
     def match(self, tokens: list[int]) -> PrefixMatch:
-        """Longest servable cached prefix of `tokens`, leaving at least the last token to compute."""
+        """Longest servable cached prefix of `tokens`, leaving at least the last token to compute:
+        exact tokens only, and none or at least EXACT_ROWS rows before the last to compute."""
         nodes, m = self._walk(tokens[:-1])
         full = torch.cat([n.full for n in nodes]) if nodes else torch.empty(0, dtype=torch.long)
         win = torch.cat([n.win for n in nodes]) if nodes else torch.empty(0, dtype=torch.long)
-        m = self._servable(win, m)
+        inexact = (~torch.cat([n.exact for n in nodes])[:m]).nonzero() if nodes else None
+        if inexact is not None and inexact.numel():
+            m = int(inexact[0])
+        rows = len(tokens) - 1  # a fresh prefill computes these in forwards of >= EXACT_ROWS (or one)
+        m = self._servable(win, m if rows >= EXACT_ROWS else 0)
+        if 0 < rows - m < EXACT_ROWS:
+            m = self._servable(win, max(0, rows - EXACT_ROWS))
         need = self._window_positions(m)
-        nodes = self._lock_upto(nodes, m)
+        nodes = self._lock_upto(self._cut(nodes, m), m)
         return PrefixMatch(m, full[:m], need, win[need] if m else need, nodes)
 
     def lookup(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(full slots [m], window slots [m], -1 where absent) of the longest cached prefix of
-        `tokens`, whether or not a query could be served from it; nothing is locked (KV files read
-        the slots at once, on the engine thread)."""
+        `tokens` whose KV is exact (what a match could serve), whether or not a query could be
+        served from it; nothing is locked (KV files read the slots at once, on the engine thread,
+        and a restored file's KV counts as exact)."""
         nodes, m = self._walk(tokens)
         if not nodes:
             e = torch.empty(0, dtype=torch.long)
             return e, e.clone()
+        inexact = (~torch.cat([n.exact for n in nodes])[:m]).nonzero()
+        m = int(inexact[0]) if inexact.numel() else m
         return torch.cat([n.full for n in nodes])[:m], torch.cat([n.win for n in nodes])[:m]
 
     def _window_positions(self, m: int) -> torch.Tensor:
@@ -117,6 +139,17 @@ class RadixCache:
                 return m
             m = int(need[int(missing[-1])])  # serve at most up to the last missing position
         return 0
+
+    @staticmethod
+    def _cut(nodes: list[_Node], m: int) -> list[_Node]:
+        """`nodes` with the one holding position m split there, so that locking the first m tokens
+        leaves the rest free (a later insert may swap in exact KV for them)."""
+        total = 0
+        for i, n in enumerate(nodes):
+            if total < m < total + len(n.tokens):
+                return nodes[:i] + [n.split(m - total)]
+            total += len(n.tokens)
+        return nodes
 
     def _lock_upto(self, nodes: list[_Node], m: int) -> list[_Node]:
         out, total, now = [], 0, next(_clock)
@@ -137,27 +170,32 @@ class RadixCache:
             n.holders = [h for h in n.holders if h is not nodes]
 
     # --- insertion ---------------------------------------------------------------------------
-    def insert(self, tokens: list[int], full_slots: torch.Tensor, win_slots: torch.Tensor):
-        """Offer the slots of `tokens` (win_slots -1 where the sequence has none) to the tree.
+    def insert(self, tokens: list[int], full_slots: torch.Tensor, win_slots: torch.Tensor,
+               exact: Optional[torch.Tensor] = None):
+        """Offer the slots of `tokens` (win_slots -1 where the sequence has none; `exact` [n] bool,
+        default all: which were computed in a prefill forward of >= EXACT_ROWS rows) to the tree.
 
         Returns (locked node path, full_taken [n], win_taken [n]): the tree owns the slots marked
         taken from now on. Where it already holds other slots for the same tokens that someone
         reads (a locked node: two requests prefilled the same prompt), the sequence keeps its own
         and frees them when it ends; a node nobody reads takes the sequence's slots and frees its
         own, so no two copies of the same KV sit in the pool (a request recomputed a prefix whose
-        match was cut short by evicted window slots, e.g. after a preemption).
+        match was cut short by evicted window slots, e.g. after a preemption, or a decoded answer
+        in the next turn's prefill), unless the node's copy has more exact tokens.
         """
         t = torch.tensor(tokens, dtype=torch.long)
+        exact = torch.ones(len(tokens), dtype=torch.bool) if exact is None else exact
         nodes, m = self._walk(tokens)
         full_taken = torch.zeros(len(tokens), dtype=torch.bool)
         win_taken = torch.zeros(len(tokens), dtype=torch.bool)
         done = 0
         for node in nodes:  # the cached part
             n = len(node.tokens)
-            inc_full, inc_win = full_slots[done:done + n], win_slots[done:done + n]
-            if node.lock == 0 and bool((inc_full >= 0).all()) and not torch.equal(node.full, inc_full):
+            inc_full, inc_win, inc_exact = full_slots[done:done + n], win_slots[done:done + n], exact[done:done + n]
+            if node.lock == 0 and bool((inc_full >= 0).all()) and not torch.equal(node.full, inc_full) \
+                    and int(inc_exact.sum()) >= int(node.exact.sum()):
                 self.pools.full.free(node.full)  # unread: swap its copy for the sequence's
-                node.full = inc_full.clone()
+                node.full, node.exact = inc_full.clone(), inc_exact.clone()
                 full_taken[done:done + n] = True
                 swap = inc_win >= 0
                 self.pools.window.free(node.win[swap & (node.win >= 0)])
@@ -170,7 +208,7 @@ class RadixCache:
             done += n
         if m < len(tokens):
             parent = nodes[-1] if nodes else self.root
-            leaf = _Node(t[m:], full_slots[m:].clone(), win_slots[m:].clone(), parent)
+            leaf = _Node(t[m:], full_slots[m:].clone(), win_slots[m:].clone(), exact[m:].clone(), parent)
             parent.children[int(t[m])] = leaf
             nodes = nodes + [leaf]
             full_taken[m:] = True
@@ -226,7 +264,7 @@ class NaiveCache(RadixCache):
         e = torch.empty(0, dtype=torch.long)
         return e, e.clone()
 
-    def insert(self, tokens, full_slots, win_slots):
+    def insert(self, tokens, full_slots, win_slots, exact=None):
         none = torch.zeros(len(tokens), dtype=torch.bool)
         return [], none, none
 

@@ -25,6 +25,7 @@ from . import failpoints
 from .attention_backend import get_attention_backend
 from .batch_decode import BUCKETS, BatchDecoder
 from .dry import breaker_table
+from .kv.canonical import exact_chunk
 from .kv.format import resolve_format
 from .kv.pool import HybridKVPool, KVPoolFull
 from .media import describe_counts, media_kinds, prompt_media
@@ -200,7 +201,7 @@ class Engine:
                     continue
                 n = self._chunk_size(req, budget)
                 budget -= n
-                if n > 1 and req.computed_len + n == req.prefill_end and self._chunk_size(req, n - 1) == n - 1:
+                if n > 1 and req.computed_len + n == req.prefill_end:
                     # The prompt's last token is a forward of its own, as it is when the prefix
                     # cache serves the rest: its logits (and the draft's h) are then the same
                     # whether or not the prompt was cached, so a seed repeats (a 1-row and an
@@ -228,14 +229,17 @@ class Engine:
         return touched
 
     def _chunk_size(self, req: Request, budget: int) -> int:
-        """Prompt tokens of `req`'s next prefill forward: up to `budget`, but never ending inside
-        an image when the model's image tokens attend both ways (26B/31B: engine/media.py
-        `whole_images_end`): then fewer (up to the image), or more than `budget` when the image
-        starts the chunk and is longer than the budget."""
-        end = min(req.computed_len + budget, req.prefill_end)
+        """Prompt tokens of `req`'s next prefill forward, the last token included when the rows
+        before it are done with this one (`step` runs it alone): engine/kv/canonical.py
+        `exact_chunk` (about `budget`, never a short forward where a cached prompt would compute a
+        long one), never ending inside an image when the model's image tokens attend both ways
+        (26B/31B: engine/media.py `whole_images_end`): then fewer (up to the image), or more
+        when the image starts the chunk and is longer."""
+        c, last = req.computed_len, req.prefill_end - 1
+        end = c + exact_chunk(last - c, budget)
         if req.media is not None and self.images_bidirectional:
-            end = req.media.whole_images_end(req.computed_len, end)
-        return end - req.computed_len
+            end = req.media.whole_images_end(c, end)
+        return end - c + 1 if end >= last else end - c
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.config.max_running_requests:
@@ -361,7 +365,7 @@ class Engine:
 
     def _hand_to_cache(self, req: Request, n: int) -> None:
         nodes, full_taken, win_taken = self.cache.insert(
-            req.key_ids[:n], req.kv.full_slots[:n], req.kv.window_slots_by_position()[:n])
+            req.key_ids[:n], req.kv.full_slots[:n], req.kv.window_slots_by_position()[:n], req.kv.exact[:n])
         req.kv.hand_over(full_taken, win_taken)
         self.cache.release(req.locked)
         req.locked = nodes

@@ -37,11 +37,12 @@ from .token_graph import attention_nodes, qk_weights
 def layer_nodes(g: Graph, gx: int, ga: int, qkv: Matrix, v_matrix: Optional[Matrix], n_head: int, n_kv: int,
                 head_dim: int, gqkw: int, eps: float, gc: int, gs: int, n_half: int, v_norm: bool,
                 gks: int, gvs: int, gslot: int, gkh: int, gvh: int, gmask: int, scale: float,
-                w_o: Matrix, gpa: int, gfn: int, gate_up: Matrix, down: Matrix, gpf: int, gnw: int) -> tuple[int, int, tuple[int, int]]:
+                w_o: Matrix, gpa: int, gfn: int, gate_up: Matrix, down: Matrix, gpf: int, gnw: int,
+                two: bool = False) -> tuple[int, int, tuple[int, int]]:
     """A Gemma 3 decode layer in graph g: `attention_nodes` (its handles), then the MLP residual
     (gfn, gpf its norm weights) -> (h, rms_norm(h) · gnw, the two stores)."""
     h, stores = attention_nodes(g, gx, ga, 1, qkv, v_matrix, n_head, n_kv, head_dim, gqkw, eps, gc, gs, n_half,
-                                v_norm, (gks, gvs, gslot), [(gkh, gvh, gmask)], scale, w_o, gpa)
+                                v_norm, (gks, gvs, gslot), [(gkh, gvh, gmask, two)], scale, w_o, gpa)
     m = norm_nodes(g, h, gfn, eps)
     act = g.geglu(g.mul_mat(g.matrix(gate_up), m))
     h = g.add(h, norm_nodes(g, g.mul_mat(g.matrix(down), act), gpf, eps))
@@ -91,7 +92,7 @@ def decode_layer(x: torch.Tensor, a: torch.Tensor, qkv: Matrix, v_matrix: Option
         g.keep(q_weight, k_weight)  # the key holds their ids: they must outlive the graph
         h, n, (store_k, store_v) = layer_nodes(g, gx, ga, qkv, v_matrix, n_head, n_kv, head_dim, gqkw, eps, gc, gs,
                                                n_half, v_norm, gks, gvs, gslot, gkh, gvh, gmask, scale, w_o, gpa,
-                                               gfn, gate_up, down, gpf, gnw)
+                                               gfn, gate_up, down, gpf, gnw, mask.shape[0] == 2)
         g.alias(store_k, 4)
         g.alias(store_v, 5)
         g.output(h)

@@ -107,7 +107,8 @@ def attention_nodes(g: Graph, gx: int, ga: int, B: int, qkv: Matrix, v_matrix: O
     ga its attention pre-norm, gqkw the q and k norm weights [hd, n_head + n_kv] (q's alone
     [hd, n_head] without a store), gc/gs cos/sin [n_half, 1, B], store (gks, gvs, gslots): the
     slabs [n_kv·hd, capacity] and the rows' slots [B], or None (a KV-shared layer: `qkv` holds Q
-    only), windows[b] = (gkh, gvh, gmask) row b's window [hd, S, n_kv] and mask [S, 1], gpa the
+    only), windows[b] = (gkh, gvh, gmask, two) row b's window [hd, S, n_kv] and mask [S, 1] (or
+    [S, 2] with `two`: its second row fully masked, the query then goes in twice), gpa the
     post-attention norm weight) -> (h = x + rms_norm(o W_o^T) · post_attn, the store nodes): the
     stores are expanded ahead of the attention; the caller aliases them to the slab inputs."""
     nq, nk = n_head * head_dim, n_kv * head_dim
@@ -133,9 +134,13 @@ def attention_nodes(g: Graph, gx: int, ga: int, B: int, qkv: Matrix, v_matrix: O
         for s in stores:
             g.expand(s)
     o = None
-    for b, (gkh, gvh, gmask) in enumerate(windows):
+    for b, (gkh, gvh, gmask, two) in enumerate(windows):
         qb = g.view(q, [head_dim, n_head, 1], [4, 4 * head_dim, 4 * head_dim * heads], 4 * head_dim * heads * b)
-        ob = g.flash_attn_ext(g.permute(qb, 0, 2, 1, 3), gkh, gvh, gmask, float(scale), 0.0, 0.0)  # [hd, n_head, 1]
+        if two:  # a mask [2, S]: the query twice, its second row fully masked (engine/kv/canonical.py)
+            qb = g.concat(qb, qb, 2)
+        ob = g.flash_attn_ext(g.permute(qb, 0, 2, 1, 3), gkh, gvh, gmask, float(scale), 0.0, 0.0)  # [hd, n_head, r]
+        if two:
+            ob = g.view(ob, [head_dim, n_head, 1], [4, 4 * head_dim, 4 * head_dim * n_head], 0)
         o = ob if o is None else g.concat(o, ob, 2)
     o2 = g.view(o, [nq, B], [4, 4 * nq], 0)
     return g.add(gx, norm_nodes(g, g.mul_mat(g.matrix(w_o), o2), gpa, eps)), stores
@@ -344,7 +349,8 @@ def _build(tensors, plan, layers, final_norm, head, eps, n_used, d, v_norm, attn
         h, stores = attention_nodes(g, h, a, B, ly.qkv, ly.v, n_head, n_kv, hd, g.constant(ly.qk_norm), eps,
                                     nodes[ci], nodes[si], tensors[ci].shape[-1], v_norm,
                                     None if store is None else tuple(nodes[j] for j in store),
-                                    [tuple(nodes[j] for j in win) for win in wins], attn_scale, ly.w_o,
+                                    [(*(nodes[j] for j in win), tensors[win[2]].shape[0] == 2) for win in wins],
+                                    attn_scale, ly.w_o,
                                     c(ly.norms["post_attn"]))
         for node, j in zip(stores, store or ()):
             g.alias(node, j)

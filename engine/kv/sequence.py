@@ -12,13 +12,12 @@ from typing import Optional
 import torch
 
 from kernels.ggml import attention as ggml_attention_kernel
-from kernels.ggml.attention import BUCKET
-from models.ops import attention, decode_attention, decode_attention_parts
+from models.ops import attention, decode_attention
 
+from .canonical import BUCKET, EXACT_ROWS, decode_mask, decode_window, prefill_tiles
 from .pool import HybridKVPool
 
 _EMPTY = torch.empty(0, dtype=torch.long)
-SINGLE_PASS = 512  # windows of fewer slots: one pass of ggml's decode attention (measured: 511 exact, 512 not)
 MAX_RUNS = 8  # a decode step attends over up to this many slot runs in place; more: one gather
 
 
@@ -63,6 +62,7 @@ class SequenceKV:
         self.has_window = bool(pools.window.layers)
         self.full_slots = _EMPTY.clone()  # [n] slot of position p at index p
         self.full_owned = torch.empty(0, dtype=torch.bool)  # False: the prefix cache owns it
+        self.exact = torch.empty(0, dtype=torch.bool)  # [n] computed in a forward of >= EXACT_ROWS rows
         self.win_pos = _EMPTY.clone()  # [w] positions held in the window pool, ascending
         self.win_slots = _EMPTY.clone()
         self.win_owned = torch.empty(0, dtype=torch.bool)
@@ -79,6 +79,7 @@ class SequenceKV:
         assert len(self) == 0
         self.full_slots = full_slots.clone()
         self.full_owned = torch.zeros(len(full_slots), dtype=torch.bool)
+        self.exact = torch.ones(len(full_slots), dtype=torch.bool)  # the cache serves only such KV
         self.win_pos, self.win_slots = win_pos.clone(), win_slots.clone()
         self.win_owned = torch.zeros(len(win_pos), dtype=torch.bool)
 
@@ -97,6 +98,7 @@ class SequenceKV:
             raise
         self.full_slots = torch.cat([self.full_slots, new_full])
         self.full_owned = torch.cat([self.full_owned, torch.ones(pos.numel(), dtype=torch.bool)])
+        self.exact = torch.cat([self.exact, torch.full((pos.numel(),), pos.numel() >= EXACT_ROWS)])
         if self.has_window:
             self.win_pos = torch.cat([self.win_pos, pos.cpu()])
             self.win_slots = torch.cat([self.win_slots, new_win])
@@ -188,59 +190,16 @@ class SequenceKV:
             self._reads[slab] = (k, v, positions)
         return self._reads[slab]
 
-    def _parts(self, layer: int):
-        """(ks, vs, positions) of `layer`'s slab as views of its slot runs (`_spans`), or None.
-        Once a step per slab."""
-        slab = self.pools.slab(layer)
-        key = ("parts", slab)
-        if key not in self._reads:
-            pool = self.pools.pool_of(slab)
-            spans, parts = self._spans(pool), None
-            if spans is not None:
-                ks, vs = self._views(pool, slab, spans)
-                positions = self._slots(pool)[1].to(ks[0].device)
-                parts = (ks, vs, [positions[a:b] for _, a, b in spans])
-            self._reads[key] = parts
-        return self._reads[key]
-
-    def _visible(self, layer: int, window: Optional[int]):
-        """(ks, vs) of `layer`'s slab runs (`_parts`) cut to the positions this step's query sees
-        (the last `window`, or all): the runs hold consecutive positions, so each cut is a slice
-        and attention needs no mask. None when a run's positions are not consecutive. Once a step
-        per slab and window (KV-shared layers reuse their source's)."""
-        slab = self.pools.slab(layer)
-        key = ("visible", slab, window)
-        if key not in self._reads:
-            parts, out = self._parts(layer), None
-            if parts is not None:
-                q_pos = len(self) - 1
-                lo = q_pos - window + 1 if window else 0
-                ks, vs = [], []
-                for k, v, p in zip(*parts):
-                    first, n = int(p[0]), p.shape[0]
-                    if int(p[-1]) - first != n - 1:
-                        ks = None
-                        break
-                    a, b = max(0, lo - first), min(n, q_pos - first + 1)
-                    if b > a:
-                        ks.append(k[a:b])
-                        vs.append(v[a:b])
-                out = (ks, vs) if ks else None
-            self._reads[key] = out
-        return self._reads[key]
-
     def _masked(self, layer: int, window: Optional[int], row: int = -1):
         """(k, v, mask) for ggml's decode attention (kernels/ggml/attention.py) of this forward's
         row `row` (default the last: a decode step's one row): k, v [S, n_kv, hd] views of
         `layer`'s slab over the slots [lo, lo + S) that hold every position that row's query
-        sees, mask float16 [1, S] (0 at those slots, -inf elsewhere); S a multiple of BUCKET
-        (one graph serves a growing sequence for BUCKET steps). The window is what a decode step
-        at that row's position would get, so a verify row attends as the decode step would. None
-        for 8-bit pools, or slots spread over more than twice their count (a fragmented pool: the
-        torch path reads them) and SINGLE_PASS or more: below it ggml's kernel makes one pass over
-        the window, skipping the -inf slots exactly, so a request's numerics do not hang on where
-        its slots lie (what other requests hold, `KVPool.alloc`); from it on the keys are split
-        between threads at fixed offsets of the window, which then round by the layout.
+        sees, mask float16 [1, S] (0 at those slots, -inf elsewhere; [2, S] from SINGLE_PASS
+        keys on, a second, fully masked query row: engine/kv/canonical.py), so the bits do not
+        hang on where the slots lie; S a multiple of BUCKET (one graph serves a growing sequence
+        for BUCKET steps). The window is what a decode step at that row's position would get, so
+        a verify row attends as the decode step would. None for 8-bit pools, or slots spread over
+        more than twice their count (then `attend` gathers the keys).
         The window and mask once a step per pool, window and row (slabs of a pool share slots)."""
         slab = self.pools.slab(layer)
         pool = self.pools.pool_of(slab)
@@ -249,26 +208,71 @@ class SequenceKV:
         q_pos = int(self._pos[row]) if self._step is not None else len(self) - 1
         key = ("masked", pool.name, window, q_pos)
         if key not in self._reads:
-            slots, positions = self._slots(pool)
-            seen = positions <= q_pos
-            if window:
-                seen &= positions > q_pos - window
-            slots = slots[seen]
-            out, n = None, slots.numel()
-            if n:
-                lo, hi = (int(x) for x in torch.aminmax(slots))
-                size = min(pool.capacity, -(-(hi - lo + 1) // BUCKET) * BUCKET)
-                if size <= 2 * n + BUCKET or size < SINGLE_PASS:
-                    lo = min(lo, pool.capacity - size)
-                    mask = torch.full((1, size), float("-inf"), dtype=torch.float16)
-                    mask[0, slots - lo] = 0.0
-                    out = (lo, size, mask)
-            self._reads[key] = out
+            slots = self._visible_slots(pool, window, q_pos)
+            placed = decode_window(slots, pool.capacity)
+            self._reads[key] = None if placed is None else (*placed, decode_mask(slots, *placed))
         hit = self._reads[key]
         if hit is None:
             return None
         lo, size, mask = hit
         return pool.k[slab][lo:lo + size], pool.v[slab][lo:lo + size], mask
+
+    def _visible_slots(self, pool, window: Optional[int], q_pos: Optional[int] = None) -> torch.Tensor:
+        """Slots of the positions a query at `q_pos` (default: the last position) sees (the last
+        `window` up to it, or all up to it), in position order."""
+        slots, positions = self._slots(pool)
+        q_pos = len(self) - 1 if q_pos is None else q_pos
+        seen = positions <= q_pos
+        if window:
+            seen &= positions > q_pos - window
+        return slots if bool(seen.all()) else slots[seen]
+
+    def _visible_kv(self, layer: int, window: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [n, n_kv, hd] of the positions this step's query sees in position order: a view of
+        the slab where their slots are consecutive, else gathered (8-bit pools: dequantized), so
+        the products see one tensor of the same shape whatever the slots. Once a step per slab and
+        window."""
+        slab = self.pools.slab(layer)
+        key = ("visible_kv", slab, window)
+        if key not in self._reads:
+            pool = self.pools.pool_of(slab)
+            slots = self._visible_slots(pool, window)
+            s0, n = int(slots[0]), slots.numel()
+            if not pool.fmt.scaled and int(slots[-1]) - s0 == n - 1:
+                self._reads[key] = (pool.fmt.dequantize(pool.k[slab][s0:s0 + n], None, self.dtype),
+                                    pool.fmt.dequantize(pool.v[slab][s0:s0 + n], None, self.dtype))
+            else:
+                self._reads[key] = pool.read(slab, slots, self.dtype)
+        return self._reads[key]
+
+    def _gathered_window(self, layer: int, window: Optional[int]):
+        """`_masked`'s (k, v, mask) over the visible keys gathered into consecutive rows: the same
+        bits as a slab whose slots are consecutive (the window is placed the same way)."""
+        k, v = self._visible_kv(layer, window)
+        n = k.shape[0]
+        rows = torch.arange(n)
+        lo, size = decode_window(rows, n + BUCKET, spread=True)
+        kw = k.new_empty((lo + size, *k.shape[1:]))
+        vw = v.new_empty((lo + size, *v.shape[1:]))
+        kw[:n], vw[:n] = k, v  # the other rows are masked: never read
+        return kw[lo:], vw[lo:], decode_mask(rows, lo, size)
+
+    def _position_kv(self, layer: int, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [b - a, n_kv, hd] of `layer`'s slab at positions [a, b) in position order, zero rows
+        where this sequence holds none (past its end, or window positions let go): prefill tiles."""
+        slab = self.pools.slab(layer)
+        key = ("positions", slab, a, b)
+        if key not in self._reads:
+            pool = self.pools.pool_of(slab)
+            slots, positions = self._slots(pool)
+            at = torch.full((b - a,), -1, dtype=torch.long)
+            keep = (positions >= a) & (positions < b)
+            at[positions[keep] - a] = slots[keep]
+            k, v = pool.read(slab, at.clamp_min(0), self.dtype)
+            absent = (at < 0).to(k.device)
+            self._reads[key] = (k.masked_fill_(absent[:, None, None], 0.0),
+                                v.masked_fill_(absent[:, None, None], 0.0))
+        return self._reads[key]
 
     def decode_window(self, layer: int, window: Optional[int], row: int = 0):
         """(k window, v window, mask) of `layer`'s slab (its source's for a KV-shared layer) for
@@ -303,27 +307,29 @@ class SequenceKV:
     def attend(self, layer: int, q: torch.Tensor, pos: torch.Tensor, window: Optional[int],
                scale: float, last_key: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Attention of `layer` over its slab (the source's when sharing, its own copy in the debug
-        mode): the torch reference reads the slab's slot runs in place for a CPU decode step (cut
-        to the visible positions: no mask) and gathers once a step otherwise; a kernel backend
-        reads the slots in place; on the ggml runtime (`ggml_attention`) a decode step runs
-        llama.cpp's kernel over a window of the slab. `last_key` [T] (an image on a sliding layer of
-        26B/31B, models/image_attention.py): the chunk's image rows also see the rest of their
-        image; one row (a decode step) never carries one."""
+        mode), rounded by positions, not slots (engine/kv/canonical.py): on the ggml runtime
+        (`ggml_attention`) a decode step runs llama.cpp's kernel over a window of the slab (or of
+        the visible keys gathered); the torch reference's decode step takes the visible keys as one
+        tensor (in place where their slots are consecutive) and its prefill rows go in position
+        tiles; a kernel backend reads the slots in place. `last_key` [T] (an image on a sliding
+        layer of 26B/31B, models/image_attention.py): the chunk's image rows also see the rest of
+        their image (one gather, untiled); one row (a decode step) never carries one."""
         if self.backend is None:
             decode = q.shape[0] == 1 and q.device.type == "cpu"
             # ggml's kernel reads float32 rows with a unit last stride: a dtype and layout condition,
             # not a runtime one. The exactness tests run float64 models through this same code, and
             # a float64 (or strided) query keeps the torch products below.
             on_ggml = self.ggml_attention and decode and q.dtype == torch.float32 and q.stride(-1) == 1
-            masked = self._masked(layer, window) if on_ggml else None
-            if masked is not None:  # llama.cpp's kernel over a window of the slab (kernels/ggml/attention.py)
+            if on_ggml and not self.pools.pool_of(self.pools.slab(layer)).fmt.scaled:
+                # llama.cpp's kernel over a window of the slab, or of the keys gathered in order
+                masked = self._masked(layer, window) or self._gathered_window(layer, window)
                 return ggml_attention_kernel.decode_attention(q, *masked, scale)
-            visible = self._visible(layer, window) if decode else None
-            if visible is not None:
-                return decode_attention(q, visible[0], visible[1], scale)
-            parts = self._parts(layer) if decode else None
-            if parts is not None:
-                return decode_attention_parts(q, parts[0], parts[1], pos, parts[2], window, scale)
+            if decode:  # the visible keys as one tensor (in place or gathered), no mask
+                k, v = self._visible_kv(layer, window)
+                return decode_attention(q, [k], [v], scale)
+            if last_key is None and q.shape[0] > 1:  # prefill rows in position tiles (canonical.py)
+                return prefill_tiles(q, pos, window, lambda a, b: self._position_kv(layer, a, b), attention,
+                                     scale)
             k, v, k_pos = self.read(layer)
             return attention(q, k, v, pos, k_pos, window, scale, last_key)
         slab = self.pools.slab(layer)
@@ -353,7 +359,7 @@ class SequenceKV:
         assert 0 <= n <= len(self) and bool(self.full_owned[n:].all())
         self._reads = {}
         self.pools.full.free(self.full_slots[n:])
-        self.full_slots, self.full_owned = self.full_slots[:n], self.full_owned[:n]
+        self.full_slots, self.full_owned, self.exact = self.full_slots[:n], self.full_owned[:n], self.exact[:n]
         if self.has_window:
             self._drop_window(self.win_pos >= n)
 
@@ -364,6 +370,7 @@ class SequenceKV:
         if self.has_window:
             self.pools.window.free(self.win_slots[self.win_owned])
         self.full_slots, self.full_owned = _EMPTY.clone(), torch.empty(0, dtype=torch.bool)
+        self.exact = torch.empty(0, dtype=torch.bool)
         self.win_pos, self.win_slots, self.win_owned = _EMPTY.clone(), _EMPTY.clone(), torch.empty(0, dtype=torch.bool)
 
     def window_slots_by_position(self) -> torch.Tensor:

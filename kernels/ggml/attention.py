@@ -32,20 +32,24 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
                      scale: float) -> torch.Tensor:
     """q [1, n_h, hd] float32 (unit last stride), k, v [S, n_kv, hd] float32/16 or bfloat16 views
     of a slab (unit last stride; n_h a multiple of n_kv), mask float16 [1, S] contiguous (0 or
-    -inf) -> [1, n_h * hd] float32: softmax(q k^T * scale + mask) v per head, head h reading KV
-    head h // (n_h / n_kv)."""
+    -inf), or [2, S] with its second row all -inf (the query then goes in twice: ggml's two-row
+    path, one pass over the keys a head whatever their layout: engine/kv/canonical.py) -> [1, n_h * hd]
+    float32: softmax(q k^T * scale + mask) v per head, head h reading KV head h // (n_h / n_kv)."""
     n_h, hd = q.shape[1], q.shape[2]
     S, n_kv = k.shape[0], k.shape[1]
     if (q.dim() != 3 or q.shape[0] != 1 or k.dim() != 3 or k.shape != v.shape or k.shape[2] != hd
-            or n_h % n_kv or tuple(mask.shape) != (1, S)):
-        raise ValueError(f"ggml decode_attention: q [1, n_h, hd], k = v [S, n_kv, hd], mask [1, S]; got q "
+            or n_h % n_kv or mask.dim() != 2 or mask.shape[0] not in (1, 2) or mask.shape[1] != S):
+        raise ValueError(f"ggml decode_attention: q [1, n_h, hd], k = v [S, n_kv, hd], mask [1|2, S]; got q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, mask {tuple(mask.shape)}")
     if (q.dtype != torch.float32 or k.dtype not in _KV_DTYPES or v.dtype != k.dtype or mask.dtype != torch.float16
             or not mask.is_contiguous() or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1
             or q.device.type != "cpu" or k.device.type != "cpu"):
         raise ValueError(f"ggml decode_attention: CPU q float32, k/v {[str(d) for d in _KV_DTYPES]} with unit last "
                          f"strides and a contiguous float16 mask; got {q.dtype}, {k.dtype}/{v.dtype}, {mask.dtype}")
-    qh, kh, vh = q.permute(1, 0, 2), k.permute(1, 0, 2), v.permute(1, 0, 2)  # ggml [hd, 1|S, heads]
+    rows = mask.shape[0]
+    if rows == 2:
+        q = q.expand(2, n_h, hd).contiguous()
+    qh, kh, vh = q.permute(1, 0, 2), k.permute(1, 0, 2), v.permute(1, 0, 2)  # ggml [hd, rows|S, heads]
 
     def build(big):
         g = Graph(8, big)
@@ -53,9 +57,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         g.output(node)
         return g.finish()
 
-    out = torch.empty(1, n_h * hd)
+    out = torch.empty(rows, n_h * hd)
     cached_graph(("flash", layout(qh), layout(kh), layout(vh), S, float(scale)), build).run([qh, kh, vh, mask], [out])
-    return out
+    return out[:1]
 
 
 def decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

@@ -53,9 +53,31 @@ def test_match_returns_cached_slots_and_leaves_one_token():
     assert m.length == len(toks) - 1 and torch.equal(m.full_slots, full[:-1])
     assert m.win_pos.tolist() == list(range(len(toks) - W, len(toks) - 1))
     cache.release(m.nodes)
-    branch = cache.match(toks[:12] + [7, 8, 9])
+    branch = cache.match(toks[:12] + list(range(7, 16)))  # 8 new rows before the last: none stepped back
     assert branch.length == 12 and torch.equal(branch.full_slots, full[:12])
     cache.release(branch.nodes)
+
+
+def test_match_serves_only_exact_rows_and_never_leaves_a_short_tail():
+    """Tokens whose KV came from forwards of fewer than EXACT_ROWS rows (a prompt's last token, a
+    decoded answer) are not served; a match that would leave 1..7 rows before the prompt's last
+    token steps back to leave 8; a prompt of fewer than 9 tokens is computed whole."""
+    from engine.kv.canonical import EXACT_ROWS
+
+    pools = _pools()
+    cache = RadixCache(pools, None)
+    toks = list(range(400, 440))
+    exact = torch.ones(len(toks), dtype=torch.bool)
+    exact[30:] = False  # position 30 on: decoded
+    nodes, _, _ = cache.insert(toks, pools.full.alloc(len(toks)), torch.full((len(toks),), -1), exact)
+    cache.release(nodes)
+    served = cache.match(toks + list(range(7, 20)))
+    assert served.length == 30  # up to the first decoded token
+    cache.release(served.nodes)
+    short_tail = cache.match(toks[:28] + [1, 2, 3])  # 30 rows before the last, 28 cached
+    assert short_tail.length == 30 - EXACT_ROWS
+    cache.release(short_tail.nodes)
+    assert cache.match(toks[:6] + [1, 2]).length == 0
 
 
 def test_match_is_shortened_to_where_window_slots_exist():
@@ -117,7 +139,7 @@ def test_splitting_a_locked_node_is_released_with_it():
     toks = list(range(300, 320))
     _offer(cache, pools, toks)
     held = cache.match(toks + [1])  # locks the whole node
-    other = cache.match(toks[:9] + [5, 6])  # splits it after 9 tokens
+    other = cache.match(toks[:9] + list(range(5, 14)))  # splits it after 9 tokens
     assert other.length == 9
     cache.release(other.nodes)
     cache.release(held.nodes)
