@@ -94,34 +94,37 @@ class RadixCache:
             node, m = child, m + same
         return path, m
 
-    def match(self, tokens: list[int]) -> PrefixMatch:
-        """Longest servable cached prefix of `tokens`, leaving at least the last token to compute:
-        exact tokens only, and none or at least EXACT_ROWS rows before the last to compute."""
+    def match(self, tokens: list[int], exact: bool = True) -> PrefixMatch:
+        """Longest servable cached prefix of `tokens`, leaving at least the last token to compute.
+        `exact` (a seeded request: its numbers must not hang on the cache): exact tokens only, and
+        none or at least EXACT_ROWS rows before the last to compute; else every cached token (a
+        decoded answer's KV too: the next turn prefills only its new tokens)."""
         nodes, m = self._walk(tokens[:-1])
         full = torch.cat([n.full for n in nodes]) if nodes else torch.empty(0, dtype=torch.long)
         win = torch.cat([n.win for n in nodes]) if nodes else torch.empty(0, dtype=torch.long)
-        inexact = (~torch.cat([n.exact for n in nodes])[:m]).nonzero() if nodes else None
-        if inexact is not None and inexact.numel():
-            m = int(inexact[0])
-        rows = len(tokens) - 1  # a fresh prefill computes these in forwards of >= EXACT_ROWS (or one)
-        m = self._servable(win, m if rows >= EXACT_ROWS else 0)
-        if 0 < rows - m < EXACT_ROWS:
-            m = self._servable(win, max(0, rows - EXACT_ROWS))
+        if exact:
+            inexact = (~torch.cat([n.exact for n in nodes])[:m]).nonzero() if nodes else None
+            if inexact is not None and inexact.numel():
+                m = int(inexact[0])
+            rows = len(tokens) - 1  # a fresh prefill computes these in forwards of >= EXACT_ROWS (or one)
+            m = self._servable(win, m if rows >= EXACT_ROWS else 0)
+            if 0 < rows - m < EXACT_ROWS:
+                m = self._servable(win, max(0, rows - EXACT_ROWS))
+        else:
+            m = self._servable(win, m)
         need = self._window_positions(m)
         nodes = self._lock_upto(self._cut(nodes, m), m)
         return PrefixMatch(m, full[:m], need, win[need] if m else need, nodes)
 
     def lookup(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(full slots [m], window slots [m], -1 where absent) of the longest cached prefix of
-        `tokens` whose KV is exact (what a match could serve), whether or not a query could be
-        served from it; nothing is locked (KV files read the slots at once, on the engine thread,
-        and a restored file's KV counts as exact)."""
+        `tokens`, whether or not a query could be served from it; nothing is locked (KV files read
+        the slots at once, on the engine thread; a restored file's KV counts as exact: a seed's
+        guarantee does not cover a conversation restored from its file)."""
         nodes, m = self._walk(tokens)
         if not nodes:
             e = torch.empty(0, dtype=torch.long)
             return e, e.clone()
-        inexact = (~torch.cat([n.exact for n in nodes])[:m]).nonzero()
-        m = int(inexact[0]) if inexact.numel() else m
         return torch.cat([n.full for n in nodes])[:m], torch.cat([n.win for n in nodes])[:m]
 
     def _window_positions(self, m: int) -> torch.Tensor:
@@ -256,7 +259,7 @@ class NaiveCache(RadixCache):
 
     kind = "naive"
 
-    def match(self, tokens: list[int]) -> PrefixMatch:
+    def match(self, tokens: list[int], exact: bool = True) -> PrefixMatch:
         e = torch.empty(0, dtype=torch.long)
         return PrefixMatch(0, e, e, e, [])
 

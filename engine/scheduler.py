@@ -251,7 +251,8 @@ class Engine:
                 self.sessions.restore(req)
             end = req.prefill_end
             # leaves at least the last of them to compute; nothing cached when the request says so
-            match = self.cache.match(req.key_ids[:end] if req.cache_prompt else req.key_ids[:1])
+            match = self.cache.match(req.key_ids[:end] if req.cache_prompt else req.key_ids[:1],
+                                     exact=req.params.seed is not None)  # a seed repeats: engine/kv/canonical.py
             need = end - match.length + 1
             if self.pools.full.layers and self.pools.full.n_free < need:
                 self.cache.evict(full_tokens=need)

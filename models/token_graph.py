@@ -333,7 +333,7 @@ def _build(tensors, plan, layers, final_norm, head, eps, n_used, d, v_norm, attn
     from .gemma4_ggml import moe_constants, moe_nodes
 
     B = tensors[0].shape[0]
-    g = RowGraph((100 + 16 * B) * len(layers) + 64, B)
+    g = RowGraph((160 + 48 * B) * len(layers) + 64, B)  # float matrices add 3 nodes a row
     nodes = [g.input(t) for t in tensors]
     const: dict = {}
 
@@ -368,6 +368,6 @@ def _build(tensors, plan, layers, final_norm, head, eps, n_used, d, v_norm, attn
         a = norm_nodes(g, h, c(layers[i + 1].norms["attn"] if i + 1 < len(layers) else final_norm), eps)
     g.output(a if head is None else g.mul_mat(g.matrix(head), a))
     g.output(h)
-    if head is not None:
-        g.output(a)
+    if head is not None:  # a copy: an output's data is the caller's, and the head's row views read `a`
+        g.output(g.cont(a))
     return g.finish()

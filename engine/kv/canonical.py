@@ -28,6 +28,7 @@ import torch
 
 SINGLE_PASS = 512  # ggml splits one query row's keys between threads from this many on
 BUCKET = 64  # decode windows are rounded to this (one cached graph serves BUCKET steps)
+SPREAD = 8  # a decode window over up to this many slots a key stays in place (`decode_window`)
 TILE = 64  # prefill query rows per attention call; key ranges start at multiples of it
 
 
@@ -38,13 +39,15 @@ def _up(n: int, m: int) -> int:
 def decode_window(slots: torch.Tensor, capacity: int, spread: bool = False) -> Optional[tuple[int, int]]:
     """(lo, size) of the slab window [lo, lo + size) for ggml's decode attention over the visible
     slots [n] (in position order, CPU int64), or None: slots not ascending, or (unless `spread`) a
-    window spread over more than twice the keys. size: the span rounded up to BUCKET."""
+    window of SINGLE_PASS slots or more spread over more than SPREAD times the keys (the kernel
+    checks each slot's mask: sequences decoded side by side interleave their new slots, a few
+    times the keys). size: the span rounded up to BUCKET."""
     n = slots.numel()
     if not n or (n > 1 and not bool((slots[1:] > slots[:-1]).all())):
         return None
     s0, s1 = int(slots[0]), int(slots[-1])
     size = min(_up(s1 - s0 + 1, BUCKET), capacity)
-    if not spread and size > 2 * n + BUCKET:
+    if not spread and size >= SINGLE_PASS and size > SPREAD * n + BUCKET:
         return None
     return min(s0, capacity - size), size  # holds [s0, s1]: s1 < capacity
 

@@ -296,7 +296,7 @@ def restore(pools, cache, path, prompt_ids: list[int], model_id: str, layout: di
 
 def _served(cache, prompt_ids: list[int]) -> int:
     """Prompt tokens the prefix cache would serve now."""
-    m = cache.match(prompt_ids)
+    m = cache.match(prompt_ids, exact=False)
     cache.release(m.nodes)
     return m.length
 

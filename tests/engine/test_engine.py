@@ -63,12 +63,11 @@ def test_four_concurrent_equal_four_one_by_one(tiny):
 
 @pytest.mark.parametrize("fmt", ["fp32", "int8_per_token_head", "fp8_per_token_head"])
 def test_chat_turns_hit_the_prefix_cache(tiny, fmt):
-    """Turn 2 and 3 reuse the previous prompt but its last token, recompute the previous answer
-    (its KV came from 1-row decode steps, which round otherwise: engine/kv/canonical.py) with
-    their new tokens, and decode exactly what a cold run decodes."""
+    """Turn 2 and 3 prefill only their new tokens and decode exactly what a cold run decodes (no
+    seed: the previous answer's decode-step KV is served too, engine/prefix_cache.py)."""
     cfg = {"kv_cache_dtype": fmt, "swa_kv_cache_dtype": fmt, "prefill_chunk": 6}
     eng = Engine(tiny.model, None, EngineConfig(full_tokens=1024, **cfg))
-    history, prompt_len = _prompt(33, seed=6), 0
+    history = _prompt(33, seed=6)
     for turn, new in enumerate(([], [105, 40, 41, 42, 106], [105, 43, 44, 106, 7])):
         history = history + new
         req = eng.add(history, GREEDY)
@@ -76,9 +75,10 @@ def test_chat_turns_hit_the_prefix_cache(tiny, fmt):
         cold, _ = _run(tiny.model, [history], cache_type="naive", **cfg)
         assert req.output_ids == cold[0], f"turn {turn + 1}"
         if turn:
-            assert req.cached_len == prompt_len - 1
-            assert req.stats()["prefilled_tokens"] == len(history) - prompt_len + 1
-        history, prompt_len = history + req.output_ids, len(history)
+            # the previous turn is reused up to its last sampled token, whose KV was never computed
+            assert req.cached_len == len(history) - len(new) - 1
+            assert req.stats()["prefilled_tokens"] == len(new) + 1
+        history = history + req.output_ids
 
 
 def test_regenerate_reuses_the_whole_prompt(tiny):
@@ -185,7 +185,7 @@ def test_gemma3_270m_engine_matches_reference(gemma3_270m_path):
     turn2 = prompt + r1.output_ids + lm.tokenizer.encode("\nAnd then", add_bos=False)
     r2 = eng.add(turn2, params)
     eng.run_to_completion()
-    assert r2.cached_len == len(prompt) - 1  # the answer's decode-step KV is recomputed
+    assert r2.cached_len == len(prompt) + len(r1.output_ids) - 1
     assert r2.output_ids == generate(lm.model, turn2, params).ids
     # naive cache, one-shot prefill, fast prefill off, two requests at once
     eng = Engine(lm.model, lm.tokenizer, EngineConfig(full_tokens=2048, prefill_chunk=1024, cache_type="naive",

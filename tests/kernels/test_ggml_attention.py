@@ -110,7 +110,7 @@ def _sequence(tiny, full_slots, fmt="fp32"):
 
 
 def test_window_covers_the_visible_slots_in_buckets_and_masks_the_rest(tiny):
-    slots = list(range(100, 130)) + list(range(7, 20)) + [3000 - 1]  # three runs, out of order
+    slots = list(range(7, 20)) + list(range(100, 130)) + [3000 - 1]  # three runs, ascending (`KVPool.alloc`)
     kv, pools, full, win = _sequence(tiny, slots[:-1])
     k, v, mask = kv._masked(full, None)
     lo = 7
@@ -120,7 +120,7 @@ def test_window_covers_the_visible_slots_in_buckets_and_masks_the_rest(tiny):
     k, v, mask = kv._masked(win, kv.window)  # the window pool: positions n-4..n-1 at slots 40..43
     visible = [s for s, p in zip(range(40, 44), range(len(kv) - 4, len(kv))) if p > len(kv) - 1 - kv.window]
     assert mask.shape[1] == 64 and ((mask[0] == 0).nonzero().flatten() + 40).tolist() == visible
-    kv2, *_ = _sequence(tiny, slots)  # one slot far away: spread over > 2x the count -> the torch path
+    kv2, *_ = _sequence(tiny, slots)  # one slot far away: spread over > 8x the count -> gathered in order
     assert kv2._masked(full, None) is None
 
 
@@ -138,6 +138,7 @@ def test_engine_decode_on_ggml_attention_agrees_with_the_torch_products(tiny, mo
     from engine.sampler import SamplingParams
     from engine.scheduler import Engine, EngineConfig
 
+    monkeypatch.setenv("EDGEGEM_CPU_STEP_GRAPH", "0")  # the layer by layer path: its attention is the kernel's run
     lm = open_model(tiny, exact=False)
     prompts = ([2, 5, 17, 33, 40, 61, 99], [2, 100, 200, 300], [2, 9, 8, 7, 6, 5, 4, 3, 11, 12, 13])
     calls = []
@@ -182,6 +183,7 @@ def test_engine_decodes_on_ggml_attention_where_the_runtime_says(tiny, monkeypat
 
     monkeypatch.setattr(runtime, "ggml_available", lambda: ggml_loaded)
     monkeypatch.setenv("EDGEGEM_CPU_ATTENTION", attention)
+    monkeypatch.setenv("EDGEGEM_CPU_STEP_GRAPH", "0")  # the layer by layer path: its attention is the kernel's run
     reload()
     lm = open_model(tiny, exact=False)
     assert lm.model.runtime is (Runtime.GGML if ggml_loaded else Runtime.CPU_TORCH)
