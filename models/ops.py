@@ -54,6 +54,12 @@ def _chains(*ts: torch.Tensor | None):
     return c
 
 
+def in_cpu_chains(*ts: torch.Tensor | None) -> bool:
+    """Inside `cpu_chains` with every tensor CPU float32 with a unit last stride: what a ggml graph
+    of a model's rows (models/token_graph.py) takes."""
+    return _chains(*ts) is not None
+
+
 def _kernel_module(name: str):
     """kernels.<name> when it imports with triton, else None (checked once per module)."""
     if name not in _modules:

@@ -41,7 +41,7 @@ from kernels.ggml import Graph, Matrix, layout, mlp_nodes, norm_nodes, raw_v, ro
 from kernels.ggml.ops import scalar
 
 from .formats import is_ggml
-from .ops import _chains, rope_dtype, softcap
+from .ops import in_cpu_chains, rope_dtype, softcap
 from .runtime import Runtime
 
 MAX_ROWS = 7  # sequences in one step: ggml's K-quant products take another kernel from 8 rows
@@ -150,7 +150,7 @@ def token_ready(x: torch.Tensor, caches: Sequence, *tables: torch.Tensor) -> boo
     """Rows inside `cpu_chains` (a ggml-runtime model's forward) with x and `tables` as the chains
     take them (float32, unit last stride: a float64 model keeps the torch ops), and caches that
     attend on ggml's kernel (`ggml_attention`) and offer their windows (`decode_window`)."""
-    return _chains(x, *tables) is not None and all(
+    return in_cpu_chains(x, *tables) and all(
         getattr(c, "ggml_attention", False) and hasattr(c, "decode_window") for c in caches)
 
 

@@ -11,6 +11,7 @@ from engine.sampler import SamplingParams
 from engine.scheduler import Engine, EngineConfig
 from kernels import ggml
 from models import token_graph
+from tests.models.test_ggml_layer import picked_logprobs
 
 pytestmark = pytest.mark.skipif(not ggml.available(), reason=f"ggml binding unavailable: {ggml.reason()}")
 
@@ -21,14 +22,8 @@ def _run(model, prompts, n, seeds):
     params = [SamplingParams(temperature=0.8, seed=s, max_tokens=n, logprobs=1) for s in seeds]
     reqs = [eng.add(list(p), sp) for p, sp in zip(prompts, params)]
     eng.run_to_completion()
-    out = []
-    for r in reqs:
-        events = []
-        while not r.events.empty():
-            events.append(r.events.get_nowait())
-        out.append((r.output_ids, [lp.logprob for ev in events for lp in (ev.logprobs or [])]))
     eng.check()
-    return out
+    return [(r.output_ids, picked_logprobs(r)) for r in reqs]
 
 
 def _alone(model, prompts, n):

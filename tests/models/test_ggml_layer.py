@@ -21,14 +21,16 @@ def decode_greedy(lm, prompts, max_tokens: int = 12) -> list[tuple[list[int], li
     engine = Engine(lm.model, config=EngineConfig(full_tokens=2048))
     reqs = [engine.add(list(p), SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1)) for p in prompts]
     engine.run_to_completion()
-    out = []
-    for r in reqs:
-        events = []
-        while not r.events.empty():
-            events.append(r.events.get_nowait())
-        out.append((r.output_ids, [lp.logprob for ev in events for lp in (ev.logprobs or [])]))
     engine.check()
-    return out
+    return [(r.output_ids, picked_logprobs(r)) for r in reqs]
+
+
+def picked_logprobs(req) -> list[float]:
+    """The log-probabilities of a finished request's sampled tokens, from its events (drained)."""
+    events = []
+    while not req.events.empty():
+        events.append(req.events.get_nowait())
+    return [lp.logprob for ev in events for lp in (ev.logprobs or [])]
 
 
 def test_one_graph_a_layer_gives_the_four_runs_bits(gemma3_270m_path, monkeypatch):

@@ -21,11 +21,7 @@ def test_one_graph_a_token_gives_the_layer_graphs_bits(gemma3_270m_path, monkeyp
     lm = open_model(gemma3_270m_path, exact=False)
     text = lm.tokenizer.encode("The lighthouse keeper climbed the stairs and")
     prompts = (text + [236743] * 52, text[:5] + [236743] * 3)  # the first crosses 64 keys while decoding
-    step = gemma3.Gemma3Model.decode_step
-    ran = []
-    monkeypatch.setattr(gemma3.Gemma3Model, "decode_step",
-                        lambda self, x, *a: (lambda r: (ran.append(0 if r is None else x.shape[0]), r)[1])(
-                            step(self, x, *a)))
+    ran = step_rows(monkeypatch, gemma3.Gemma3Model)
     whole = decode_greedy(lm, prompts, 14)
     assert sum(ran) >= 2 * 13 and all(ran) and max(ran) == 2  # every decode token, the two together
     monkeypatch.setenv("EDGEGEM_CPU_STEP_GRAPH", "0")
@@ -37,3 +33,15 @@ def test_one_graph_a_token_gives_the_layer_graphs_bits(gemma3_270m_path, monkeyp
     assert whole == layers == four
     assert all(len(ids) == 14 for ids, _ in whole)
 
+
+def step_rows(monkeypatch, cls) -> list[int]:
+    """Rows of each `cls.decode_step` call, as they happen (0: the token graph did not apply)."""
+    ran: list[int] = []
+    step = cls.decode_step
+
+    def spy(self, x, *a):
+        out = step(self, x, *a)
+        ran.append(0 if out is None else x.shape[0])
+        return out
+    monkeypatch.setattr(cls, "decode_step", spy)
+    return ran
