@@ -10,12 +10,14 @@ from .cli_options import _draft_path
 def cmd_info(a) -> int:
     from engine import api
     from engine.memory_plan import PlanOptions, parse_size
+
+    from .cli_options import placement_options
     if a.model and a.synthetic:
         raise ValueError("give a MODEL file or --synthetic, not both")
     opt = PlanOptions(budget=parse_size(a.gpu_memory_budget) if a.gpu_memory_budget else None, device=a.device,
                       kv_format=a.kv_cache_dtype, swa_format=a.swa_kv_cache_dtype, embed_weights=a.embed_weights,
                       prefill_chunk=a.prefill_chunk, max_running=a.max_running_requests,
-                      draft=_draft_path(a.spec_draft_model))
+                      draft=_draft_path(a.spec_draft_model), **placement_options(a))
     model = str(api.resolve_model(a.model)) if a.model else None  # a path or a models-folder name
     if model and not a.synthetic:
         from dataclasses import replace
@@ -62,6 +64,10 @@ def _print_plan(p: dict) -> None:
           f"{o['max_running']} running requests")
     if p.get("fitted"):
         print(f"    {p['fitted']}")
+    if p.get("placement"):
+        pl = p["placement"]
+        cache = f"; hot-expert cache {fmt_size(pl['expert_cache_bytes'])}" if pl["host_expert_bytes"] else ""
+        print(f"    placement: {pl['summary']}{cache}")
     if p.get("capped"):
         print(f"    {p['capped']}")
     print(f"    {'component':28s} {'device':>10s} {'host':>10s}  detail")

@@ -21,6 +21,35 @@ def _memory_args(g, swa_default: str = "auto") -> None:
     g.add_argument("--embed-weights", choices=["host", "device"], default="host",
                    help="host: token/per-layer embedding tables stay in host memory (tied head stays on the device)")
 
+def _placement_args(g) -> None:
+    """Beside a GPU, which weights stay in host RAM (llama.cpp's flags; engine/placement.py). Without
+    them the plan places (auto): expert banks first, then whole layers, and says so."""
+    g.add_argument("--cpu-moe", "-cmoe", action="store_true",
+                   help="every MoE expert bank in host RAM, computed by the CPU (26B-A4B)")
+    g.add_argument("--n-cpu-moe", "-ncmoe", type=int, metavar="N", help="the expert banks of the first N layers in host RAM")
+    g.add_argument("--n-gpu-layers", "-ngl", type=int, metavar="N",
+                   help="N layers on the GPU (the last N, as llama.cpp's); the first ones stay whole on the CPU")
+    g.add_argument("--override-tensor", "-ot", action="append", default=[], metavar="RE=cpu|cuda",
+                   help="weights whose GGUF name matches RE go there, after the flags above (e.g. exps=cpu)")
+    g.add_argument("--ctx-size", "-c", type=int, metavar="N",
+                   help="the context the placement keeps room for (default: the model's for expert banks, "
+                        "4096 before a whole layer leaves the GPU)")
+    g.add_argument("--moe-cache", default="auto", metavar="off|SIZE",
+                   help="GPU memory for hot experts when banks are in host RAM (default auto: what the plan leaves)")
+
+
+def placement_options(a) -> dict:
+    """PlanOptions fields (placement, ctx_size, moe_cache) from the parsed placement flags."""
+    from engine.memory_plan import parse_size
+    from engine.placement import PlacementFlags, parse_overrides
+    cache = {"off": 0, "auto": None}.get(str(a.moe_cache).lower(), None)
+    if cache is None and str(a.moe_cache).lower() != "auto":
+        cache = parse_size(a.moe_cache)
+    flags = PlacementFlags(cpu_moe=a.cpu_moe, n_cpu_moe=a.n_cpu_moe, n_gpu_layers=a.n_gpu_layers,
+                           overrides=parse_overrides(a.override_tensor))
+    return {"placement": flags, "ctx_size": a.ctx_size, "moe_cache": cache}
+
+
 def _fit_args(g) -> None:
     """Left unset, the memory plan lowers these to fit the budget (chunk halved down to 256, then
     requests down to 1) and says so; a value given is kept, and a refusal names the flag to lower."""
@@ -34,6 +63,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     _memory_args(g)
     _fit_args(g)
+    _placement_args(g)
     g.add_argument("--fast-prefill", choices=["on", "off"], default="on",
                    help="prompt tokens but the last skip the KV-shared layers")
     g.add_argument("--cache-type", choices=["radix", "naive"], default="radix", help="prefix cache")

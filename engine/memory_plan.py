@@ -29,12 +29,14 @@ shortfall and the flags (each checked by re-planning) that would fit, the user's
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
 from .kv.format import FORMAT_NAMES, FormatUnsupported, owning_layers, pool_unit_bytes, resolve_format
+from .placement import Placement, PlacementFlags, auto_steps, from_flags, is_expert_bank
 
 MiB, GiB = 2 ** 20, 2 ** 30
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": MiB, "mib": MiB, "mb": 10**6,
@@ -104,6 +106,12 @@ class PlanOptions:
     # the running requests' own (the full pool's cap: full_pool_cap)
     min_context: int = 4096  # smallest full pool worth running
     share_kv: bool = True
+    # beside a GPU (engine/placement.py): the flags as given (none: auto), the context the placement
+    # keeps room for (--ctx-size; None: the model's for expert banks, min_context for whole layers),
+    # and the hot-expert cache's cap (None: what the budget leaves, 0: off)
+    placement: PlacementFlags = PlacementFlags()
+    ctx_size: Optional[int] = None
+    moe_cache: Optional[int] = None
 
     @property
     def chunk(self) -> int:
@@ -294,6 +302,7 @@ class MemoryPlan:
     max_context: int = 0
     fitted: str = ""  # "fitted to the budget: prefill chunk 2048 -> 512, ..." when the fit lowered a default
     capped: str = ""  # "full pool capped at ... tokens ..." when the budget holds more than the cap
+    placement: dict = field(default_factory=dict)  # beside a GPU: what stays in host RAM (engine/placement.py)
 
     @property
     def device_total(self) -> int:
@@ -322,18 +331,46 @@ def plan_memory(layout, opt: PlanOptions = PlanOptions(), cfg=None, _suggest: bo
         raise ValueError(f"--embed-weights must be host or device, not {opt.embed_weights!r}")
     if opt.chunk <= 0 or opt.running <= 0:
         raise ValueError("--prefill-chunk and --max-running-requests must be positive")
+    if opt.ctx_size is not None and opt.ctx_size <= 0:
+        raise ValueError(f"--ctx-size must be positive, not {opt.ctx_size}")
     cfg = cfg or layout_config(layout)
     budget, source = (opt.budget, "--gpu-memory-budget") if opt.budget is not None else default_budget(opt.device)
     sizes = {n: layout.tensor(n).n_bytes for n in read_tensors(layout, cfg)}  # once: ~15 ms for E4B
-    for tried in fit_steps(opt):
+    for placed, tried, need in plan_candidates(cfg, opt, list(sizes)):
         try:
-            plan = _place(layout, tried, cfg, budget, source, dict(sizes))
+            plan = _place(layout, tried, cfg, budget, source, dict(sizes), placed, need)
         except _Short as short:
             needed = short.needed
             continue
         plan.fitted = fitted_note(opt, tried)
         return plan
-    raise _too_small(layout, cfg, opt, tried, needed, budget, _suggest)
+    raise _too_small(layout, cfg, opt, tried, needed, budget, _suggest, placed)
+
+
+def target_context(cfg, opt: PlanOptions) -> int:
+    """The context a placement keeps room for before the hot-expert cache takes the rest."""
+    return min(opt.ctx_size or cfg.context_length, cfg.context_length)
+
+
+def plan_candidates(cfg, opt: PlanOptions, names: list[str]) -> list[tuple[Optional[Placement], PlanOptions, int]]:
+    """(placement, options, the context that must fit) in the order plan_memory tries them. Off a
+    GPU: no placement, the fit's steps. Flags: their placement, the fit's steps. Auto: expert banks
+    leave the GPU while the target context (--ctx-size, else the model's) does not fit (all at once,
+    the cache taking their room, or from the first layer up with --moe-cache off); with every bank
+    on the host the fit's steps (chunk, requests) at the floor
+    context (--ctx-size, else min_context); then whole layers, one more each time the fit's steps
+    are exhausted: a layer leaves the GPU only when no smaller chunk or request count lets it stay."""
+    steps = fit_steps(opt)
+    floor = min(opt.ctx_size or opt.min_context, cfg.context_length)
+    if opt.device != "cuda":
+        return [(None, t, floor) for t in steps]
+    if opt.placement.given:
+        placed = from_flags(names, cfg.n_layer, opt.placement)
+        return [(placed, t, floor) for t in steps]
+    auto = list(auto_steps(names, cfg.n_layer, partial=opt.moe_cache == 0, layers=not getattr(cfg, "n_kv_shared", 0)))
+    kept = [p for p in auto if not p.cpu_layers]
+    return ([(p, steps[0], target_context(cfg, opt)) for p in kept[:-1]]
+            + [(kept[-1], t, floor) for t in steps] + [(p, t, floor) for p in auto[len(kept):] for t in steps])
 
 
 def fit_steps(opt: PlanOptions) -> list[PlanOptions]:
@@ -368,9 +405,10 @@ def fitted_note(asked: PlanOptions, got: PlanOptions) -> str:
     return "fitted to the budget: " + ", ".join(changes) if changes else ""
 
 
-def _place(layout, opt: PlanOptions, cfg, budget: int, source: str, sizes: dict[str, int]) -> MemoryPlan:
-    """Place every component for exactly these options (`sizes`: bytes of each weight the model
-    reads, consumed); _Short when the budget cannot hold them."""
+def _place(layout, opt: PlanOptions, cfg, budget: int, source: str, sizes: dict[str, int],
+           placed: Optional[Placement] = None, need: int = 0) -> MemoryPlan:
+    """Place every component for exactly these options and placement (`sizes`: bytes of each weight
+    the model reads, consumed); _Short when the budget cannot hold them with a `need`-token pool."""
     full_fmt, win_fmt = resolve_format(opt.kv_format, opt.device), resolve_format(opt.swa_format, opt.device)
     host_embed, tied = opt.embed_weights == "host", "output.weight" not in layout
     name = _model_label(layout, cfg)
@@ -383,19 +421,28 @@ def _place(layout, opt: PlanOptions, cfg, budget: int, source: str, sizes: dict[
     def add(what, dev, host=0, detail=""):
         plan.components.append({"name": what, "device_bytes": int(dev), "host_bytes": int(host), "detail": detail})
 
+    placed = placed or Placement(source="")
+    host_w = {n: sizes.pop(n) for n in placed.host if n in sizes and n not in _TABLES}
     emb, head = sizes.pop("token_embd.weight", 0), sizes.pop("output.weight", 0)
     ple = sizes.pop("per_layer_token_embd.weight", 0)
     blk = sum(v for n, v in sizes.items() if n.startswith("blk."))
+    head_host = ("output.weight" if not tied else "token_embd.weight") in placed.host
     if tied:
-        add("token_embd (tied LM head)", emb, emb if host_embed else 0,
+        add("token_embd (tied LM head)", 0 if head_host else emb, emb if host_embed or head_host else 0,
+            "head on the host (--override-tensor)" if head_host else
             "head on the device; lookups from the host copy" if host_embed else "")
     else:
-        add("token_embd + output head", head + (0 if host_embed else emb), emb if host_embed else 0)
+        add("token_embd + output head", (0 if head_host else head) + (0 if host_embed else emb),
+            (emb if host_embed else 0) + (head if head_host else 0))
     if ple:
         add("per-layer embeddings (PLE)", 0 if host_embed else ple, ple if host_embed else 0,
             "rows gathered per step" if host_embed else "")
-    add(f"layers ({cfg.n_layer})", blk)
+    on_gpu = f"{placed.gpu_layers(cfg.n_layer)} of {cfg.n_layer} on the GPU" if placed.source else str(cfg.n_layer)
+    add(f"layers ({on_gpu})", blk)
     add("other weights", sum(sizes.values()) - blk, 0, "norms and other non-layer tensors")
+    host_experts = sum(host_w.get(n, 0) for n in placed.host_banks)
+    if host_w:
+        add("weights in host RAM", 0, sum(host_w.values()), placed.describe(cfg.n_layer))
     if opt.draft is not None:
         add("draft model", _draft_bytes(opt.draft))
     if opt.mmproj is not None:
@@ -416,45 +463,89 @@ def _place(layout, opt: PlanOptions, cfg, budget: int, source: str, sizes: dict[
         add("embedding staging", rows, rows, "gathered fp32 rows: pinned host + device landing buffer")
 
     W = cfg.sliding_window or 0
-    win_unit = pool_unit_bytes(cfg, win_fmt, sliding=True, share_kv=opt.share_kv)
-    full_unit = pool_unit_bytes(cfg, full_fmt, sliding=False, share_kv=opt.share_kv)
+    cpu = set(placed.cpu_layers)
+    win_unit, full_unit = _unit(cfg, win_fmt, True, opt.share_kv), _unit(cfg, full_fmt, False, opt.share_kv)
+    win_host = _unit(cfg, win_fmt, True, opt.share_kv, placed.cpu_layers) if cpu else 0
+    full_host = _unit(cfg, full_fmt, False, opt.share_kv, placed.cpu_layers) if cpu else 0
     win_tokens = (opt.running * (W + opt.chunk + opt.spec_margin + opt.prefix_windows * W)
                   if win_unit else 0)
-    add("window KV pool", win_tokens * win_unit, 0, f"{win_fmt.name}, {win_unit} B/token, {win_tokens} tokens")
+    add("window KV pool", win_tokens * (win_unit - win_host), win_tokens * win_host,
+        f"{win_fmt.name}, {win_unit} B/token, {win_tokens} tokens" + (", host part: the CPU layers'" if cpu else ""))
 
-    fixed = plan.device_total
-    needed = fixed + full_unit * min(opt.min_context, cfg.context_length)
+    fixed, dev_unit = plan.device_total, full_unit - full_host
+    needed = fixed + dev_unit * need
     if needed > budget:
         raise _Short(needed)
-    full_tokens = (budget - fixed) // full_unit if full_unit else 0
+    cache, slot = 0, 0
+    if host_experts and opt.moe_cache != 0:  # the hot-expert cache: what the target context leaves
+        kept = min(target_context(cfg, opt), (budget - fixed) // dev_unit if dev_unit else cfg.context_length)
+        cache = min(budget - fixed - kept * dev_unit, host_experts,
+                    opt.moe_cache if opt.moe_cache is not None else host_experts)
+        slot = _expert_slot_bytes(layout, cfg, placed)
+        cache = cache // slot * slot  # whole slots
+        add("hot-expert cache", cache, 0, f"{cache // slot} expert slots of {fmt_size(slot)} (one expert's "
+            f"gate/up and down), after a {kept:,}-token context")
+        fixed += cache
     cap = full_pool_cap(cfg, opt)
+    full_tokens = (budget - fixed) // dev_unit if dev_unit else (cap if full_host else 0)
     if full_tokens > cap:
         full_tokens = cap
         plan.capped = (f"full pool capped at {cap:,} tokens: ({opt.running} running requests + {opt.prefix_contexts} "
                        f"cached prefixes) x {cfg.context_length:,}-token context; "
-                       f"{fmt_size(budget - fixed - cap * full_unit)} of the budget left unused")
-    add("full KV pool", full_tokens * full_unit, 0, f"{full_fmt.name}, {full_unit} B/token, {full_tokens} tokens")
+                       f"{fmt_size(budget - fixed - cap * dev_unit)} of the budget left unused")
+    add("full KV pool", full_tokens * dev_unit, full_tokens * full_host,
+        f"{full_fmt.name}, {full_unit} B/token, {full_tokens} tokens" + (", host part: the CPU layers'" if cpu else ""))
     for key, fmt, unit, toks, sliding in (("full", full_fmt, full_unit, full_tokens, False),
                                           ("window", win_fmt, win_unit, win_tokens, True)):
         plan.kv[key] = {"format": fmt.name, "unit_bytes": unit, "tokens": toks, "bytes": unit * toks,
                         "layers": owning_layers(cfg, sliding, opt.share_kv)}
     plan.kv["full"]["cap"] = cap
+    if placed.source:
+        plan.placement = {"source": placed.source, "gpu_layers": placed.gpu_layers(cfg.n_layer),
+                          "cpu_layers": list(placed.cpu_layers), "host_expert_layers": list(placed.expert_layers),
+                          "host_weight_bytes": sum(host_w.values()), "host_expert_bytes": host_experts,
+                          "expert_cache_bytes": cache, "expert_slot_bytes": slot, "target_context": target_context(cfg, opt),
+                          "host_tensors": sorted(placed.host), "summary": placed.describe(cfg.n_layer)}
     # No full-attention owner (all layers sliding): the context is bounded by the model only.
     plan.max_context = min(cfg.context_length, full_tokens) if full_unit else cfg.context_length
     return plan
 
 
-def _too_small(layout, cfg, opt, smallest, needed, budget, suggest) -> BudgetTooSmall:
+@functools.lru_cache(maxsize=256)
+def _unit(cfg, fmt, sliding: bool, share_kv: bool, layers: Optional[tuple] = None) -> int:
+    """pool_unit_bytes, memoized: the auto placement plans a model up to ~700 times."""
+    return pool_unit_bytes(cfg, fmt, sliding, share_kv, None if layers is None else set(layers))
+
+
+_TABLES = ("token_embd.weight", "output.weight", "per_layer_token_embd.weight")  # placed by the tables' own rules
+
+
+def _expert_slot_bytes(layout, cfg, placed: Placement) -> int:
+    """Bytes of one expert of one host layer (its share of the gate/up and down banks): a cache slot."""
+    b = f"blk.{placed.expert_layers[0]}."
+    return max(1, sum(layout.tensor(n).n_bytes for n in placed.host if is_expert_bank(n) and n.startswith(b))
+               // max(cfg.n_expert, 1))
+
+
+def _too_small(layout, cfg, opt, smallest, needed, budget, suggest, placed=None) -> BudgetTooSmall:
     """`opt`: the options as asked; `smallest`: the last settings the fit tried, which `needed` is for."""
     what = (f"the {_model_label(layout, cfg)} weights, workspace and a "
-            f"{min(opt.min_context, cfg.context_length)}-token KV cache")
+            f"{min(opt.ctx_size or opt.min_context, cfg.context_length)}-token KV cache")
     at = f"prefill chunk {smallest.chunk}, {smallest.running} running request{'s' if smallest.running > 1 else ''}"
+    if placed is not None and placed.offloads:
+        at += f", {placed.describe(cfg.n_layer).split(';')[0]}"
     msg = (f"budget {fmt_size(budget)} is {fmt_size(needed - budget)} short of the {fmt_size(needed)} {what} "
            f"need at {at}")
     tips: list = []
     if suggest:
+        if placed is not None and placed.source == "auto" and placed.offloads:
+            # the suggestions re-plan at the placement auto ended with (one plan each, not every step)
+            opt = replace(opt, placement=PlacementFlags(cpu_moe=bool(placed.expert_layers),
+                                                        n_gpu_layers=placed.gpu_layers(cfg.n_layer)))
         tips = _suggestions(layout, cfg, opt, needed)
         msg += "; try " + (", ".join(t for t, _ in tips[:-1]) + ", or " if len(tips) > 1 else "") + tips[-1][0]
+        if placed is not None and placed.offloads:
+            msg += " (or --device cpu: every weight in host RAM)"
     return BudgetTooSmall(msg, needed, budget, tips)
 
 
@@ -483,6 +574,7 @@ def _suggestions(layout, cfg, opt: PlanOptions, needed: int) -> list[tuple[str, 
     for flag, key in (("--kv-cache-dtype", "kv_format"), ("--swa-kv-cache-dtype", "swa_format")):
         if not resolve_format(getattr(opt, key), opt.device).scaled:
             knobs.append([(f"{flag} int8_per_token_head", {key: "int8_per_token_head"})])
+    knobs += _placement_knobs(cfg, opt)
     knobs = [k for k in knobs if k]
     tips = [next(((t, o) for t, o in k if _fits(layout, cfg, replace(opt, **o))), None) for k in knobs]
     tips = [t for t in tips if t]
@@ -500,6 +592,17 @@ def _suggestions(layout, cfg, opt: PlanOptions, needed: int) -> list[tuple[str, 
         tenths += 1
     tips.append((f"--gpu-memory-budget {tenths / 10}GiB", {"budget": parse_size(f"{tenths / 10}GiB")}))
     return tips
+
+
+def _placement_knobs(cfg, opt: PlanOptions) -> list[list[tuple[str, dict]]]:
+    """More in host RAM than the placement flags given said: more expert banks, fewer GPU layers."""
+    f, L, out = opt.placement, cfg.n_layer, []
+    if opt.device == "cuda" and f.n_cpu_moe is not None and not f.cpu_moe and getattr(cfg, "n_expert", 0):
+        out.append([(f"--n-cpu-moe {n}", {"placement": replace(f, n_cpu_moe=n)}) for n in range(f.n_cpu_moe + 1, L + 1)])
+    if opt.device == "cuda" and f.n_gpu_layers is not None:
+        out.append([(f"--n-gpu-layers {n}", {"placement": replace(f, n_gpu_layers=n)})
+                    for n in range(min(f.n_gpu_layers, L) - 1, 0, -1)])
+    return out
 
 
 def max_context_by_format(layout, opt: PlanOptions = PlanOptions(), cfg=None) -> dict[str, Optional[dict]]:

@@ -103,7 +103,8 @@ def _per_layer(value, i):
     return value[i] if isinstance(value, (tuple, list)) else value
 
 
-def pool_unit_bytes(cfg, fmt: KVFormat, sliding: bool, share_kv: bool = True) -> int:
-    """Bytes per token of the full (sliding=False) or window (sliding=True) pool for a model config."""
+def pool_unit_bytes(cfg, fmt: KVFormat, sliding: bool, share_kv: bool = True, layers=None) -> int:
+    """Bytes per token of the full (sliding=False) or window (sliding=True) pool for a model config
+    (only its owning layers among `layers`, when given: the CPU layers' host part)."""
     return sum(fmt.unit_bytes(_per_layer(cfg.n_kv_head, i), _per_layer(cfg.head_dim, i))
-               for i in owning_layers(cfg, sliding, share_kv))
+               for i in owning_layers(cfg, sliding, share_kv) if layers is None or i in layers)
