@@ -18,6 +18,10 @@ Order of placement inside the budget (device memory on CUDA, host memory with --
      large budget stays free (an H200's 125 GiB gave E2B a 21.4M-token, 122 GiB pool, zero-filled
      at start). One request can use it all, so the longest context is min(model context, full
      pool tokens).
+Beside a GPU the weights of 1 are split first (engine/placement.py, `plan_candidates`): expert
+banks and then whole layers stay in host RAM, by llama.cpp's flags or auto, the CPU layers' KV in
+host memory too; with banks in host RAM the GPU memory the target context (--ctx-size, else the
+model's) leaves is the hot-expert cache, before the full pool takes the rest.
 When the defaults do not fit (1-5 plus a `min_context`-token full pool), the planner fits the
 settings the user left unset, like llama.cpp's `--fit`: it halves the prefill chunk (down to
 MIN_FIT_CHUNK), and if even that is not enough lowers the running requests (down to 1), taking at
@@ -30,13 +34,13 @@ shortfall and the flags (each checked by re-planning) that would fit, the user's
 from __future__ import annotations
 
 import functools
-import math
 import re
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
 from .kv.format import FORMAT_NAMES, FormatUnsupported, owning_layers, pool_unit_bytes, resolve_format
 from .placement import Placement, PlacementFlags, auto_steps, from_flags, is_expert_bank
+from .plan_parts import _draft_bytes, audio_bytes, vision_bytes  # noqa: F401 (vision_bytes, audio_bytes: API)
 
 MiB, GiB = 2 ** 20, 2 ** 30
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": MiB, "mib": MiB, "mb": 10**6,
@@ -240,55 +244,6 @@ def read_tensors(layout, cfg) -> set[str]:
     return set(layout.tensors)
 
 
-def _mmproj(mmproj):
-    from models.gguf import GGUFFile
-    return GGUFFile(mmproj) if isinstance(mmproj, (str, bytes)) or hasattr(mmproj, "__fspath__") else mmproj
-
-
-def vision_bytes(mmproj, device: str) -> tuple[int, int]:
-    """(weights, activation peak) of the image encoder on `device`: its tensors dequantized to the
-    activation dtype (bf16 on CUDA, fp32 on the CPU), and one image at the largest budget (1120).
-    (0, 0) when the mmproj holds no vision encoder."""
-    from models.gemma4_vision import BUDGETS, activation_bytes
-
-    f = _mmproj(mmproj)
-    elem = 2 if device == "cuda" else 4
-    m = f.metadata
-    D, FF, H = (int(m.get(f"clip.vision.{k}", 0)) for k in ("embedding_length", "feed_forward_length",
-                                                             "attention.head_count"))
-    weights = sum(t.n_elements for t in f if t.name.startswith(("v.", "mm.")) and not t.name.startswith("mm.a."))
-    if not weights:
-        return 0, 0
-    return weights * elem, activation_bytes(D, FF, max(H, 1), 9 * BUDGETS[-1], elem)
-
-
-def audio_bytes(mmproj, device: str) -> tuple[int, int]:
-    """(weights, activation peak) of the audio encoder on `device`, like vision_bytes: the `a.` and
-    `mm.a.` tensors in the activation dtype, and one 30 s piece (2999 frames; longer clips are
-    encoded a piece at a time). (0, 0) when the mmproj holds no audio encoder (or an unreadable one)."""
-    from models.gemma4_audio import Gemma4AudioConfig, activation_bytes
-
-    f = _mmproj(mmproj)
-    elem = 2 if device == "cuda" else 4
-    weights = sum(t.n_elements for t in f if t.name.startswith(("a.", "mm.a.")))
-    if not weights:
-        return 0, 0
-    try:
-        cfg = Gemma4AudioConfig.from_gguf(f)
-    except ValueError:  # ConfigError / GGUFError: the weights still count
-        return weights * elem, 0
-    return weights * elem, activation_bytes(cfg, 2999, elem)
-
-
-def _draft_bytes(draft) -> int:
-    if draft is None:
-        return 0
-    if isinstance(draft, (str, bytes)) or hasattr(draft, "__fspath__"):
-        from models.gguf import GGUFFile
-        draft = GGUFFile(draft)
-    return sum(t.n_bytes for t in draft)
-
-
 @dataclass
 class MemoryPlan:
     model: str
@@ -344,7 +299,8 @@ def plan_memory(layout, opt: PlanOptions = PlanOptions(), cfg=None, _suggest: bo
             continue
         plan.fitted = fitted_note(opt, tried)
         return plan
-    raise _too_small(layout, cfg, opt, tried, needed, budget, _suggest, placed)
+    from .plan_refusal import too_small
+    raise too_small(layout, cfg, opt, tried, needed, budget, _suggest, placed)
 
 
 def target_context(cfg, opt: PlanOptions) -> int:
@@ -525,84 +481,6 @@ def _expert_slot_bytes(layout, cfg, placed: Placement) -> int:
     b = f"blk.{placed.expert_layers[0]}."
     return max(1, sum(layout.tensor(n).n_bytes for n in placed.host if is_expert_bank(n) and n.startswith(b))
                // max(cfg.n_expert, 1))
-
-
-def _too_small(layout, cfg, opt, smallest, needed, budget, suggest, placed=None) -> BudgetTooSmall:
-    """`opt`: the options as asked; `smallest`: the last settings the fit tried, which `needed` is for."""
-    what = (f"the {_model_label(layout, cfg)} weights, workspace and a "
-            f"{min(opt.ctx_size or opt.min_context, cfg.context_length)}-token KV cache")
-    at = f"prefill chunk {smallest.chunk}, {smallest.running} running request{'s' if smallest.running > 1 else ''}"
-    if placed is not None and placed.offloads:
-        at += f", {placed.describe(cfg.n_layer).split(';')[0]}"
-    msg = (f"budget {fmt_size(budget)} is {fmt_size(needed - budget)} short of the {fmt_size(needed)} {what} "
-           f"need at {at}")
-    tips: list = []
-    if suggest:
-        if placed is not None and placed.source == "auto" and placed.offloads:
-            # the suggestions re-plan at the placement auto ended with (one plan each, not every step)
-            opt = replace(opt, placement=PlacementFlags(cpu_moe=bool(placed.expert_layers),
-                                                        n_gpu_layers=placed.gpu_layers(cfg.n_layer)))
-        tips = _suggestions(layout, cfg, opt, needed)
-        msg += "; try " + (", ".join(t for t, _ in tips[:-1]) + ", or " if len(tips) > 1 else "") + tips[-1][0]
-        if placed is not None and placed.offloads:
-            msg += " (or --device cpu: every weight in host RAM)"
-    return BudgetTooSmall(msg, needed, budget, tips)
-
-
-def _fits(layout, cfg, opt: PlanOptions) -> bool:
-    try:
-        plan_memory(layout, opt, cfg, _suggest=False)
-        return True
-    except BudgetTooSmall:
-        return False
-
-
-def _suggestions(layout, cfg, opt: PlanOptions, needed: int) -> list[tuple[str, dict]]:
-    """Per knob, the mildest change that fits on its own (checked by planning with it, so the fit
-    still lowers what the user left unset); if none does, knobs combined in order; last, the
-    budget that fits as asked. Chunk and running requests are knobs only where the user set them:
-    otherwise the fit has already tried every smaller value."""
-    knobs: list[list[tuple[str, dict]]] = []
-    if opt.embed_weights == "device":
-        knobs.append([("--embed-weights host", {"embed_weights": "host"})])
-    if opt.draft is not None:
-        knobs.append([("without --spec-draft-model", {"draft": None})])
-    if opt.prefill_chunk is not None:
-        knobs.append([(f"--prefill-chunk {c}", {"prefill_chunk": c}) for c in (1024, 512, 256) if c < opt.chunk])
-    if opt.max_running is not None:
-        knobs.append([(f"--max-running-requests {r}", {"max_running": r}) for r in range(opt.running - 1, 0, -1)])
-    for flag, key in (("--kv-cache-dtype", "kv_format"), ("--swa-kv-cache-dtype", "swa_format")):
-        if not resolve_format(getattr(opt, key), opt.device).scaled:
-            knobs.append([(f"{flag} int8_per_token_head", {key: "int8_per_token_head"})])
-    knobs += _placement_knobs(cfg, opt)
-    knobs = [k for k in knobs if k]
-    tips = [next(((t, o) for t, o in k if _fits(layout, cfg, replace(opt, **o))), None) for k in knobs]
-    tips = [t for t in tips if t]
-    combo: dict = {}
-    flags: list[str] = []
-    for k in knobs if not tips else []:  # nothing fits alone: add knobs in order until it does
-        hit = next(((t, o) for t, o in k if _fits(layout, cfg, replace(opt, **combo, **o))), None)
-        combo.update((hit or k[-1])[1])
-        flags.append((hit or k[-1])[0])
-        if hit:
-            tips.append((" ".join(flags), dict(combo)))
-            break
-    tenths = math.ceil(needed / GiB * 10)
-    while not _fits(layout, cfg, replace(opt, budget=parse_size(f"{tenths / 10}GiB"))):
-        tenths += 1
-    tips.append((f"--gpu-memory-budget {tenths / 10}GiB", {"budget": parse_size(f"{tenths / 10}GiB")}))
-    return tips
-
-
-def _placement_knobs(cfg, opt: PlanOptions) -> list[list[tuple[str, dict]]]:
-    """More in host RAM than the placement flags given said: more expert banks, fewer GPU layers."""
-    f, L, out = opt.placement, cfg.n_layer, []
-    if opt.device == "cuda" and f.n_cpu_moe is not None and not f.cpu_moe and getattr(cfg, "n_expert", 0):
-        out.append([(f"--n-cpu-moe {n}", {"placement": replace(f, n_cpu_moe=n)}) for n in range(f.n_cpu_moe + 1, L + 1)])
-    if opt.device == "cuda" and f.n_gpu_layers is not None:
-        out.append([(f"--n-gpu-layers {n}", {"placement": replace(f, n_gpu_layers=n)})
-                    for n in range(min(f.n_gpu_layers, L) - 1, 0, -1)])
-    return out
 
 
 def max_context_by_format(layout, opt: PlanOptions = PlanOptions(), cfg=None) -> dict[str, Optional[dict]]:
