@@ -74,7 +74,8 @@ class EngineBackend:
                 "kv_dir": self.options.kv_dir, "kv_disk_budget": self.options.kv_disk_budget,
                 "budget_bytes": plan.budget if plan is not None else None,
                 # a tower turned off at load (models/loader.py) first, then the memory plan
-                "plan": list(getattr(lm, "notices", ())) + plan_lines(plan, status)}
+                "plan": [n for n in (*getattr(lm, "notices", ()), api.placement_notice(lm, self.options)) if n]
+                + plan_lines(plan, status)}
         info["runtime"] = client.model_info()["runtime"]  # models/runtime.py, decided at load
         info["model"] = info["model"] or path.stem
         # base models open in the text-continuation mode (models/model_kind.py: the rule)

@@ -156,14 +156,15 @@ def _engine_options(a):
                          fast_prefill=a.fast_prefill == "on", cache_type=a.cache_type,
                          context_overflow=a.context_overflow, attention_backend=a.attention_backend,
                          spec_draft_model=None if a.spec_algo == "none" else a.spec_draft_model,
-                         spec_tokens=a.spec_tokens, spec_p_min=a.spec_p_min)
+                         spec_tokens=a.spec_tokens, spec_p_min=a.spec_p_min, **placement_options(a))
 
 def _start_client(lm, opts):
     """api.start_client, saying on stderr in one line each what loaded differently (a tower turned
     off: `lm.notices`) and what the memory plan lowered to fit the budget."""
     from engine import api
-    for notice in getattr(lm, "notices", ()):
-        print(f"edgegem: {notice}", file=sys.stderr)
+    for notice in [*getattr(lm, "notices", ()), api.placement_notice(lm, opts)]:
+        if notice:
+            print(f"edgegem: {notice}", file=sys.stderr)
     plan = api.engine_plan(lm, opts)[0]
     if plan is not None and plan.fitted:
         print(f"edgegem: {plan.fitted}", file=sys.stderr)

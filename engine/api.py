@@ -21,6 +21,7 @@ from models.runtime import Runtime, choose_runtime
 
 from .client import GenerationError, LocalClient, QueueFullError
 from .inspection import describe, gpu_support, memory_plan, open_layout
+from .placement import PlacementFlags
 from .prompt import audio_marker, image_marker, text_ids, user_turn
 from .prompt import prompt_ids as conversation_prompt_ids
 from .request import ErrorKind
@@ -237,6 +238,11 @@ class EngineOptions:
     kv_save: str = "answer"  # KV files (--kv-session): after each answer; the app: "evict"
     kv_dir: Optional[str] = None  # the app's folder of per-conversation KV files
     kv_disk_budget: int = 4 << 30  # --kv-disk-budget: that folder's cap
+    # beside a GPU: llama.cpp's offload flags (engine/placement.py; none given: auto), the context the
+    # placement keeps room for, the hot-expert cache's cap (None: what the plan leaves, 0: off)
+    placement: PlacementFlags = PlacementFlags()
+    ctx_size: Optional[int] = None
+    moe_cache: Optional[int] = None
 
 
 # Without an explicit budget the CPU plan would hand the full pool most of the host's RAM; a chat
@@ -264,12 +270,23 @@ def engine_plan(lm: LoadedModel, opts: EngineOptions):
                                                   swa_format=opts.swa_kv_cache_dtype,
                                                   embed_weights=opts.embed_weights, prefill_chunk=opts.prefill_chunk,
                                                   max_running=opts.max_running_requests,
-                                                  mmproj=getattr(lm, "mmproj", None),
+                                                  mmproj=getattr(lm, "mmproj", None), placement=opts.placement,
+                                                  ctx_size=opts.ctx_size, moe_cache=opts.moe_cache,
                                                   dequantizes=getattr(lm, "runtime", None) is not Runtime.GGML),
                            lm.config)
         chunk = plan.options["prefill_chunk"]
         kv, swa = plan.kv["full"]["format"], plan.kv["window"]["format"]  # "auto" as the fit resolved it
     return plan, kv, swa, chunk
+
+
+def placement_notice(lm: LoadedModel, opts: EngineOptions) -> Optional[str]:
+    """One line when placement flags were given for a model that runs on the CPU: they place weights
+    beside a GPU, and here every weight is in host RAM already."""
+    if not opts.placement.given or lm.model.device.type == "cuda":
+        return None
+    return (f"{opts.placement.names()} places weights beside a GPU; this model runs on the "
+            f"{lm.model.device.type} (no CUDA device{' here' if not torch.cuda.is_available() else ' chosen'}), "
+            "so every weight is in host RAM and the CPU computes it all")
 
 
 def engine_config(lm: LoadedModel, opts: EngineOptions) -> EngineConfig:

@@ -163,3 +163,40 @@ def test_info_json_and_text_name_the_placement():
     short = subprocess.run(base + ["--n-cpu-moe", "12"], capture_output=True, text=True, timeout=300)
     assert short.returncode == 2 and short.stderr.count("\n") == 1
     assert "expert banks of layers 0-11 in host RAM" in short.stderr and "try --n-cpu-moe 21," in short.stderr
+
+
+MOE_SPEC = dict(n_layer=3, pattern=[True, True, False], n_kv_shared=0, ple_width=0, n_head=4, n_kv_head=[2, 2, 1],
+                n_expert=5, n_expert_used=3, expert_ffn=160, double_wide=False, v_on_full_layers=False, tied=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    from tiny_models import TinySpec, write_tiny_gemma4
+    return write_tiny_gemma4(tmp_path_factory.mktemp("placement") / "moe.gguf", TinySpec(**MOE_SPEC), seed=3)
+
+
+def test_cpu_moe_on_the_cpu_says_so_in_one_line_and_runs_it_all_there(tiny_moe):
+    args = ["run", "--model", str(tiny_moe), "--prompt", "the", "--max-tokens", "4", "--temperature", "0",
+            "--device", "cpu", "--json"]
+    run = [sys.executable, "-m", "app.cli", *args]
+    plain = subprocess.run(run, capture_output=True, text=True, timeout=300)
+    flagged = subprocess.run(run + ["--cpu-moe", "-ot", "attn=cuda"], capture_output=True, text=True, timeout=300)
+    assert plain.returncode == flagged.returncode == 0, flagged.stderr
+    notes = [line for line in flagged.stderr.splitlines() if "--cpu-moe" in line]
+    assert notes == ["edgegem: --cpu-moe --override-tensor attn=cuda places weights beside a GPU; this model runs on "
+                     "the cpu (no CUDA device here), so every weight is in host RAM and the CPU computes it all"]
+    assert json.loads(flagged.stdout)["ids"] == json.loads(plain.stdout)["ids"]
+
+
+def test_the_app_shows_the_placement_notice_in_its_loading_plan(tiny_moe):
+    from dataclasses import replace
+
+    from app.backend import EngineBackend
+    from engine.api import EngineOptions
+
+    session = EngineBackend(str(tiny_moe), replace(EngineOptions(), placement=PlacementFlags(n_cpu_moe=2)),
+                            device="cpu").load(lambda frac, what: None)
+    try:
+        assert session.info["plan"][0].startswith("--n-cpu-moe 2 places weights beside a GPU; this model runs on the cpu")
+    finally:
+        session.client.close()
