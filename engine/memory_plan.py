@@ -165,11 +165,17 @@ def process_anon_bytes() -> int:
 
 
 def loaded_budget(device: str) -> tuple[int, str]:
-    """`default_budget` for a plan made after the model is loaded into this process: on the CPU
-    the weights already took their share of available memory, so what they hold (RssAnon) is
-    counted back in (the plan counts the weights in what it needs); a GPU's free memory is what
-    it is."""
+    """`default_budget` for a plan made after the model is loaded into this process: the weights
+    already took their share of available memory, so what they hold (RssAnon on the CPU, torch's
+    allocated bytes on CUDA) is counted back in (the plan counts the weights in what it needs), and
+    the plan made before the load (which placed the weights) is the plan made after it."""
     budget, source = default_budget(device)
+    if device == "cuda":
+        import torch
+
+        if torch.cuda.is_available():  # the loaded weights are allocated already: count them back in
+            return budget + torch.cuda.memory_allocated(), f"{source}, plus what this process has allocated there"
+        return budget, source
     if device != "cpu":
         return budget, source
     return budget + process_anon_bytes(), f"{source}, plus what this process holds (the loaded weights)"

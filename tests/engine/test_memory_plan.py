@@ -233,3 +233,15 @@ def test_the_free_slot_list_costs_nothing_per_slot():
     assert sorted(pool.free_slots()[:3].tolist()) == [6, 7, 8] and pool.free_slots().numel() == pool.n_free
     with pytest.raises(RuntimeError, match="only 6 in use"):
         pool.free(torch.arange(7))
+
+
+def test_a_plan_after_a_cuda_load_counts_the_loaded_weights_back_in(monkeypatch):
+    import torch
+
+    from engine.memory_plan import default_budget, loaded_budget
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (6 * GiB, 8 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: GiB + 12345)
+    before, _ = default_budget("cuda")
+    after, source = loaded_budget("cuda")
+    assert before == int(6 * GiB * 0.9) and after == before + GiB + 12345 and "allocated" in source
