@@ -17,7 +17,7 @@ from . import cli_chat, cli_kvcheck, cli_serve, cli_tools
 from .cli_bench import cmd_bench
 from .cli_info import cmd_info
 from .cli_options import (_audio_args, _engine_args, _engine_options, _fit_args, _image_args, _image_model_args,
-                          _kv_session_arg, _memory_args, _placement_args, _sampling_args)
+                          _kv_session_arg, _memory_args, _sampling_args, placement_args)
 from .cli_run import cmd_run, cmd_score, cmd_tokenize
 
 # `--synthetic` layouts (models/synthetic.py PUBLIC_VARIANTS; tests/engine/test_synthetic_bench.py keeps them equal)
@@ -99,7 +99,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="a synthetic Gemma-4 E2B/E4B/26B-A4B/31B Q4_K_M layout (no file needed)")
     _memory_args(i, swa_default="bf16")
     _fit_args(i)
-    _placement_args(i)
+    placement_args(i)
     i.add_argument("--spec-draft-model", metavar="PATH", help="draft (assistant) GGUF kept on the device")
     i.add_argument("--mmproj", metavar="FILE",
                    help="image/audio encoders to plan for (default: an mmproj*.gguf beside the model)")

@@ -21,7 +21,7 @@ def _memory_args(g, swa_default: str = "auto") -> None:
     g.add_argument("--embed-weights", choices=["host", "device"], default="host",
                    help="host: token/per-layer embedding tables stay in host memory (tied head stays on the device)")
 
-def _placement_args(g) -> None:
+def placement_args(g) -> None:
     """Beside a GPU, which weights stay in host RAM (llama.cpp's flags; engine/placement.py). Without
     them the plan places (auto): expert banks first, then whole layers, and says so."""
     g.add_argument("--cpu-moe", "-cmoe", action="store_true",
@@ -63,7 +63,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     _memory_args(g)
     _fit_args(g)
-    _placement_args(g)
+    placement_args(g)
     g.add_argument("--fast-prefill", choices=["on", "off"], default="on",
                    help="prompt tokens but the last skip the KV-shared layers")
     g.add_argument("--cache-type", choices=["radix", "naive"], default="radix", help="prefix cache")

@@ -34,17 +34,15 @@ shortfall and the flags (each checked by re-planning) that would fit, the user's
 from __future__ import annotations
 
 import functools
-import re
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
+from .sizes import GiB, MiB, BudgetTooSmall, fmt_size, parse_size  # noqa: F401 (re-exported)
 from .kv.format import FORMAT_NAMES, FormatUnsupported, owning_layers, pool_unit_bytes, resolve_format
+from .plan_refusal import too_small
 from .placement import Placement, PlacementFlags, auto_steps, from_flags, is_expert_bank
-from .plan_parts import _draft_bytes, audio_bytes, vision_bytes  # noqa: F401 (vision_bytes, audio_bytes: API)
+from .plan_parts import audio_bytes, draft_bytes, vision_bytes  # noqa: F401 (vision_bytes, audio_bytes: API)
 
-MiB, GiB = 2 ** 20, 2 ** 30
-_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": MiB, "mib": MiB, "mb": 10**6,
-          "g": GiB, "gib": GiB, "gb": 10**9, "t": 2**40, "tib": 2**40, "tb": 10**12}
 KEY_TILE = 2048  # keys per attention tile of a prefill chunk on full layers (online softmax)
 KNOWN_MODELS = {(35, 1536): "E2B", (42, 2560): "E4B", (30, 2816): "26B-A4B", (60, 5376): "31B"}
 DEFAULT_RUNNING = 4  # requests decoded together when the user does not say
@@ -55,36 +53,6 @@ DEFAULT_RUNNING = 4  # requests decoded together when the user does not say
 MIN_FIT_CHUNK = 256
 
 
-class BudgetTooSmall(ValueError):
-    """The model does not fit. `needed`/`budget` in bytes; `suggestions`: [(flags, option overrides)]."""
-
-    def __init__(self, msg: str, needed: int, budget: int, suggestions: list):
-        super().__init__(msg)
-        self.needed, self.budget, self.suggestions = needed, budget, suggestions
-
-
-def parse_size(s) -> int:
-    """Bytes from 8GiB, 8G (binary, like nvidia-smi's MiB), 7.5GiB, 8000MB (decimal), 123 or an int."""
-    if isinstance(s, (int, float)):
-        return int(s)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(s))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read the size {s!r} (examples: 8GiB, 7.5G, 8000MB, 512MiB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-_UNIT_BYTES = {"B": 1, "KiB": 2**10, "MiB": MiB, "GiB": GiB, "TiB": 2**40}
-
-
-def fmt_size(n: float, units: tuple[str, ...] = ("MiB", "GiB"), decimals: tuple[int, ...] = (1, 1)) -> str:
-    """`n` bytes in the largest of `units` (smallest first) that |n| reaches, else the smallest, with
-    that unit's `decimals`: "3.1 GiB", "512.0 MiB". The one byte formatter of engine and app: the
-    status panel's (0, 2) gives "512 MiB" / "1.40 GiB", an attachment chip's ("B", "KiB", "MiB")
-    "125 B" / "3.2 KiB"."""
-    i = len(units) - 1
-    while i > 0 and abs(n) < _UNIT_BYTES[units[i]]:
-        i -= 1
-    return f"{n / _UNIT_BYTES[units[i]]:.{decimals[i]}f} {units[i]}"
 
 
 def _at(v, i: int) -> int:
@@ -305,8 +273,8 @@ def plan_memory(layout, opt: PlanOptions = PlanOptions(), cfg=None, _suggest: bo
             continue
         plan.fitted = fitted_note(opt, tried)
         return plan
-    from .plan_refusal import too_small
-    raise too_small(layout, cfg, opt, tried, needed, budget, _suggest, placed)
+    raise too_small(cfg, opt, tried, needed, budget, _suggest, placed, _model_label(layout, cfg),
+                    lambda o: plan_memory(layout, o, cfg, _suggest=False))
 
 
 def target_context(cfg, opt: PlanOptions) -> int:
@@ -406,7 +374,7 @@ def _place(layout, opt: PlanOptions, cfg, budget: int, source: str, sizes: dict[
     if host_w:
         add("weights in host RAM", 0, sum(host_w.values()), placed.describe(cfg.n_layer))
     if opt.draft is not None:
-        add("draft model", _draft_bytes(opt.draft))
+        add("draft model", draft_bytes(opt.draft))
     if opt.mmproj is not None:
         vw, va = vision_bytes(opt.mmproj, opt.device)
         if vw:

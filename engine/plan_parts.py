@@ -43,7 +43,7 @@ def audio_bytes(mmproj, device: str) -> tuple[int, int]:
     return weights * elem, activation_bytes(cfg, 2999, elem)
 
 
-def _draft_bytes(draft) -> int:
+def draft_bytes(draft) -> int:
     if draft is None:
         return 0
     if isinstance(draft, (str, bytes)) or hasattr(draft, "__fspath__"):

@@ -6,13 +6,14 @@ import math
 from dataclasses import replace
 
 from .kv.format import resolve_format
-from .memory_plan import (GiB, BudgetTooSmall, PlanOptions, _model_label, fmt_size, parse_size, plan_memory)
 from .placement import PlacementFlags
+from .sizes import GiB, BudgetTooSmall, fmt_size, parse_size
 
 
-def too_small(layout, cfg, opt, smallest, needed, budget, suggest, placed=None) -> BudgetTooSmall:
-    """`opt`: the options as asked; `smallest`: the last settings the fit tried, which `needed` is for."""
-    what = (f"the {_model_label(layout, cfg)} weights, workspace and a "
+def too_small(cfg, opt, smallest, needed, budget, suggest, placed, label: str, replan) -> BudgetTooSmall:
+    """`opt`: the options as asked; `smallest`: the last settings the fit tried, which `needed` is for;
+    `label` the model's name; `replan(options)` plans again (raising BudgetTooSmall where it does not fit)."""
+    what = (f"the {label} weights, workspace and a "
             f"{min(opt.ctx_size or opt.min_context, cfg.context_length)}-token KV cache")
     at = f"prefill chunk {smallest.chunk}, {smallest.running} running request{'s' if smallest.running > 1 else ''}"
     if placed is not None and placed.offloads:
@@ -25,22 +26,22 @@ def too_small(layout, cfg, opt, smallest, needed, budget, suggest, placed=None) 
             # the suggestions re-plan at the placement auto ended with (one plan each, not every step)
             opt = replace(opt, placement=PlacementFlags(cpu_moe=bool(placed.expert_layers),
                                                         n_gpu_layers=placed.gpu_layers(cfg.n_layer)))
-        tips = _suggestions(layout, cfg, opt, needed)
+        tips = _suggestions(replan, cfg, opt, needed)
         msg += "; try " + (", ".join(t for t, _ in tips[:-1]) + ", or " if len(tips) > 1 else "") + tips[-1][0]
         if placed is not None and placed.offloads:
             msg += " (or --device cpu: every weight in host RAM)"
     return BudgetTooSmall(msg, needed, budget, tips)
 
 
-def _fits(layout, cfg, opt: PlanOptions) -> bool:
+def _fits(replan, opt) -> bool:
     try:
-        plan_memory(layout, opt, cfg, _suggest=False)
+        replan(opt)
         return True
     except BudgetTooSmall:
         return False
 
 
-def _suggestions(layout, cfg, opt: PlanOptions, needed: int) -> list[tuple[str, dict]]:
+def _suggestions(replan, cfg, opt, needed: int) -> list[tuple[str, dict]]:
     """Per knob, the mildest change that fits on its own (checked by planning with it, so the fit
     still lowers what the user left unset); if none does, knobs combined in order; last, the
     budget that fits as asked. Chunk and running requests are knobs only where the user set them:
@@ -59,25 +60,25 @@ def _suggestions(layout, cfg, opt: PlanOptions, needed: int) -> list[tuple[str, 
             knobs.append([(f"{flag} int8_per_token_head", {key: "int8_per_token_head"})])
     knobs += _placement_knobs(cfg, opt)
     knobs = [k for k in knobs if k]
-    tips = [next(((t, o) for t, o in k if _fits(layout, cfg, replace(opt, **o))), None) for k in knobs]
+    tips = [next(((t, o) for t, o in k if _fits(replan, replace(opt, **o))), None) for k in knobs]
     tips = [t for t in tips if t]
     combo: dict = {}
     flags: list[str] = []
     for k in knobs if not tips else []:  # nothing fits alone: add knobs in order until it does
-        hit = next(((t, o) for t, o in k if _fits(layout, cfg, replace(opt, **combo, **o))), None)
+        hit = next(((t, o) for t, o in k if _fits(replan, replace(opt, **combo, **o))), None)
         combo.update((hit or k[-1])[1])
         flags.append((hit or k[-1])[0])
         if hit:
             tips.append((" ".join(flags), dict(combo)))
             break
     tenths = math.ceil(needed / GiB * 10)
-    while not _fits(layout, cfg, replace(opt, budget=parse_size(f"{tenths / 10}GiB"))):
+    while not _fits(replan, replace(opt, budget=parse_size(f"{tenths / 10}GiB"))):
         tenths += 1
     tips.append((f"--gpu-memory-budget {tenths / 10}GiB", {"budget": parse_size(f"{tenths / 10}GiB")}))
     return tips
 
 
-def _placement_knobs(cfg, opt: PlanOptions) -> list[list[tuple[str, dict]]]:
+def _placement_knobs(cfg, opt) -> list[list[tuple[str, dict]]]:
     """More in host RAM than the placement flags given said: more expert banks, fewer GPU layers."""
     f, L, out = opt.placement, cfg.n_layer, []
     if opt.device == "cuda" and f.n_cpu_moe is not None and not f.cpu_moe and getattr(cfg, "n_expert", 0):

@@ -210,6 +210,12 @@ def _response_block(name: str, response: Any) -> str:
     return f"<|tool_response>response:{name}{{{body}}}<tool_response|>"
 
 
+def response_block(name: str, content: Any) -> str:
+    """A tool message's content (text; a JSON object's keys become the block's) as the template's
+    result block: what the tool loop appends to a reply that called tools (engine/tool_loop.py)."""
+    return _response_block(name, _response(content))
+
+
 def render_gemma4_tools(msgs: list[dict], gen: bool, thinking: bool, bos: str, tools: Sequence | None) -> str:
     """The newer Gemma 4 template's rendering of a conversation with tools (messages already through
     `prepare_tool_messages`), E-series generation prompt (no empty thought channel after it)."""
