@@ -3,27 +3,32 @@
 Version 2 adds `images` to a message: [{"file", "name", "bytes", "tokens"}], where `file` is a
 path relative to the JSON file (the export writes the copies into `<stem>-images/` beside it);
 version 3 adds `audio`: [{"file", "name", "bytes", "tokens", "seconds"}] (copies in
-`<stem>-audio/`). Version 1 and 2 files still import. An import is untrusted input: anything malformed is
+`<stem>-audio/`); version 4 adds tool calls: role "tool" (a call's result) and `tool`, on an
+assistant message {"calls": [{"id", "name", "arguments"}]}, on a tool message {"call_id", "name",
+"status": "ok" | "error" | "denied"}. Versions 1-3 still import. An import is untrusted input: anything malformed is
 refused in one line (ValueError) before anything is written.
 """
 from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from pathlib import PurePosixPath
 
 FORMAT = "edgegem.conversation"
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
-ROLES = ("system", "user", "assistant")
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
+ROLES = ("system", "user", "assistant", "tool")
+TOOL_STATUSES = ("ok", "error", "denied")
+MAX_TOOL_CALLS = 64
 STATUSES = ("done", "stopped", "error")
 MAX_TITLE = 200
 MAX_IMPORT_MESSAGES = 10_000
 MAX_IMPORT_BYTES = 8 << 20
 MAX_MESSAGE_IMAGES = 64
 DEFAULT_TITLE = "New chat"
-MESSAGE_KEYS = {"role", "content", "thinking", "status", "created", "stats", "images", "audio"}
+MESSAGE_KEYS = {"role", "content", "thinking", "status", "created", "stats", "images", "audio", "tool"}
 IMAGE_KEYS = {"file", "name", "bytes", "tokens"}
 AUDIO_KEYS = IMAGE_KEYS | {"seconds"}
 
@@ -86,6 +91,33 @@ def _media(value: object, where: str, keys: set = IMAGE_KEYS) -> dict:
     if "seconds" in keys:
         out["seconds"] = _number(value.get("seconds", 0.0), f"{where}: seconds")
     return out
+
+
+def check_tool(value: object, role: str, where: str) -> dict:
+    """A message's `tool` record (module doc), checked and normalised; {} for none."""
+    if value in (None, {}):
+        if role == "tool":
+            raise _refuse(f"{where}: a tool message needs tool.call_id and tool.name")
+        return {}
+    if not isinstance(value, dict):
+        raise _refuse(f"{where}: tool must be an object")
+    if role == "assistant":
+        calls = value.get("calls")
+        if set(value) != {"calls"} or not isinstance(calls, list) or not 0 < len(calls) <= MAX_TOOL_CALLS:
+            raise _refuse(f"{where}: tool must be {{\"calls\": [1 to {MAX_TOOL_CALLS} calls]}}")
+        out = []
+        for j, c in enumerate(calls):
+            if not isinstance(c, dict) or set(c) - {"id", "name", "arguments"} or not isinstance(c.get("arguments", {}), dict):
+                raise _refuse(f"{where}: call {j} must be {{id, name, arguments: object}}")
+            out.append({"id": _text(c.get("id", f"call_{j}"), f"{where}: call {j} id"),
+                        "name": _text(c.get("name"), f"{where}: call {j} name"), "arguments": c.get("arguments", {})})
+        return {"calls": out}
+    if role == "tool":
+        if set(value) - {"call_id", "name", "status"} or value.get("status", "ok") not in TOOL_STATUSES:
+            raise _refuse(f"{where}: tool must be {{call_id, name, status: {' | '.join(TOOL_STATUSES)}}}")
+        return {"call_id": _text(value.get("call_id"), f"{where}: tool.call_id"),
+                "name": _text(value.get("name"), f"{where}: tool.name"), "status": value.get("status", "ok")}
+    raise _refuse(f"{where}: a {role} message has no tool record")
 
 
 def parse_import(data: bytes | str | dict, max_bytes: int) -> dict:
@@ -152,13 +184,34 @@ def parse_import(data: bytes | str | dict, max_bytes: int) -> dict:
                       "status": m.get("status", "done"), "stats": m.get("stats", {}),
                       "created": _number(m.get("created", created), f"{where}: created"),
                       "images": [_media(im, f"{where}: image {j}") for j, im in enumerate(images)],
-                      "audio": [_media(a, f"{where}: audio {j}", AUDIO_KEYS) for j, a in enumerate(audio)]})
+                      "audio": [_media(a, f"{where}: audio {j}", AUDIO_KEYS) for j, a in enumerate(audio)],
+                      "tool": check_tool(m.get("tool"), m["role"], where)})
     return {"title": clean_title(title), "created": created, "settings": settings, "messages": clean}
+
+
+def prompt_message(m) -> dict:
+    """A stored message (app.store.Message) as the engine's chat message: an assistant's calls as
+    OpenAI `tool_calls`, a tool message with its `tool_call_id` and `name` (the template renders
+    them as Gemma-4 blocks, models/tool_format.py)."""
+    out: dict = {"role": m.role, "content": m.content}
+    tool = getattr(m, "tool", None) or {}
+    if m.role == "assistant" and tool.get("calls"):
+        out["tool_calls"] = [{"id": c["id"], "type": "function",
+                              "function": {"name": c["name"], "arguments": c["arguments"]}} for c in tool["calls"]]
+    elif m.role == "tool":
+        out.update(tool_call_id=tool.get("call_id"), name=tool.get("name"))
+    return out
 
 
 # --- export ------------------------------------------------------------------------------------
 def _joined(folder: str, file: str) -> str:
     return f"{folder}/{file}" if folder else file
+
+
+def _fence(text: str) -> str:
+    """A code fence longer than any run of backticks in `text`."""
+    longest = max((len(run) for run in re.findall("`+", text)), default=0)
+    return "`" * max(3, longest + 1)
 
 
 def render_markdown(conv, messages: list, image_folder: str = "", audio_folder: str = "") -> str:
@@ -175,7 +228,15 @@ def render_markdown(conv, messages: list, image_folder: str = "", audio_folder: 
             out += [f"[▶ {alt} · {clip.get('seconds', 0.0):.1f} s]({_joined(audio_folder, clip['file'])})", ""]
         if m.thinking:
             out += ["<details><summary>Thinking</summary>", "", m.thinking, "", "</details>", ""]
-        out += [m.content, ""]
+        tool = getattr(m, "tool", None) or {}
+        if m.role == "tool":
+            out += [f"<details><summary>Result of {tool.get('name', '?')} ({tool.get('status', 'ok')})</summary>", "",
+                    _fence(m.content), m.content, _fence(m.content), "", "</details>", ""]
+            continue
+        out += [m.content, ""] if m.content else []
+        for c in tool.get("calls", ()):
+            out += [f"<details><summary>Tool call: {c['name']}</summary>", "", "```json",
+                    json.dumps(c["arguments"], ensure_ascii=False, indent=1), "```", "", "</details>", ""]
         if m.status != "done":
             out += [f"_({m.status})_", ""]
     return "\n".join(out)
@@ -191,6 +252,8 @@ def render_json(conv, messages: list, image_folder: str = "", audio_folder: str 
             out["images"] = [{**im, "file": _joined(image_folder, im["file"])} for im in m.images]
         if getattr(m, "audio", None):
             out["audio"] = [{**a, "file": _joined(audio_folder, a["file"])} for a in m.audio]
+        if getattr(m, "tool", None):
+            out["tool"] = m.tool
         return out
     return {"format": FORMAT, "version": FORMAT_VERSION, "title": conv.title, "created": conv.created,
             "settings": conv.settings, "messages": [message(m) for m in messages]}

@@ -35,8 +35,8 @@ from pathlib import Path
 
 from typing import Callable, Optional
 
-from app.conversation_format import (DEFAULT_TITLE, MAX_IMPORT_BYTES, ROLES, STATUSES, clean_title, parse_import,
-                                     render_json, render_markdown)
+from app.conversation_format import (DEFAULT_TITLE, MAX_IMPORT_BYTES, ROLES, STATUSES, check_tool, clean_title,
+                                     parse_import, render_json, render_markdown)
 from app.store_schema import migrate
 from engine import failpoints
 
@@ -59,7 +59,7 @@ def default_data_dir() -> Path:
 class Message:
     id: int
     conversation_id: int
-    role: str  # "system" | "user" | "assistant"
+    role: str  # "system" | "user" | "assistant" | "tool"
     content: str
     thinking: str = ""
     status: str = "done"  # "done" | "stopped" | "error"
@@ -67,6 +67,7 @@ class Message:
     stats: dict = field(default_factory=dict)  # e.g. {"prefill_tps": .., "decode_tps": .., "tokens": ..}
     images: list = field(default_factory=list)  # [{"file", "name", "bytes", "tokens"}] (user messages)
     audio: list = field(default_factory=list)  # [{"file", "name", "bytes", "tokens", "seconds"}]
+    tool: dict = field(default_factory=dict)  # {"calls": [...]} (assistant) or {"call_id", "name", "status"} (tool)
 
 
 @dataclass
@@ -161,7 +162,7 @@ class Store:
     def _message(row: sqlite3.Row) -> Message:
         return Message(row["id"], row["conversation_id"], row["role"], row["content"],
                        row["thinking"], row["status"], row["created"], json.loads(row["stats"]),
-                       json.loads(row["images"]), json.loads(row["audio"]))
+                       json.loads(row["images"]), json.loads(row["audio"]), json.loads(row["tool"]))
 
     @staticmethod
     def title_from(text: str) -> str:
@@ -261,21 +262,23 @@ class Store:
 
     def add_message(self, conversation_id: int, role: str, content: str, thinking: str = "",
                     status: str = "done", stats: dict | None = None, images: list | None = None,
-                    audio: list | None = None) -> Message:
+                    audio: list | None = None, tool: dict | None = None) -> Message:
         """`images` / `audio`: records `keep_image` / `keep_audio` returned (the files are already
-        in images_dir / audio_dir)."""
+        in images_dir / audio_dir); `tool`: an assistant's calls or a tool message's call
+        (conversation_format.check_tool)."""
         if role not in ROLES or status not in STATUSES:
             raise ValueError(f"bad role {role!r} or status {status!r}")
+        tool = check_tool(tool, role, "message")
         images, audio = [dict(im) for im in images or []], [dict(a) for a in audio or []]
         with self._tx() as db:
             created = self._now()
             self._touch(db, conversation_id)
             cur = db.execute("INSERT INTO messages (conversation_id, role, content, thinking, status, "
-                             "created, stats, images, audio) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                             "created, stats, images, audio, tool) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                              (conversation_id, role, content, thinking, status, created,
-                              json.dumps(stats or {}), json.dumps(images), json.dumps(audio)))
+                              json.dumps(stats or {}), json.dumps(images), json.dumps(audio), json.dumps(tool)))
         return Message(cur.lastrowid, conversation_id, role, content, thinking, status, created,
-                       dict(stats or {}), images, audio)
+                       dict(stats or {}), images, audio, tool)
 
     def update_message(self, message_id: int, content: str | None = None, thinking: str | None = None,
                        status: str | None = None, stats: dict | None = None) -> None:
@@ -393,10 +396,10 @@ class Store:
                              "VALUES (?, ?, ?, ?)",
                              (doc["title"], doc["created"], now, json.dumps(doc["settings"])))
             db.executemany("INSERT INTO messages (conversation_id, role, content, thinking, status, created, "
-                           "stats, images, audio) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                           "stats, images, audio, tool) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                            [(cur.lastrowid, m["role"], m["content"], m["thinking"], m["status"],
-                             m["created"], json.dumps(m["stats"]), json.dumps(m["images"]), json.dumps(m["audio"]))
-                            for m in doc["messages"]])
+                             m["created"], json.dumps(m["stats"]), json.dumps(m["images"]), json.dumps(m["audio"]),
+                             json.dumps(m["tool"])) for m in doc["messages"]])
         if missing and report is not None:
             names = ", ".join(n for _, n in missing[:3]) + (", …" if len(missing) > 3 else "")
             counts = [(sum(k == key for k, _ in missing), what) for key, what in (("images", "image"),

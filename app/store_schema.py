@@ -13,6 +13,8 @@ from pathlib import Path
 
 from app.conversation_format import ROLES, STATUSES
 
+V1_ROLES = ("system", "user", "assistant")  # the roles of schemas 1-3 (a migration builds what was)
+
 
 def _schema_v1(db: sqlite3.Connection) -> None:
     db.execute("""CREATE TABLE conversations (
@@ -26,7 +28,7 @@ def _schema_v1(db: sqlite3.Connection) -> None:
     db.execute(f"""CREATE TABLE messages (
         id INTEGER PRIMARY KEY AUTOINCREMENT,
         conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
-        role TEXT NOT NULL CHECK (role IN {ROLES!r}),
+        role TEXT NOT NULL CHECK (role IN {V1_ROLES!r}),
         content TEXT NOT NULL,
         thinking TEXT NOT NULL DEFAULT '',
         status TEXT NOT NULL DEFAULT 'done' CHECK (status IN {STATUSES!r}),
@@ -46,7 +48,31 @@ def _schema_v3(db: sqlite3.Connection) -> None:
     db.execute("ALTER TABLE messages ADD COLUMN audio TEXT NOT NULL DEFAULT '[]'")
 
 
-_MIGRATIONS = [_schema_v1, _schema_v2, _schema_v3]
+def _schema_v4(db: sqlite3.Connection) -> None:
+    """Tool calls: role 'tool' (a call's result) and the `tool` column: on an assistant message
+    {"calls": [{"id", "name", "arguments"}]}, on a tool message {"call_id", "name", "status"}.
+    SQLite cannot widen a CHECK, so the table is rebuilt (rows, ids and the index kept)."""
+    db.execute(f"""CREATE TABLE messages_v4 (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+        role TEXT NOT NULL CHECK (role IN {ROLES!r}),
+        content TEXT NOT NULL,
+        thinking TEXT NOT NULL DEFAULT '',
+        status TEXT NOT NULL DEFAULT 'done' CHECK (status IN {STATUSES!r}),
+        created REAL NOT NULL,
+        stats TEXT NOT NULL DEFAULT '{{}}',
+        images TEXT NOT NULL DEFAULT '[]',
+        audio TEXT NOT NULL DEFAULT '[]',
+        tool TEXT NOT NULL DEFAULT '{{}}')""")
+    db.execute("INSERT INTO messages_v4 (id, conversation_id, role, content, thinking, status, created, stats, "
+               "images, audio) SELECT id, conversation_id, role, content, thinking, status, created, stats, "
+               "images, audio FROM messages")
+    db.execute("DROP TABLE messages")
+    db.execute("ALTER TABLE messages_v4 RENAME TO messages")
+    db.execute("CREATE INDEX messages_by_conversation ON messages(conversation_id, id)")
+
+
+_MIGRATIONS = [_schema_v1, _schema_v2, _schema_v3, _schema_v4]
 SCHEMA_VERSION = len(_MIGRATIONS)
 
 

@@ -23,6 +23,7 @@ from textual.widgets import Footer, Static
 
 from app.backend import ErrorKind, GenerationParams, generation_params, split_thinking
 from app.messages import GenerationDone
+from app.conversation_format import prompt_message
 from app.screens.chat_commands import ChatCommandsMixin, one_line
 from app.screens.chat_media import MediaInputMixin
 from app.screens.chat_record import RecordMixin
@@ -254,8 +255,9 @@ class ChatScreen(MediaInputMixin, RecordMixin, ChatCommandsMixin, Screen[None]):
         # Answers that failed carry no text worth conditioning on; stopped ones are kept.
         # A user message's images and clips go with it on every turn (the copies in the data
         # folder): the prefix cache keys them by content, so earlier ones are not encoded again.
-        msgs += [{"role": m.role, "content": m.content, **self.message_media(m)} for m in self.messages
-                 if m.role in ("user", "assistant") and m.status != "error"]
+        # Tool calls and their results go back as the template's blocks (conversation_format).
+        msgs += [{**prompt_message(m), **self.message_media(m)} for m in self.messages
+                 if m.role in ("user", "assistant", "tool") and m.status != "error"]
         return msgs
 
     async def generate(self) -> None:

@@ -249,6 +249,6 @@ async def test_an_export_carries_the_clips_and_imports_back(tmp_path):
         assert (app.export_dir / f"{md.stem}-audio" / f"{sha}.wav").read_bytes() == wav.read_bytes()
         assert f"[▶ memo.wav · 1.0 s]({md.stem}-audio/{sha}.wav)" in md.read_text()
         doc = json.loads(md.with_suffix(".json").read_text())
-        assert doc["version"] == 3 and doc["messages"][0]["audio"][0]["file"] == f"{md.stem}-audio/{sha}.wav"
+        assert doc["version"] == 4 and doc["messages"][0]["audio"][0]["file"] == f"{md.stem}-audio/{sha}.wav"
         conv = app.store.import_file(md.with_suffix(".json"))
         assert app.store.messages(conv.id)[0].audio[0]["seconds"] == 1.0

@@ -144,7 +144,7 @@ def test_export_markdown(store):
 def test_export_json_round_trip(store, tmp_path):
     c = _chat(store, "Round / trip: ünïcode")
     doc = store.export_json(c.id)
-    assert doc["format"] == "edgegem.conversation" and doc["version"] == 3
+    assert doc["format"] == "edgegem.conversation" and doc["version"] == 4
     assert [m["role"] for m in doc["messages"]] == ["system", "user", "assistant"]
 
     md_path, json_path = store.export_to(c.id, tmp_path / "exports")
@@ -183,9 +183,9 @@ REFUSALS = {
     "deep": ("[" * 100_000 + "]" * 100_000, "not valid JSON"),
     "not an object": ("[1, 2]", "JSON object"),
     "wrong format": (_with(format="chatgpt"), "format"),
-    "wrong version": (_with(version=4), "version"),
+    "wrong version": (_with(version=5), "version"),
     "bool version": (_with(version=True), "version"),
-    "bad role": (_with(messages=[{"role": "tool", "content": "x"}]), "role"),
+    "bad role": (_with(messages=[{"role": "robot", "content": "x"}]), "role"),
     "bad status": (_with(messages=[{"role": "user", "content": "x", "status": "ok"}]), "status"),
     "too many": (_with(messages=[{"role": "user", "content": ""}] * 10_001), "10000"),
     "int content": (_with(messages=[{"role": "user", "content": 5}]), "content"),

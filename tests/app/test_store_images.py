@@ -48,7 +48,7 @@ def test_an_old_database_opens_keeps_its_messages_and_takes_images(tmp_path):
     finally:
         s.close()
     db = sqlite3.connect(tmp_path / "data" / "conversations.sqlite3")
-    assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+    assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
     db.close()
     Store(tmp_path / "data").close()  # a second open migrates nothing
 
@@ -91,7 +91,7 @@ def test_export_writes_the_images_beside_and_refers_to_them(store, tmp_path):
     assert f"![cat (1).png]({folder.name}/{sha}.png)" in text  # brackets would end the alt text
     assert text.index("![cat") < text.index("what is it?")
     doc = json.loads(js.read_text())
-    assert doc["version"] == 3
+    assert doc["version"] == 4
     assert doc["messages"][0]["images"] == [{"file": f"{folder.name}/{sha}.png", "name": "cat [1].png",
                                              "bytes": len(PICTURE), "tokens": 64}]
     assert "images" not in doc["messages"][1]
