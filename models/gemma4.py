@@ -13,6 +13,7 @@ import torch
 
 from .decoder import DecoderModel, Trace
 from .gemma4_ggml import fused_moe_ffn
+from .host_experts import host_moe_ffn
 from .image_attention import image_last_key
 from .kv_cache import KVStore
 from .metadata import ConfigError, metadata_reader, vocab_size_of
@@ -370,6 +371,8 @@ class Gemma4Model(DecoderModel):
     same pieces (`embed`, `layer`, `head`) to run only some layers or some rows (fast prefill).
     """
 
+    host_expert_layers: frozenset = frozenset()  # MoE layers whose banks stay in host RAM (load_gemma4)
+
     def __init__(self, cfg: Gemma4Config, weights: Mapping[str, Any], dtype=torch.float32, device="cpu"):
         self.cfg, self.w, self.dtype, self.device = cfg, dict(weights), dtype, torch.device(device)
         self.head_w = self.w.get("output.weight", self.w["token_embd.weight"])
@@ -492,6 +495,8 @@ class Gemma4Model(DecoderModel):
         f = fused_moe_ffn(self, i, r)  # the ggml runtime: the whole block as one graph (gemma4_ggml.py)
         if f is not None:
             return f
+        if i in self.host_expert_layers:  # banks in host RAM beside a GPU: the experts on the CPU
+            return host_moe_ffn(self, i, r)
         cfg, w, b, eps = self.cfg, self.w, f"blk.{i}.", self.cfg.rms_eps
         h1 = rms_norm(self._mlp(i, rms_norm(r, w[b + "ffn_norm.weight"], eps)), w[b + "post_ffw_norm_1.weight"], eps)
         u = rms_norm(r, None, eps) * (cfg.d_model ** -0.5) * w[b + "ffn_gate_inp.scale"].to(r.dtype)
@@ -534,11 +539,14 @@ class Gemma4Model(DecoderModel):
 
 
 def load_gemma4(gguf, dtype=torch.float32, device="cpu", weight_dtype=None, quantized=False,
-                host_embeddings=False, progress=None, cpu_quant=False) -> Gemma4Model:
-    """Build a Gemma4Model from a `GGUFFile`: config, shape-checked dequantized weights."""
+                host_embeddings=False, progress=None, cpu_quant=False, host_tensors=frozenset()) -> Gemma4Model:
+    """Build a Gemma4Model from a `GGUFFile`: config, shape-checked dequantized weights.
+    `host_tensors`: expert banks kept in host RAM and computed there (models/host_experts.py)."""
     gguf.check_architecture(("gemma4",))
     cfg = Gemma4Config.from_gguf(gguf)
     present = set(gguf.tensors)
     weights = load_weights(gguf, tensor_plan(cfg, present), dtype, device, weight_dtype, quantized,
-                           host_embeddings, progress, cpu_quant)
-    return Gemma4Model(cfg, weights, dtype=dtype, device=device)
+                           host_embeddings, progress, cpu_quant, frozenset(host_tensors))
+    model = Gemma4Model(cfg, weights, dtype=dtype, device=device)
+    model.host_expert_layers = frozenset(int(n.split(".")[1]) for n in host_tensors)
+    return model

@@ -44,7 +44,6 @@ def moe_nodes(g: Graph, gr: int, T: int, m: dict, eps: float, n_used: int) -> in
     d = m["d"]
     h1 = norm_nodes(g, mlp_nodes(g, norm_nodes(g, gr, m["ffn_norm"], eps), m["gate_up"], m["down"],
                                  m["gate"], m["up"]), m["post_1"], eps)
-    z = norm_nodes(g, gr, m["pre_2"], eps)
     # router: logits [E, T], softmax over all E, top-k by probability
     inv_sqrt_d = float(np.float32(1.0) / np.sqrt(np.float32(d)))  # llama.cpp's 1.0f / sqrtf(n_embd)
     u = g.mul(g.scale(g.rms_norm(gr, eps), inv_sqrt_d), m["router_scale"])
@@ -54,8 +53,17 @@ def moe_nodes(g: Graph, gr: int, T: int, m: dict, eps: float, n_used: int) -> in
     w = g.get_rows(g.reshape_3d(probs, 1, E, T), sel)  # [1, k, T]
     w2 = g.reshape_2d(w, n_used, T)
     w = g.reshape_3d(g.div(w2, g.clamp(g.sum_rows(w2), _MIN_SUM, float("inf"))), 1, n_used, T)
+    return g.add(h1, expert_nodes(g, gr, sel, w, T, m, eps, n_used))
+
+
+def expert_nodes(g: Graph, gr: int, sel: int, w: int, T: int, m: dict, eps: float, n_used: int) -> int:
+    """The experts' part of the block for the residual gr [d, T], the chosen experts sel [k, T]
+    int32 and their weights w [1, k, T]: rms_norm(sum_k w * down(geglu(gate_up(z)))) * post_2, z
+    the pre_2-normed residual (module doc). A host-experts layer beside a GPU runs just this
+    (models/host_experts.py), the router's choice given."""
+    d, E = m["d"], m["E"]
+    z3 = g.reshape_3d(norm_nodes(g, gr, m["pre_2"], eps), d, 1, T)
     # experts: gate/up, GEGLU, down, each one mul_mat_id over the chosen experts
-    z3 = g.reshape_3d(z, d, 1, T)
     if m["gate_up_exps"] is not None:
         gu = g.mul_mat_id(g.matrix(m["gate_up_exps"]), z3, sel)  # [2I, k, T]
         I2 = m["gate_up_exps"].shape[1]
@@ -76,7 +84,7 @@ def moe_nodes(g: Graph, gr: int, T: int, m: dict, eps: float, n_used: int) -> in
         h2 = g.add(h2, g.view(y, [d, T], nb, 4 * d * j))
     if n_used == 1:
         h2 = g.cont(h2)
-    return g.add(h1, norm_nodes(g, h2, m["post_2"], eps))
+    return norm_nodes(g, h2, m["post_2"], eps)
 
 
 def moe_parts(w, b: str, rows: int) -> Optional[dict]:

@@ -64,7 +64,7 @@ def load_model(path: str | Path, dtype=torch.float32, device="cpu", with_tokeniz
                weight_dtype: Optional[torch.dtype] = None, quantized: bool = False,
                host_embeddings: bool = False, progress=None, cpu_quant: bool = False,
                mmproj: Optional[str | Path] = None, vision: bool = True,
-               runtime: Optional[Runtime] = None) -> LoadedModel:
+               runtime: Optional[Runtime] = None, host_tensors: frozenset = frozenset()) -> LoadedModel:
     """`weight_dtype=torch.float16`: the fast CPU runtime format (models/weights.py); None: exact.
     `quantized`: GGUF matrices stay in their quantized bytes for the Triton kernels.
     `host_embeddings`: embedding lookup tables stay in host memory (`--embed-weights host`).
@@ -76,7 +76,9 @@ def load_model(path: str | Path, dtype=torch.float32, device="cpu", with_tokeniz
     does); None reads it from the flags (`runtime_of_flags`). It is stored as `model.runtime`.
     `progress(done, total, bytes_done, bytes_total)`: called after each tensor (GGUF files).
     `mmproj`: the image and audio encoders of a GGUF model (default: an `mmproj*.gguf` beside it;
-    one file may hold either or both); HF folders carry theirs. `vision=False`: never load them."""
+    one file may hold either or both); HF folders carry theirs. `vision=False`: never load them.
+    `host_tensors`: a Gemma-4 MoE's expert banks kept in host RAM beside a GPU (the memory plan's
+    placement), computed by the CPU (models/host_experts.py)."""
     path = Path(path)
     if runtime is None:
         runtime = runtime_of_flags(device, weight_dtype, quantized, cpu_quant, gguf=not path.is_dir())
@@ -92,7 +94,10 @@ def load_model(path: str | Path, dtype=torch.float32, device="cpu", with_tokeniz
         if f.architecture == "gemma4":
             from .gemma4 import load_gemma4
             model = load_gemma4(f, dtype=dtype, device=device, weight_dtype=weight_dtype, quantized=quantized,
-                                host_embeddings=host_embeddings, progress=progress, cpu_quant=cpu_quant)
+                                host_embeddings=host_embeddings, progress=progress, cpu_quant=cpu_quant,
+                                host_tensors=host_tensors)
+        elif host_tensors:
+            raise ValueError(f"{path.name}: a {f.architecture} model has no expert banks to keep in host RAM")
         else:
             from .gemma3 import load_gemma3
             model = load_gemma3(f, dtype=dtype, device=device, weight_dtype=weight_dtype, quantized=quantized,

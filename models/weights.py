@@ -179,9 +179,21 @@ def _file_bytes(source, name: str) -> int:
     return int(getattr(t, "n_bytes", 0) or 0)
 
 
+def check_host_tensors(host_tensors, plan) -> None:
+    """Only expert banks stay in host memory beside a GPU so far: anything else is refused in one line."""
+    other = sorted(n for n in host_tensors if "_exps." not in n or not n.endswith(".weight"))
+    if other:
+        raise ValueError(f"{other[0]}{f' and {len(other) - 1} more' if len(other) > 1 else ''}: only MoE expert banks "
+                         "can stay in host RAM beside a GPU (whole layers and other tensors do not run there yet)")
+    missing = sorted(set(host_tensors) - set(plan))
+    if missing:
+        raise ValueError(f"{missing[0]}: no such expert bank in this model")
+
+
 def load_weights(source, plan: dict, dtype: torch.dtype = torch.float32, device="cpu",
                  weight_dtype: torch.dtype | None = None, quantized: bool = False,
-                 host_embeddings: bool = False, progress=None, cpu_quant: bool = False) -> dict:
+                 host_embeddings: bool = False, progress=None, cpu_quant: bool = False,
+                 host_tensors: frozenset = frozenset()) -> dict:
     """Dequantize every tensor of `plan` (name -> expected torch shape) from a GGUFFile or
     HFCheckpoint. Matrices go to `weight_dtype` (float16: HalfWeight) when given, the rest to
     `dtype`; norms and scales are never rounded below float32. `quantized`: matrices of the types
@@ -192,8 +204,11 @@ def load_weights(source, plan: dict, dtype: torch.dtype = torch.float32, device=
     each tensor (bytes as stored in the file: what a loading bar should count). `cpu_quant` (the
     CPU runtime format): matrices of the types Int4Weight reads are repacked for torch's int4 CPU
     matmul, lookup-only tables stay in the file (rows read by pread), a tied 5- to 8-bit head
-    becomes models.formats.int8_head.Int8Head, the rest `weight_dtype`."""
+    becomes models.formats.int8_head.Int8Head, the rest `weight_dtype`. `host_tensors`: expert banks
+    kept in host memory beside a GPU (the memory plan's placement, engine/placement.py), the
+    mapped file's bytes as on the CPU runtime, computed there (models/host_experts.py)."""
     out = {}
+    check_host_tensors(host_tensors, plan)
     # Tables only ever gathered from: the PLE table, and the token table when the head is untied.
     lookup_only = frozenset(["per_layer_token_embd.weight"] + (
         ["token_embd.weight"] if "output.weight" in plan else []))
@@ -234,7 +249,7 @@ def load_weights(source, plan: dict, dtype: torch.dtype = torch.float32, device=
             # tables that are only gathered (the PLE table, an untied token table) keep GGUF rows
             lookup = on_host or name == "per_layer_token_embd.weight" or (
                 name == "token_embd.weight" and "output.weight" in plan)
-            out[name] = one(name, shape, "cpu" if on_host else device, lookup=lookup)
+            out[name] = one(name, shape, "cpu" if on_host or name in host_tensors else device, lookup=lookup)
         if progress is not None:
             done += sizes[i]
             progress(i + 1, len(plan), done, total)
