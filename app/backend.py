@@ -60,7 +60,7 @@ class EngineBackend:
             progress(0.9 * frac, f"tensors {done}/{total} · {size(nbytes)} of {size(total_bytes)} → {device}")
 
         lm = api.open_model(path, exact=self.exact, device=device, embed_weights=self.options.embed_weights,
-                            progress=on_tensor, mmproj=self.mmproj)
+                            progress=on_tensor, mmproj=self.mmproj, options=self.options)
         progress(0.92, "allocating the KV pools")
         plan = api.engine_plan(lm, self.options)[0]
         client = api.start_client(lm, self.options)

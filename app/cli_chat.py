@@ -69,7 +69,8 @@ def cmd_chat(a) -> int:
               "Load a Gemma-4 GGUF with --model PATH for real answers.")
     print("Type a message and press Enter; `/image PATH` or `/audio PATH` attaches a file to the next one; an "
           "empty line or Ctrl-D quits.\n")
-    lm = api.open_model(path, exact=False, device=_device(a), embed_weights=a.embed_weights, mmproj=a.mmproj)
+    lm = api.open_model(path, exact=False, device=_device(a), embed_weights=a.embed_weights, mmproj=a.mmproj,
+                        options=_engine_options(a))
     # --image / --audio: refused in one line before the engine starts
     pending = {"images": api.load_images(lm, a.image, a.image_tokens), "audio": api.load_audio(lm, a.audio)}
     client = _start_client(lm, _engine_options(a))

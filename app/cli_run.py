@@ -33,7 +33,7 @@ def cmd_run(a) -> int:
     from engine import api
     constraint = _constraint(a)  # a bad schema or grammar is refused before the model loads
     lm = api.open_model(api.resolve_model(a.model), exact=a.exact, device=_device(a),
-                        embed_weights=a.embed_weights, mmproj=a.mmproj)
+                        embed_weights=a.embed_weights, mmproj=a.mmproj, options=_engine_options(a))
     images = api.load_images(lm, a.image, a.image_tokens)  # refused in one line before the engine starts
     audio = api.load_audio(lm, a.audio)
     # a base model's text is continued (no chat turns), with its defaults where no flag is given;

@@ -91,7 +91,7 @@ def cmd_serve(a) -> int:
         cfg.kv_auto = True
     path = api.resolve_model(a.model)
     lm = api.open_model(path, exact=False, device=_device(a), embed_weights=a.embed_weights,
-                        progress=_progress(path.name), mmproj=a.mmproj)
+                        progress=_progress(path.name), mmproj=a.mmproj, options=opts)
     client = _start_client(lm, opts)
     state = ServerState(cfg, client)
     url = url_of(cfg.host, sock)

@@ -7,7 +7,7 @@ The app layer imports only `engine`; everything model-specific stays behind thes
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -71,7 +71,7 @@ def default_device() -> str:
 
 def open_model(path: Path, exact: bool = True, device: str = "cpu", embed_weights: str = "host",
                progress: Optional[Callable[[int, int, int, int], None]] = None,
-               mmproj: Optional[str] = None) -> LoadedModel:
+               mmproj: Optional[str] = None, options: Optional["EngineOptions"] = None) -> LoadedModel:
     """The model at `path` on the runtime `models.runtime.choose_runtime` picks (its table: CPU
     `exact` float32 weights, the reference, else llama.cpp's ggml on the file's bytes or torch's CPU
     formats, lookup tables in the file's bytes, RAM about the file's size; CUDA: bf16 activations,
@@ -79,14 +79,43 @@ def open_model(path: Path, exact: bool = True, device: str = "cpu", embed_weight
     Triton kernels do not run on, older than sm_75 (`gpu_support`): float32 activations over
     float16 matrices, `exact`: float32, the torch path throughout). `lm.runtime` says which.
     On the CPU a model whose weights cannot fit in available RAM is refused before loading
-    (engine/ram_check.py: RamTooSmall, ErrorKind.CAPACITY)."""
+    (engine/ram_check.py: RamTooSmall, ErrorKind.CAPACITY). On CUDA, `options` (the budget, KV
+    formats and placement flags) decide before the load which expert banks stay in host RAM
+    (`host_placement`)."""
     runtime = choose_runtime(device, exact, gguf=not Path(path).is_dir())
     if device == "cpu":  # refused in one line now rather than by the allocator part-way through the load
         from .ram_check import check_host_ram
         check_host_ram(Path(path), runtime.value)
     host = embed_weights == "host" and device != "cpu"  # host tables on a GPU; the CPU holds them anyway
+    kept = host_placement(open_gguf(Path(path)), options) if device == "cuda" and options is not None \
+        and not Path(path).is_dir() else frozenset()
     return load_model(path, device=device, host_embeddings=host, progress=progress, mmproj=mmproj, runtime=runtime,
-                      **runtime.load_flags(exact))
+                      host_tensors=kept, **runtime.load_flags(exact))
+
+
+def plan_options(opts: "EngineOptions", device: str, budget: Optional[int] = None, **kw):
+    """The memory plan's options for the engine flags (`budget` None: the flag's, else the default)."""
+    from .memory_plan import PlanOptions, parse_size
+
+    if budget is None and opts.gpu_memory_budget:
+        budget = parse_size(opts.gpu_memory_budget)
+    return PlanOptions(budget=budget, device=device, kv_format=opts.kv_cache_dtype, swa_format=opts.swa_kv_cache_dtype,
+                       embed_weights=opts.embed_weights, prefill_chunk=opts.prefill_chunk,
+                       max_running=opts.max_running_requests, placement=opts.placement, ctx_size=opts.ctx_size,
+                       moe_cache=opts.moe_cache, **kw)
+
+
+def host_placement(layout, opts: "EngineOptions") -> frozenset:
+    """The GGUF names the plan keeps in host RAM beside the GPU (BudgetTooSmall when nothing fits).
+    Whole layers on the CPU are planned but not run yet beside a GPU: refused in one line."""
+    from .memory_plan import plan_memory
+
+    plan = plan_memory(layout, plan_options(opts, "cuda"))
+    placed = plan.placement
+    if placed.get("cpu_layers"):
+        raise ValueError(f"the plan keeps {placed['summary'].split(';')[0]}: whole layers beside a GPU do not run "
+                         "yet; use --device cpu, or a larger --gpu-memory-budget or a smaller --ctx-size")
+    return frozenset(placed.get("host_tensors", ()))
 
 
 def runtime_info(device: str = "cpu", exact: bool = False, path: Optional[Path] = None) -> dict:
@@ -255,7 +284,7 @@ def engine_plan(lm: LoadedModel, opts: EngineOptions):
     the KV formats and prefill chunk it assumed (the fitted one when the plan lowered it); plan is
     None for an HF folder (no tensor table)."""
     from .kv.format import resolve_format
-    from .memory_plan import PlanOptions, default_chunk, loaded_budget, parse_size, plan_memory
+    from .memory_plan import default_chunk, loaded_budget, parse_size, plan_memory
 
     from models.runtime import Runtime
 
@@ -266,13 +295,12 @@ def engine_plan(lm: LoadedModel, opts: EngineOptions):
     plan = None
     if isinstance(getattr(lm.source, "tensors", None), dict):  # a GGUF: plan from its tensor table
         budget = parse_size(opts.gpu_memory_budget) if opts.gpu_memory_budget else loaded_budget(device)[0]
-        plan = plan_memory(lm.source, PlanOptions(budget=budget, device=device, kv_format=opts.kv_cache_dtype,
-                                                  swa_format=opts.swa_kv_cache_dtype,
-                                                  embed_weights=opts.embed_weights, prefill_chunk=opts.prefill_chunk,
-                                                  max_running=opts.max_running_requests,
-                                                  mmproj=getattr(lm, "mmproj", None), placement=opts.placement,
-                                                  ctx_size=opts.ctx_size, moe_cache=opts.moe_cache,
-                                                  dequantizes=getattr(lm, "runtime", None) is not Runtime.GGML),
+        kept = sorted(getattr(lm.model, "host_expert_layers", ()))
+        if kept:  # the placement the load made, whatever the budget measured after it would choose
+            opts = replace(opts, placement=PlacementFlags(n_cpu_moe=len(kept)) if kept == list(range(len(kept)))
+                           else PlacementFlags(overrides=tuple((rf"^blk\.{i}\..*_exps\.weight$", "cpu") for i in kept)))
+        plan = plan_memory(lm.source, plan_options(opts, device, budget, mmproj=getattr(lm, "mmproj", None),
+                                                   dequantizes=getattr(lm, "runtime", None) is not Runtime.GGML),
                            lm.config)
         chunk = plan.options["prefill_chunk"]
         kv, swa = plan.kv["full"]["format"], plan.kv["window"]["format"]  # "auto" as the fit resolved it

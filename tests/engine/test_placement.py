@@ -200,3 +200,17 @@ def test_the_app_shows_the_placement_notice_in_its_loading_plan(tiny_moe):
         assert session.info["plan"][0].startswith("--n-cpu-moe 2 places weights beside a GPU; this model runs on the cpu")
     finally:
         session.client.close()
+
+
+def test_a_cuda_load_keeps_the_planned_banks_and_refuses_whole_layers_in_one_line(moe, dense):
+    from dataclasses import replace as with_
+
+    from engine.api import EngineOptions, host_placement
+    opts = with_(EngineOptions(), gpu_memory_budget="8GiB", kv_cache_dtype="int8_per_token_head",
+                 swa_kv_cache_dtype="int8_per_token_head", ctx_size=131072)
+    kept = host_placement(moe, opts)
+    assert kept == {n for n in moe.tensors if n.endswith("_exps.weight")}
+    assert host_placement(moe, with_(opts, gpu_memory_budget="24GiB")) == frozenset()
+    with pytest.raises(ValueError) as e:
+        host_placement(dense, with_(opts, gpu_memory_budget="12GiB", ctx_size=32768))
+    assert "whole layers 0-27 in host RAM" in str(e.value) and "\n" not in str(e.value)
