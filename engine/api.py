@@ -87,10 +87,18 @@ def open_model(path: Path, exact: bool = True, device: str = "cpu", embed_weight
         from .ram_check import check_host_ram
         check_host_ram(Path(path), runtime.value)
     host = embed_weights == "host" and device != "cpu"  # host tables on a GPU; the CPU holds them anyway
-    kept = host_placement(open_gguf(Path(path)), options) if device == "cuda" and options is not None \
-        and not Path(path).is_dir() else frozenset()
-    return load_model(path, device=device, host_embeddings=host, progress=progress, mmproj=mmproj, runtime=runtime,
-                      host_tensors=kept, **runtime.load_flags(exact))
+    placed = plan_placement(open_gguf(Path(path)), options) if device == "cuda" and options is not None \
+        and not Path(path).is_dir() else {}
+    lm = load_model(path, device=device, host_embeddings=host, progress=progress, mmproj=mmproj, runtime=runtime,
+                    host_tensors=frozenset(placed.get("host_tensors", ())), **runtime.load_flags(exact))
+    if placed.get("expert_cache_bytes"):  # the GPU memory the plan left: hot experts
+        from models.expert_cache import ExpertCache
+        from models.host_experts import cache_banks
+
+        banks = cache_banks(lm.model)
+        slots = ExpertCache.slots_for(placed["expert_cache_bytes"], placed["expert_slot_bytes"], len(banks))
+        lm.model.expert_cache = ExpertCache(banks, slots, device)
+    return lm
 
 
 def plan_options(opts: "EngineOptions", device: str, budget: Optional[int] = None, **kw):
@@ -106,8 +114,13 @@ def plan_options(opts: "EngineOptions", device: str, budget: Optional[int] = Non
 
 
 def host_placement(layout, opts: "EngineOptions") -> frozenset:
-    """The GGUF names the plan keeps in host RAM beside the GPU (BudgetTooSmall when nothing fits).
-    Whole layers on the CPU are planned but not run yet beside a GPU: refused in one line."""
+    """The GGUF names the plan keeps in host RAM beside the GPU (plan_placement)."""
+    return frozenset(plan_placement(layout, opts).get("host_tensors", ()))
+
+
+def plan_placement(layout, opts: "EngineOptions") -> dict:
+    """The plan's placement beside the GPU (MemoryPlan.placement; BudgetTooSmall when nothing
+    fits). Whole layers on the CPU are planned but not run yet beside a GPU: refused in one line."""
     from .memory_plan import plan_memory
 
     plan = plan_memory(layout, plan_options(opts, "cuda"))
@@ -115,7 +128,7 @@ def host_placement(layout, opts: "EngineOptions") -> frozenset:
     if placed.get("cpu_layers"):
         raise ValueError(f"the plan keeps {placed['summary'].split(';')[0]}: whole layers beside a GPU do not run "
                          "yet; use --device cpu, or a larger --gpu-memory-budget or a smaller --ctx-size")
-    return frozenset(placed.get("host_tensors", ()))
+    return placed
 
 
 def runtime_info(device: str = "cpu", exact: bool = False, path: Optional[Path] = None) -> dict:

@@ -628,7 +628,22 @@ class Engine:
                 "images": self.vision is not None,  # whether requests may carry images
                 "audio": self.audio is not None,  # and audio clips
                 "speculative": self._spec_status(),
-                "device_memory": self._device_memory()}
+                "device_memory": self._device_memory(),
+                "host_experts": self._host_experts()}
+
+    def _host_experts(self) -> Optional[dict]:
+        """Beside a GPU with expert banks in host RAM: the layers, the bytes that crossed, the hot-
+        expert cache's slots and hit rate (models/host_experts.py, expert_cache.py); else None."""
+        layers = getattr(self.model, "host_expert_layers", ())
+        if not layers:
+            return None
+        out = {"layers": len(layers), **getattr(self.model, "host_traffic", {})}
+        cache = getattr(self.model, "expert_cache", None)
+        if cache is not None:
+            st = cache.stats
+            out.update(cache_slots=cache.slots, hit_rate=round(st.hit_rate, 4), lookups=st.lookups,
+                       copies=st.copies)
+        return out
 
     def _spec_status(self) -> Optional[dict]:
         if self.spec is None:

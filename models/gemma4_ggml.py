@@ -56,11 +56,13 @@ def moe_nodes(g: Graph, gr: int, T: int, m: dict, eps: float, n_used: int) -> in
     return g.add(h1, expert_nodes(g, gr, sel, w, T, m, eps, n_used))
 
 
-def expert_nodes(g: Graph, gr: int, sel: int, w: int, T: int, m: dict, eps: float, n_used: int) -> int:
+def expert_nodes(g: Graph, gr: int, sel: int, w: int, T: int, m: dict, eps: float, n_used: int,
+                 normed: bool = True) -> int:
     """The experts' part of the block for the residual gr [d, T], the chosen experts sel [k, T]
     int32 and their weights w [1, k, T]: rms_norm(sum_k w * down(geglu(gate_up(z)))) * post_2, z
     the pre_2-normed residual (module doc). A host-experts layer beside a GPU runs just this
-    (models/host_experts.py), the router's choice given."""
+    (models/host_experts.py), the router's choice given; `normed` False: the sum h2 itself (the
+    experts a GPU cache computed are added to it before the norm)."""
     d, E = m["d"], m["E"]
     z3 = g.reshape_3d(norm_nodes(g, gr, m["pre_2"], eps), d, 1, T)
     # experts: gate/up, GEGLU, down, each one mul_mat_id over the chosen experts
@@ -84,7 +86,7 @@ def expert_nodes(g: Graph, gr: int, sel: int, w: int, T: int, m: dict, eps: floa
         h2 = g.add(h2, g.view(y, [d, T], nb, 4 * d * j))
     if n_used == 1:
         h2 = g.cont(h2)
-    return norm_nodes(g, h2, m["post_2"], eps)
+    return norm_nodes(g, h2, m["post_2"], eps) if normed else h2
 
 
 def moe_parts(w, b: str, rows: int) -> Optional[dict]:

@@ -23,7 +23,7 @@ from kernels.ggml import Graph, cached_graph, layout
 
 from .formats import ExpertBank
 from .gemma4_ggml import expert_nodes
-from .ops import gated_mlp, linear, rms_norm
+from .ops import gated_mlp, gelu_tanh, linear, rms_norm
 
 _MIN_SUM = 6.103515625e-5  # llama.cpp clamps the top-k sum to float16's smallest normal
 _BANKS = ("gate_up_exps", "gate_exps", "up_exps", "down_exps")
@@ -40,9 +40,11 @@ def _banks(w, b: str) -> dict:
     return out
 
 
-def expert_mix(w, b: str, r: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, eps: float) -> torch.Tensor:
+def expert_mix(w, b: str, r: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, eps: float,
+               normed: bool = True) -> torch.Tensor:
     """The host part: r [T, d] float32, ids [T, k] int32, wts [T, k] float32 (CPU tensors) ->
-    rms_norm(h2) * post_2 [T, d] float32, one ggml graph (cached per layer and row count)."""
+    rms_norm(h2) * post_2 [T, d] float32 (`normed` False: h2), one ggml graph (cached per layer,
+    row count and k)."""
     T, d = r.shape
     k = ids.shape[1]
     banks = _banks(w, b)
@@ -59,11 +61,11 @@ def expert_mix(w, b: str, r: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor,
         m = dict(banks, d=d, E=E, pre_2=g.constant(pre.float().cpu().contiguous()),
                  post_2=g.constant(post.float().cpu().contiguous()),
                  down_scale=None if scale is None else g.constant(scale.float().cpu().reshape(1, E, 1)))
-        g.output(expert_nodes(g, gr, sel, gw, T, m, eps, k))
+        g.output(expert_nodes(g, gr, sel, gw, T, m, eps, k, normed))
         return g.finish()
 
     key = ("host-experts", b, *(id(v) for v in banks.values()), id(pre), id(post), id(scale),
-           layout(r), layout(ids), layout(wts3))
+           layout(r), layout(ids), layout(wts3), normed)
     out = torch.empty(T, d)
     cached_graph(key, build, T).run([r, ids, wts3], [out])
     return out
@@ -81,11 +83,11 @@ class _Staging:
 
 def _staging(model, T: int, d: int, k: int) -> _Staging:
     cache = model.__dict__.setdefault("_host_staging", {})
-    if T not in cache:
-        if len(cache) >= 8:  # prefill chunks of many lengths: keep the few most recent
+    if (T, k) not in cache:
+        if len(cache) >= 16:  # prefill chunks of many lengths, miss counts: keep the most recent
             cache.pop(next(iter(cache)))
-        cache[T] = _Staging(T, d, k, model.device.type == "cuda")
-    return cache[T]
+        cache[T, k] = _Staging(T, d, k, model.device.type == "cuda")
+    return cache[T, k]
 
 
 def route(model, i: int, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,6 +106,9 @@ def host_moe_ffn(model, i: int, r: torch.Tensor) -> torch.Tensor:
     cfg, w, b, eps = model.cfg, model.w, f"blk.{i}.", model.cfg.rms_eps
     T, d = r.shape
     ids, wts = route(model, i, r)
+    cache = getattr(model, "expert_cache", None)
+    if cache is not None and cache.covers(i):
+        return _cached_moe_ffn(model, i, r, ids, wts, cache)
     st = _staging(model, T, d, cfg.n_expert_used)
     cuda = r.device.type == "cuda"
     st.r.copy_(r, non_blocking=cuda)
@@ -118,9 +123,9 @@ def host_moe_ffn(model, i: int, r: torch.Tensor) -> torch.Tensor:
         copied.synchronize()  # the layer's one wait: for the copies, not for h1
     h2 = expert_mix(w, b, st.r, st.ids, st.wts, eps)
     st.out.copy_(h2)
-    traffic = model.__dict__.setdefault("host_traffic", {"layers": 0, "to_host": 0, "to_device": 0})
+    traffic = model.__dict__.setdefault("host_traffic", {"crossings": 0, "to_host": 0, "to_device": 0})
     up, down = crossing_bytes(d, cfg.n_expert_used, T)
-    traffic["layers"] += 1
+    traffic["crossings"] += 1
     traffic["to_host"] += up
     traffic["to_device"] += down
     return h1 + st.out.to(r.device, r.dtype, non_blocking=cuda)
@@ -130,3 +135,75 @@ def crossing_bytes(d: int, k: int, T: int = 1) -> tuple[int, int]:
     """(device->host, host->device) bytes a host-experts layer moves for T rows."""
     return int(T * d * 4 + 2 * T * k * 4), int(T * d * 4)
 
+
+
+def _cached_moe_ffn(model, i: int, r: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, cache) -> torch.Tensor:
+    """host_moe_ffn with a hot-expert cache (models/expert_cache.py): the chosen experts found in
+    the layer's device slots are computed on the device, the rest by the CPU graph on the
+    compacted misses (each row's k' <= k misses, padded with a weight-0 repeat of one of them);
+    the two partial sums are added before the post norm. Misses are copied in after the block."""
+    cfg, w, b, eps = model.cfg, model.w, f"blk.{i}.", model.cfg.rms_eps
+    T, d = r.shape
+    hit, slot = cache.split(i, ids)
+    miss = ~hit
+    kk = int(miss.sum(-1).max())
+    h2 = torch.zeros(T, d, device=r.device, dtype=torch.float32)
+    cuda = r.device.type == "cuda"
+    if kk:  # the CPU's share: compact the misses to kk columns
+        order = torch.argsort(miss.to(torch.int8), dim=-1, descending=True, stable=True)[:, :kk]
+        m_ids, m_wts = ids.gather(1, order), wts.gather(1, order) * miss.gather(1, order)
+        first = m_ids[:, :1].expand(-1, kk)  # a row with fewer misses repeats its first (weight 0)
+        m_ids = torch.where(miss.gather(1, order), m_ids, first)
+        if not bool(miss.any(-1).all()):  # rows with no miss at all: any miss id, weight 0
+            m_ids = torch.where(miss.any(-1, keepdim=True), m_ids, ids[miss][0])
+        st = _staging(model, T, d, kk)
+        st.r.copy_(r, non_blocking=cuda)
+        st.ids.copy_(m_ids, non_blocking=cuda)
+        st.wts.copy_(m_wts, non_blocking=cuda)
+        copied = torch.cuda.Event() if cuda else None
+        if copied is not None:
+            copied.record()
+    # the device's share, enqueued behind the copies: the dense branch and the cached experts
+    h1 = rms_norm(gated_mlp(rms_norm(r, w[b + "ffn_norm.weight"], eps), w, b), w[b + "post_ffw_norm_1.weight"], eps)
+    if bool(hit.any()):
+        z = rms_norm(r, w[b + "pre_ffw_norm_2.weight"], eps).float()
+        scale = w.get(b + "ffn_down_exps.scale")
+        banks = cache.layers[i].banks
+        I = cfg.expert_ffn_width
+        for s in slot[hit].unique().tolist():
+            rows, cols = (hit & (slot == s)).nonzero(as_tuple=True)
+            if len(banks) == 3:  # gate, up, down
+                gate, up = banks[0][s].linear(z[rows]), banks[1][s].linear(z[rows])
+            else:
+                gu = banks[0][s].linear(z[rows])
+                gate, up = gu[:, :I], gu[:, I:]
+            y = banks[-1][s].linear(gelu_tanh(gate) * up)
+            k_w = wts[rows, cols]
+            if scale is not None:
+                k_w = k_w * scale.to(r.device).float()[ids[rows, cols]]
+            h2.index_add_(0, rows, y * k_w[:, None])
+    if kk:
+        if copied is not None:
+            copied.synchronize()
+        part = expert_mix(w, b, st.r, st.ids, st.wts, eps, normed=False)
+        st.out.copy_(part)
+        h2 += st.out.to(r.device, non_blocking=cuda)
+        traffic = model.__dict__.setdefault("host_traffic", {"crossings": 0, "to_host": 0, "to_device": 0})
+        up_b, down_b = crossing_bytes(d, kk, T)
+        traffic["crossings"] += 1
+        traffic["to_host"] += up_b
+        traffic["to_device"] += down_b
+    cache.admit(i, ids, hit)
+    return h1 + rms_norm(h2, w[b + "post_ffw_norm_2.weight"], eps).to(r.dtype)
+
+
+def cache_banks(model) -> dict:
+    """{layer: [its host banks in the cache's order: gate_up (or gate, up), down]} of a model's
+    host-expert layers, for models.expert_cache.ExpertCache."""
+    out = {}
+    for i in sorted(model.host_expert_layers):
+        b = f"blk.{i}."
+        names = (["ffn_gate_up_exps.weight"] if b + "ffn_gate_up_exps.weight" in model.w
+                 else ["ffn_gate_exps.weight", "ffn_up_exps.weight"]) + ["ffn_down_exps.weight"]
+        out[i] = [model.w[b + n] for n in names]
+    return out

@@ -67,6 +67,12 @@ class StatusPanel(Static):
                          f"{spec.get('tokens_per_target_forward', 0.0):.2f} tok/forward")
             if spec.get("draft", "").startswith("draft off"):  # the engine's own decision, one line
                 lines.append(f"  {spec['draft']}")
+        experts = status.get("host_experts")
+        if experts:  # expert banks in host RAM beside the GPU (llama.cpp's --cpu-moe)
+            lines.append(f"experts {experts['layers']} layers in host RAM, {size(experts.get('to_host', 0))} "
+                         f"out, {size(experts.get('to_device', 0))} back")
+            if "hit_rate" in experts:
+                lines.append(f"  hot   {100 * experts['hit_rate']:.0f}% on the GPU, {experts['cache_slots']} slots a layer")
         if status.get("running"):
             lines.append(f"running {status['running']}, waiting {status.get('waiting', 0)}")
         if server is not None:

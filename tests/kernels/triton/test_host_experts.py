@@ -108,7 +108,7 @@ def test_each_host_layer_crosses_once_each_way_with_its_bytes(q4):
         hybrid.forward(torch.tensor(PROMPT[:1]))  # one row
     after = hybrid.host_traffic
     up, down = crossing_bytes(MOE.d_model, MOE.n_expert_used, 1)
-    assert after["layers"] - before["layers"] == 2
+    assert after["crossings"] - before["crossings"] == 2
     assert (after["to_host"] - before["to_host"], after["to_device"] - before["to_device"]) == (2 * up, 2 * down)
     assert before["to_host"] == 2 * crossing_bytes(MOE.d_model, MOE.n_expert_used, len(PROMPT))[0]
     assert crossing_bytes(2816, 8) == (11328, 11264)  # 26B-A4B decode: d 2816, top-8
@@ -125,3 +125,57 @@ def test_only_expert_banks_stay_on_the_host_and_a_dense_model_has_none(q4, tmp_p
                                                                 ple_width=0), seed=1)
     with pytest.raises(ValueError):
         load_model(dense, with_tokenizer=False, host_tensors=_banks((0,)))
+
+
+@pytest.mark.parametrize("slots", [2, 5])
+def test_a_hot_expert_cache_splits_the_mix_and_keeps_the_answer(q4, slots):
+    """Cached experts computed on the device, the misses by the CPU graph: the same greedy tokens
+    as without the cache, logits as close to the reference, hits counted; with a slot for every
+    expert, after the first forward every pick is a hit and nothing crosses to the host."""
+    from models.expert_cache import ExpertCache
+    from models.host_experts import cache_banks
+
+    plain = load_model(q4, quantized=True, with_tokenizer=False, host_tensors=_banks((0, 1, 2))).model
+    cached = load_model(q4, quantized=True, with_tokenizer=False, host_tensors=_banks((0, 1, 2))).model
+    cached.expert_cache = ExpertCache(cache_banks(cached), slots)
+    ref = load_model(q4, dtype=torch.float64, with_tokenizer=False).model
+    exact_ids, exact = _greedy(ref, 2)
+    with kernels_on_cpu():
+        want_ids, want = _greedy(plain, 2)
+        got_ids, got = _greedy(cached, 2)
+    assert got_ids == want_ids == exact_ids
+    dist = lambda a, b: float((1 - torch.nn.functional.cosine_similarity(a, b, dim=-1)).max())  # noqa: E731
+    assert dist(got, exact) <= 2 * dist(want, exact)
+    stats = cached.expert_cache.stats
+    assert stats.lookups == (2 * len(PROMPT) + 1) * 3 * MOE.n_expert_used and 0 < stats.hits < stats.lookups
+    if slots == MOE.n_expert:
+        before = dict(cached.host_traffic)
+        with kernels_on_cpu():
+            cached.forward(torch.tensor(PROMPT))
+        assert cached.host_traffic == before  # every expert on the device: no crossing
+
+
+def test_the_engine_runs_host_experts_and_reports_the_cache(q4):
+    """Through the Engine (prefill chunks, the batched decoder, Triton attention): the same greedy
+    tokens as the all-CPU runtime's engine, and the status carries the crossings and hit rate."""
+    from engine.sampler import SamplingParams
+    from engine.scheduler import Engine, EngineConfig
+    from models.expert_cache import ExpertCache
+    from models.host_experts import cache_banks
+
+    def run(model, backend):
+        eng = Engine(model, None, EngineConfig(full_tokens=64, window_tokens=64, prefill_chunk=6,
+                                               attention_backend=backend, batched_decode=True))
+        req = eng.add(PROMPT, SamplingParams(temperature=0.0, max_tokens=4))
+        eng.run_to_completion()
+        return req.output_ids, eng.status()
+
+    want, plain = run(load_model(q4, weight_dtype=torch.float16, cpu_quant=True, with_tokenizer=False).model, "torch")
+    hybrid = load_model(q4, quantized=True, with_tokenizer=False, host_tensors=_banks((0, 1, 2))).model
+    hybrid.expert_cache = ExpertCache(cache_banks(hybrid), 3)
+    with kernels_on_cpu():
+        got, status = run(hybrid, "triton")
+    assert got == want and plain["host_experts"] is None
+    he = status["host_experts"]
+    assert he["layers"] == 3 and he["cache_slots"] == 3 and 0 < he["hit_rate"] < 1 and he["crossings"] > 0
+    assert he["to_host"] > he["to_device"] > 0
