@@ -214,3 +214,16 @@ def test_a_cuda_load_keeps_the_planned_banks_and_refuses_whole_layers_in_one_lin
     with pytest.raises(ValueError) as e:
         host_placement(dense, with_(opts, gpu_memory_budget="12GiB", ctx_size=32768))
     assert "whole layers 0-27 in host RAM" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_draft_and_the_head_stay_on_the_gpu_when_banks_leave(moe, tmp_path):
+    """A draft over PCIe gains little (its head is the target's vocabulary product): the plan
+    keeps the draft whole and the tied head on the device whatever it moves to host RAM."""
+    from tiny_models import TinySpec, write_tiny_assistant
+    draft = write_tiny_assistant(tmp_path / "draft.gguf", TinySpec(**MOE_SPEC), seed=2)
+    p = _plan(moe, "8GiB", draft=draft, ctx_size=131072, **INT8)
+    parts = {c["name"]: c for c in p.components}
+    assert parts["draft model"]["device_bytes"] > 0 and parts["draft model"]["host_bytes"] == 0
+    head = parts["token_embd (tied LM head)"]
+    assert head["device_bytes"] == moe.tensor("token_embd.weight").n_bytes
+    assert not any(n.startswith(("token_embd", "output")) for n in p.placement["host_tensors"])
