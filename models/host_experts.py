@@ -103,13 +103,19 @@ def route(model, i: int, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def host_moe_ffn(model, i: int, r: torch.Tensor) -> torch.Tensor:
     """Layer i's MoE block with its experts on the CPU (module doc): r [T, d] on the model's
     device -> [T, d] there. `model.host_traffic` counts the crossings (bench: bytes over PCIe)."""
-    cfg, w, b, eps = model.cfg, model.w, f"blk.{i}.", model.cfg.rms_eps
-    T, d = r.shape
     ids, wts = route(model, i, r)
     cache = getattr(model, "expert_cache", None)
     if cache is not None and cache.covers(i):
         return _cached_moe_ffn(model, i, r, ids, wts, cache)
-    st = _staging(model, T, d, cfg.n_expert_used)
+    sent = _send(model, r, ids, wts)
+    h1 = _dense(model, i, r)  # enqueued behind the copies: on a GPU it runs while the CPU does the experts
+    return h1 + _receive(model, i, r, sent, normed=True).to(r.dtype)
+
+
+def _send(model, r: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor):
+    """r, ids and weights into the host staging (pinned, asynchronous on CUDA) -> (staging, the
+    copies' event or None)."""
+    st = _staging(model, r.shape[0], r.shape[1], ids.shape[1])
     cuda = r.device.type == "cuda"
     st.r.copy_(r, non_blocking=cuda)
     st.ids.copy_(ids, non_blocking=cuda)
@@ -117,18 +123,28 @@ def host_moe_ffn(model, i: int, r: torch.Tensor) -> torch.Tensor:
     copied = torch.cuda.Event() if cuda else None
     if copied is not None:
         copied.record()
-    # the dense branch, enqueued behind the copies: on a GPU it runs while the CPU does the experts
-    h1 = rms_norm(gated_mlp(rms_norm(r, w[b + "ffn_norm.weight"], eps), w, b), w[b + "post_ffw_norm_1.weight"], eps)
+    return st, copied
+
+
+def _receive(model, i: int, r: torch.Tensor, sent, normed: bool) -> torch.Tensor:
+    """Wait for the copies (the layer's one synchronization: not for what was enqueued after
+    them), run the CPU graph, and bring its [T, d] float32 back to r's device."""
+    st, copied = sent
     if copied is not None:
-        copied.synchronize()  # the layer's one wait: for the copies, not for h1
-    h2 = expert_mix(w, b, st.r, st.ids, st.wts, eps)
-    st.out.copy_(h2)
+        copied.synchronize()
+    st.out.copy_(expert_mix(model.w, f"blk.{i}.", st.r, st.ids, st.wts, model.cfg.rms_eps, normed))
     traffic = model.__dict__.setdefault("host_traffic", {"crossings": 0, "to_host": 0, "to_device": 0})
-    up, down = crossing_bytes(d, cfg.n_expert_used, T)
+    up, down = crossing_bytes(r.shape[1], st.ids.shape[1], r.shape[0])
     traffic["crossings"] += 1
     traffic["to_host"] += up
     traffic["to_device"] += down
-    return h1 + st.out.to(r.device, r.dtype, non_blocking=cuda)
+    return st.out.to(r.device, non_blocking=r.device.type == "cuda")
+
+
+def _dense(model, i: int, r: torch.Tensor) -> torch.Tensor:
+    """The block's dense branch h1 on r's device."""
+    w, b, eps = model.w, f"blk.{i}.", model.cfg.rms_eps
+    return rms_norm(gated_mlp(rms_norm(r, w[b + "ffn_norm.weight"], eps), w, b), w[b + "post_ffw_norm_1.weight"], eps)
 
 
 def crossing_bytes(d: int, k: int, T: int = 1) -> tuple[int, int]:
@@ -148,7 +164,7 @@ def _cached_moe_ffn(model, i: int, r: torch.Tensor, ids: torch.Tensor, wts: torc
     miss = ~hit
     kk = int(miss.sum(-1).max())
     h2 = torch.zeros(T, d, device=r.device, dtype=torch.float32)
-    cuda = r.device.type == "cuda"
+    sent = None
     if kk:  # the CPU's share: compact the misses to kk columns
         order = torch.argsort(miss.to(torch.int8), dim=-1, descending=True, stable=True)[:, :kk]
         m_ids, m_wts = ids.gather(1, order), wts.gather(1, order) * miss.gather(1, order)
@@ -156,15 +172,9 @@ def _cached_moe_ffn(model, i: int, r: torch.Tensor, ids: torch.Tensor, wts: torc
         m_ids = torch.where(miss.gather(1, order), m_ids, first)
         if not bool(miss.any(-1).all()):  # rows with no miss at all: any miss id, weight 0
             m_ids = torch.where(miss.any(-1, keepdim=True), m_ids, ids[miss][0])
-        st = _staging(model, T, d, kk)
-        st.r.copy_(r, non_blocking=cuda)
-        st.ids.copy_(m_ids, non_blocking=cuda)
-        st.wts.copy_(m_wts, non_blocking=cuda)
-        copied = torch.cuda.Event() if cuda else None
-        if copied is not None:
-            copied.record()
+        sent = _send(model, r, m_ids, m_wts)
     # the device's share, enqueued behind the copies: the dense branch and the cached experts
-    h1 = rms_norm(gated_mlp(rms_norm(r, w[b + "ffn_norm.weight"], eps), w, b), w[b + "post_ffw_norm_1.weight"], eps)
+    h1 = _dense(model, i, r)
     if bool(hit.any()):
         z = rms_norm(r, w[b + "pre_ffw_norm_2.weight"], eps).float()
         scale = w.get(b + "ffn_down_exps.scale")
@@ -182,17 +192,8 @@ def _cached_moe_ffn(model, i: int, r: torch.Tensor, ids: torch.Tensor, wts: torc
             if scale is not None:
                 k_w = k_w * scale.to(r.device).float()[ids[rows, cols]]
             h2.index_add_(0, rows, y * k_w[:, None])
-    if kk:
-        if copied is not None:
-            copied.synchronize()
-        part = expert_mix(w, b, st.r, st.ids, st.wts, eps, normed=False)
-        st.out.copy_(part)
-        h2 += st.out.to(r.device, non_blocking=cuda)
-        traffic = model.__dict__.setdefault("host_traffic", {"crossings": 0, "to_host": 0, "to_device": 0})
-        up_b, down_b = crossing_bytes(d, kk, T)
-        traffic["crossings"] += 1
-        traffic["to_host"] += up_b
-        traffic["to_device"] += down_b
+    if sent is not None:
+        h2 += _receive(model, i, r, sent, normed=False)
     cache.admit(i, ids, hit)
     return h1 + rms_norm(h2, w[b + "post_ffw_norm_2.weight"], eps).to(r.dtype)
 
