@@ -148,7 +148,7 @@ class ChatScreen(MediaInputMixin, RecordMixin, ChatCommandsMixin, Screen[None]):
             box.mount(Static(BASE_NOTE.format(why=self.session.info.get("kind_reason") or "base model"),
                              classes="notice", markup=False))
         box.mount_all([MessageView(m.role, m.content, m.thinking, m.status, m.id, (m.stats or {}).get("error"),
-                                   m.images, m.audio) for m in self.messages if m.role != "system"])
+                                   m.images, m.audio, m.tool) for m in self.messages if m.role != "system"])
         box.scroll_end(animate=False)
         last = next((m.stats for m in reversed(self.messages) if m.role == "assistant" and m.stats), None)
         self.last_stats = last

@@ -5,6 +5,7 @@ when they come faster than it renders); the thought pane is replaced whole on ea
 """
 from __future__ import annotations
 
+import json
 import re
 import time
 from typing import Optional
@@ -15,7 +16,7 @@ from textual.widgets import Collapsible, Label, Markdown, Static
 
 from app.widgets.attachments import MediaChips
 
-ROLE_LABEL = {"user": "You", "assistant": "Model", "system": "System"}
+ROLE_LABEL = {"user": "You", "assistant": "Model", "system": "System", "tool": "Tool"}
 _CODE = re.compile(r"```[^\n]*\n(.*?)```", re.S)
 
 
@@ -45,12 +46,13 @@ class TimedMarkdown(Markdown):
 class MessageView(Vertical):
     def __init__(self, role: str, content: str = "", thinking: str = "", status: str = "done",
                  message_id: Optional[int] = None, error: Optional[str] = None,
-                 images: Optional[list] = None, audio: Optional[list] = None) -> None:
+                 images: Optional[list] = None, audio: Optional[list] = None, tool: Optional[dict] = None) -> None:
         super().__init__(classes=f"message {role}")
         self.role, self.content, self.thinking, self.status = role, content, thinking, status
         self.message_id, self.error = message_id, error  # error: the one-line reason shown on it
         self.images = list(images or [])  # the store's records: file, name, bytes, tokens
         self.audio = list(audio or [])  # and seconds
+        self.tool = dict(tool or {})  # the store's record: an assistant's calls, a tool message's call
         self._stream = None
 
     def compose(self) -> ComposeResult:
@@ -60,7 +62,19 @@ class MessageView(Vertical):
         with Collapsible(title="Thought", collapsed=True, classes="thought") as c:
             c.display = bool(self.thinking)
             yield Static(self.thinking, classes="thought-text", markup=False)
+        if self.role == "tool":  # a call's result: collapsed, as text (never rendered as Markdown)
+            with Collapsible(title=self._result_title(), collapsed=True, classes="tool-result"):
+                yield Static(self.content, classes="tool-text", markup=False)
+            return
         yield TimedMarkdown(self.content, classes="body")
+        for call in self.tool.get("calls", ()):  # each call: its name, then its arguments as JSON
+            with Collapsible(title=f"call {call['name']}", collapsed=True, classes="tool-call"):
+                yield Static(json.dumps(call.get("arguments", {}), ensure_ascii=False, indent=1),
+                             classes="tool-text", markup=False)
+
+    def _result_title(self) -> str:
+        status = self.tool.get("status", "ok")
+        return f"result of {self.tool.get('name', '?')}" + ("" if status == "ok" else f" ({status})")
 
     def _header(self) -> str:
         extra = {"stopped": "  (stopped)", "error": "  (error)", "streaming": "  …"}.get(self.status, "")
