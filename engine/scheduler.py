@@ -642,7 +642,7 @@ class Engine:
         if cache is not None:
             st = cache.stats
             out.update(cache_slots=cache.slots, hit_rate=round(st.hit_rate, 4), lookups=st.lookups,
-                       copies=st.copies)
+                       hits=st.hits, copies=st.copies)
         return out
 
     def _spec_status(self) -> Optional[dict]:

@@ -17,6 +17,8 @@ choice can differ from the all-CPU graph's (its own softmax); the tests use tame
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from kernels.ggml import Graph, cached_graph, layout
@@ -132,8 +134,10 @@ def _receive(model, i: int, r: torch.Tensor, sent, normed: bool) -> torch.Tensor
     st, copied = sent
     if copied is not None:
         copied.synchronize()
+    t0 = time.perf_counter()
     st.out.copy_(expert_mix(model.w, f"blk.{i}.", st.r, st.ids, st.wts, model.cfg.rms_eps, normed))
-    traffic = model.__dict__.setdefault("host_traffic", {"crossings": 0, "to_host": 0, "to_device": 0})
+    traffic = model.__dict__.setdefault("host_traffic", {"crossings": 0, "to_host": 0, "to_device": 0, "cpu_ms": 0.0})
+    traffic["cpu_ms"] += (time.perf_counter() - t0) * 1e3
     up, down = crossing_bytes(r.shape[1], st.ids.shape[1], r.shape[0])
     traffic["crossings"] += 1
     traffic["to_host"] += up

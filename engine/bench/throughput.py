@@ -218,7 +218,7 @@ def gpu_bench(model=None, device="cuda", budget=None, kv_cache_dtype: str = "aut
         # context 0: a 1-token prompt; its first token, one untimed step, then decode_steps timed ones
         req, _ = prefill(max(c, 1), decode_steps + 2)
         engine.step()  # untimed: the slot tables grow to this context here (a graph re-capture on CUDA)
-        before = len(req.output_ids)
+        before, he0 = len(req.output_ids), engine.status().get("host_experts")
         s = time_decode(engine, dev, decode_steps)
         n_done = len(req.output_ids) - before
         finish(req)
@@ -228,9 +228,26 @@ def gpu_bench(model=None, device="cuda", budget=None, kv_cache_dtype: str = "aut
         row = {"context": c, "steps": n_done, "seconds": s, "tok_s": tok_s, "kv_bytes_per_token": kv_b,
                "bytes_per_token": b, "achieved_gbps": b * tok_s / 1e9}
         row["bandwidth_share"] = row["achieved_gbps"] / peak if peak else None
+        if he0:
+            row.update(host_expert_row(he0, engine.status()["host_experts"], n_done))
         add_row("decode", row)
     out["peak_memory_bytes"], out["peak_memory_source"] = _peak_memory(dev)
     out["table"] = _bench_table(out)
+    return out
+
+
+def host_expert_row(before: dict, after: dict, tokens: int) -> dict:
+    """Per decode token, from two engine `host_experts` statuses: bytes over PCIe, the CPU's
+    milliseconds in the experts' graphs, synchronizations (one a host layer and step), and the
+    hot-expert cache's hit rate over those tokens."""
+    def delta(k):
+        return after.get(k, 0) - before.get(k, 0)
+
+    n = max(tokens, 1)
+    out = {"pcie_bytes_per_token": (delta("to_host") + delta("to_device")) / n,
+           "cpu_expert_ms_per_token": delta("cpu_ms") / n, "syncs_per_token": delta("crossings") / n}
+    if "lookups" in after:
+        out["hit_rate"] = delta("hits") / delta("lookups") if delta("lookups") else 0.0
     return out
 
 
@@ -279,6 +296,11 @@ def _bench_table(o: dict) -> str:
         share = f"{100 * r['bandwidth_share']:.1f}%" if r["bandwidth_share"] is not None else "n/a"
         lines.append(row(DECODE_COLUMNS, (r["context"], r["tok_s"], r["bytes_per_token"] / 1e6, r["achieved_gbps"],
                                           share)))
+    for r in o["decode"]:
+        if "pcie_bytes_per_token" in r:
+            lines.append(f"  context {r['context']}: host experts {r['pcie_bytes_per_token'] / 1e3:.1f} KB over PCIe, "
+                         f"{r['cpu_expert_ms_per_token']:.2f} ms of CPU experts, {r['syncs_per_token']:.0f} syncs a token"
+                         + (f", {100 * r['hit_rate']:.0f}% cache hits" if "hit_rate" in r else ""))
     lines.append(f"bytes read per decode token = device weights {o['weight_bytes_per_token'] / 1e6:.1f} MB "
                  f"(lookup tables excluded) + KV of every attending layer at that context; peak bandwidth "
                  + (f"{peak:.0f} GB/s" if peak else "n/a (unknown device; --peak-bandwidth GBps)"))

@@ -178,4 +178,16 @@ def test_the_engine_runs_host_experts_and_reports_the_cache(q4):
     assert got == want and plain["host_experts"] is None
     he = status["host_experts"]
     assert he["layers"] == 3 and he["cache_slots"] == 3 and 0 < he["hit_rate"] < 1 and he["crossings"] > 0
-    assert he["to_host"] > he["to_device"] > 0
+    assert he["to_host"] > he["to_device"] > 0 and he["cpu_ms"] > 0 and he["hits"] <= he["lookups"]
+
+
+def test_the_bench_row_takes_per_token_figures_from_two_statuses():
+    from engine.bench.throughput import host_expert_row
+
+    before = {"layers": 30, "crossings": 60, "to_host": 1000, "to_device": 900, "cpu_ms": 5.0,
+              "lookups": 480, "hits": 100}
+    after = {"layers": 30, "crossings": 180, "to_host": 1000 + 4 * 30 * 11328, "to_device": 900 + 4 * 30 * 11264,
+             "cpu_ms": 5.0 + 4 * 12.5, "lookups": 480 + 4 * 240, "hits": 100 + 4 * 60}
+    row = host_expert_row(before, after, 4)
+    assert row == {"pcie_bytes_per_token": 30 * (11328 + 11264), "cpu_expert_ms_per_token": 12.5,
+                   "syncs_per_token": 30.0, "hit_rate": 0.25}
