@@ -91,13 +91,16 @@ def open_model(path: Path, exact: bool = True, device: str = "cpu", embed_weight
         and not Path(path).is_dir() else {}
     lm = load_model(path, device=device, host_embeddings=host, progress=progress, mmproj=mmproj, runtime=runtime,
                     host_tensors=frozenset(placed.get("host_tensors", ())), **runtime.load_flags(exact))
-    if placed.get("expert_cache_bytes"):  # the GPU memory the plan left: hot experts
+    if placed.get("host_expert_layers"):
         from models.expert_cache import ExpertCache
+        from models.expert_stream import ExpertStream
         from models.host_experts import cache_banks
 
         banks = cache_banks(lm.model)
-        slots = ExpertCache.slots_for(placed["expert_cache_bytes"], placed["expert_slot_bytes"], len(banks))
-        lm.model.expert_cache = ExpertCache(banks, slots, device)
+        lm.model.expert_stream = ExpertStream(banks, device)  # long prefill chunks: the banks to the GPU
+        if placed.get("expert_cache_bytes"):  # the GPU memory the plan left: hot experts
+            slots = ExpertCache.slots_for(placed["expert_cache_bytes"], placed["expert_slot_bytes"], len(banks))
+            lm.model.expert_cache = ExpertCache(banks, slots, device)
     return lm
 
 

@@ -24,6 +24,7 @@ import torch
 from kernels.ggml import Graph, cached_graph, layout
 
 from .formats import ExpertBank
+from .expert_stream import streamed_mix
 from .gemma4_ggml import expert_nodes
 from .ops import gated_mlp, gelu_tanh, linear, rms_norm
 
@@ -106,6 +107,12 @@ def host_moe_ffn(model, i: int, r: torch.Tensor) -> torch.Tensor:
     """Layer i's MoE block with its experts on the CPU (module doc): r [T, d] on the model's
     device -> [T, d] there. `model.host_traffic` counts the crossings (bench: bytes over PCIe)."""
     ids, wts = route(model, i, r)
+    stream = getattr(model, "expert_stream", None)
+    if stream is not None and r.shape[0] >= stream.rows:  # a long chunk: the banks come to the GPU
+        w, b, eps = model.w, f"blk.{i}.", model.cfg.rms_eps
+        h2 = streamed_mix(stream, i, rms_norm(r, w[b + "pre_ffw_norm_2.weight"], eps), ids, wts,
+                          w.get(b + "ffn_down_exps.scale"), model.cfg.expert_ffn_width)
+        return _dense(model, i, r) + rms_norm(h2, w[b + "post_ffw_norm_2.weight"], eps).to(r.dtype)
     cache = getattr(model, "expert_cache", None)
     if cache is not None and cache.covers(i):
         return _cached_moe_ffn(model, i, r, ids, wts, cache)

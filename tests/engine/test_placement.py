@@ -162,7 +162,7 @@ def test_info_json_and_text_name_the_placement():
     assert "placement: expert banks of layers 0-23 in host RAM; 30 of 30 layers on the GPU (--n-cpu-moe 24)" in text.stdout
     short = subprocess.run(base + ["--n-cpu-moe", "12"], capture_output=True, text=True, timeout=300)
     assert short.returncode == 2 and short.stderr.count("\n") == 1
-    assert "expert banks of layers 0-11 in host RAM" in short.stderr and "try --n-cpu-moe 21," in short.stderr
+    assert "expert banks of layers 0-11 in host RAM" in short.stderr and "try --n-cpu-moe 22," in short.stderr
 
 
 MOE_SPEC = dict(n_layer=3, pattern=[True, True, False], n_kv_shared=0, ple_width=0, n_head=4, n_kv_head=[2, 2, 1],

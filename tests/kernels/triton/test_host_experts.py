@@ -191,3 +191,32 @@ def test_the_bench_row_takes_per_token_figures_from_two_statuses():
     row = host_expert_row(before, after, 4)
     assert row == {"pcie_bytes_per_token": 30 * (11328 + 11264), "cpu_expert_ms_per_token": 12.5,
                    "syncs_per_token": 30.0, "hit_rate": 0.25}
+
+
+def test_long_chunks_stream_the_banks_and_keep_the_answer(q4):
+    """Chunks of STREAM_ROWS+ rows multiply the host layers' experts from two device buffers the
+    banks are copied into (double-buffered, the next bank prefetched); shorter ones stay on the
+    CPU: the same greedy tokens as the all-CPU runtime, every bank copied once a chunk."""
+    from models.expert_stream import ExpertStream
+    from models.host_experts import cache_banks
+
+    cpu = load_model(q4, weight_dtype=torch.float16, cpu_quant=True, with_tokenizer=False).model
+    ref = load_model(q4, dtype=torch.float64, with_tokenizer=False).model
+    hybrid = load_model(q4, quantized=True, with_tokenizer=False, host_tensors=_banks((0, 2))).model
+    hybrid.expert_stream = ExpertStream(cache_banks(hybrid), "cpu", rows=len(PROMPT))
+    biggest = max(b.raw.numel() for bs in cache_banks(hybrid).values() for b in bs)
+    assert hybrid.expert_stream.buffer_bytes == 2 * biggest
+    want_ids, want = _greedy(cpu, 2)
+    exact_ids, exact = _greedy(ref, 2)
+    with kernels_on_cpu():
+        got_ids, got = _greedy(hybrid, 2)  # forwards of 11 and 12 rows: both streamed
+    assert got_ids == want_ids == exact_ids
+    # 2 layers x 2 banks (gate/up, down) a forward, each prefetched while the one before is used
+    # (the last prefetch is the next chunk's first bank), plus the very first bank's own copy
+    assert hybrid.expert_stream.copies == 1 + 2 * 4
+    assert "host_traffic" not in hybrid.__dict__  # nothing went through the CPU's experts
+    dist = lambda a, b: float((1 - torch.nn.functional.cosine_similarity(a, b, dim=-1)).max())  # noqa: E731
+    assert dist(got, exact) < 1e-9  # the kernels' float32 and the torch experts: the reference's numbers
+    with kernels_on_cpu():
+        hybrid.forward(torch.tensor(PROMPT[:3]))  # 3 rows: the CPU's experts
+    assert hybrid.host_traffic["crossings"] == 2
