@@ -82,9 +82,9 @@ class ExpertCache:
         table = torch.full((L.host[0].shape[0],), -1, dtype=torch.long)
         for e, s in L.where.items():
             table[e] = s
-        slot = table[ids.cpu().long()]
+        slot = table[ids.cpu().long()]  # the host's copy of the picks (no wait on a host tensor)
         hit = slot >= 0
-        for e in ids[hit.to(ids.device)].unique().tolist():
+        for e in ids.cpu()[hit].unique().tolist():
             L.where.move_to_end(int(e))
         n, h = ids.numel(), int(hit.sum())
         self.stats.lookups += n

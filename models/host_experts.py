@@ -165,47 +165,57 @@ def crossing_bytes(d: int, k: int, T: int = 1) -> tuple[int, int]:
 
 
 def _cached_moe_ffn(model, i: int, r: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, cache) -> torch.Tensor:
-    """host_moe_ffn with a hot-expert cache (models/expert_cache.py): the chosen experts found in
-    the layer's device slots are computed on the device, the rest by the CPU graph on the
-    compacted misses (each row's k' <= k misses, padded with a weight-0 repeat of one of them);
-    the two partial sums are added before the post norm. Misses are copied in after the block."""
+    """host_moe_ffn with a hot-expert cache (models/expert_cache.py). The residual, ids and
+    weights cross as without a cache; after the layer's one wait the host splits the picks: those
+    in the layer's device slots are enqueued on the device (the dense branch is already there),
+    the misses, each row's compacted and padded with a weight-0 repeat of one of them, go through
+    the CPU graph; the two partial sums are added before the post norm. Misses are copied in
+    after the block."""
     cfg, w, b, eps = model.cfg, model.w, f"blk.{i}.", model.cfg.rms_eps
     T, d = r.shape
-    hit, slot = cache.split(i, ids)
-    miss = ~hit
-    kk = int(miss.sum(-1).max())
-    h2 = torch.zeros(T, d, device=r.device, dtype=torch.float32)
-    sent = None
-    if kk:  # the CPU's share: compact the misses to kk columns
-        order = torch.argsort(miss.to(torch.int8), dim=-1, descending=True, stable=True)[:, :kk]
-        m_ids, m_wts = ids.gather(1, order), wts.gather(1, order) * miss.gather(1, order)
-        first = m_ids[:, :1].expand(-1, kk)  # a row with fewer misses repeats its first (weight 0)
-        m_ids = torch.where(miss.gather(1, order), m_ids, first)
-        if not bool(miss.any(-1).all()):  # rows with no miss at all: any miss id, weight 0
-            m_ids = torch.where(miss.any(-1, keepdim=True), m_ids, ids[miss][0])
-        sent = _send(model, r, m_ids, m_wts)
-    # the device's share, enqueued behind the copies: the dense branch and the cached experts
+    st, copied = _send(model, r, ids, wts)
     h1 = _dense(model, i, r)
-    if bool(hit.any()):
+    if copied is not None:
+        copied.synchronize()  # the layer's one wait: the host now knows the picks
+    hit, slot = cache.split(i, st.ids)
+    h2 = torch.zeros(T, d, device=r.device, dtype=torch.float32)
+    if bool(hit.any()):  # the device's share, enqueued before the CPU starts its own
         z = rms_norm(r, w[b + "pre_ffw_norm_2.weight"], eps).float()
         scale = w.get(b + "ffn_down_exps.scale")
-        banks = cache.layers[i].banks
-        I = cfg.expert_ffn_width
+        banks, I = cache.layers[i].banks, cfg.expert_ffn_width
         for s in slot[hit].unique().tolist():
             rows, cols = (hit & (slot == s)).nonzero(as_tuple=True)
+            e = int(st.ids[rows[0], cols[0]])
+            rows_d = rows.to(r.device, non_blocking=True)
             if len(banks) == 3:  # gate, up, down
-                gate, up = banks[0][s].linear(z[rows]), banks[1][s].linear(z[rows])
+                gate, up = banks[0][s].linear(z[rows_d]), banks[1][s].linear(z[rows_d])
             else:
-                gu = banks[0][s].linear(z[rows])
+                gu = banks[0][s].linear(z[rows_d])
                 gate, up = gu[:, :I], gu[:, I:]
             y = banks[-1][s].linear(gelu_tanh(gate) * up)
-            k_w = wts[rows, cols]
+            k_w = st.wts[rows, cols].to(r.device, non_blocking=True)
             if scale is not None:
-                k_w = k_w * scale.to(r.device).float()[ids[rows, cols]]
-            h2.index_add_(0, rows, y * k_w[:, None])
-    if sent is not None:
-        h2 += _receive(model, i, r, sent, normed=False)
-    cache.admit(i, ids, hit)
+                k_w = k_w * scale.to(r.device).float()[e]
+            h2.index_add_(0, rows_d, y * k_w[:, None])
+    miss = ~hit
+    kk = int(miss.sum(-1).max())
+    t0, back = time.perf_counter(), 0
+    if kk:  # the CPU's share, on the host copies
+        order = torch.argsort(miss.to(torch.int8), dim=-1, descending=True, stable=True)[:, :kk]
+        taken = miss.gather(1, order)
+        m_ids, m_wts = st.ids.gather(1, order), st.wts.gather(1, order) * taken
+        pad = torch.where(miss.any(-1, keepdim=True), m_ids[:, :1], st.ids[miss][:1].reshape(1, 1))
+        m_ids = torch.where(taken, m_ids, pad).to(torch.int32).contiguous()  # weight-0 repeats: no new expert read
+        out = _staging(model, T, d, kk).out
+        out.copy_(expert_mix(w, b, st.r, m_ids, m_wts.contiguous(), eps, normed=False))
+        h2 += out.to(r.device, non_blocking=r.device.type == "cuda")
+        back = out.numel() * out.element_size()
+    traffic = model.__dict__.setdefault("host_traffic", {"crossings": 0, "to_host": 0, "to_device": 0, "cpu_ms": 0.0})
+    traffic["crossings"] += 1
+    traffic["to_host"] += crossing_bytes(d, cfg.n_expert_used, T)[0]
+    traffic["to_device"] += back
+    traffic["cpu_ms"] += (time.perf_counter() - t0) * 1e3
+    cache.admit(i, st.ids, hit)
     return h1 + rms_norm(h2, w[b + "post_ffw_norm_2.weight"], eps).to(r.dtype)
 
 
