@@ -60,7 +60,14 @@ class System:
     gpu: Gpu
     host: Host
     link: Link
-    anchor: str  # the published llama.cpp figure, tok/s ("" where none)
+    anchor: Optional[tuple[float, float]] = None  # the published llama.cpp decode tok/s, low and high
+
+    @property
+    def anchor_label(self) -> str:
+        if self.anchor is None:
+            return "-"
+        low, high = self.anchor
+        return f"~{low:g}" if low == high else f"{low:g}-{high:g}"
 
 
 # --- hardware figures ------------------------------------------------------------------------
@@ -68,6 +75,9 @@ class System:
 # card is 17 Gbps, 272 GB/s); the AD107 has 8 PCIe 4.0 lanes: 16 GT/s x 8 x 128/130 = 15.75 GB/s.
 # RTX 3060 12 GB: 192-bit GDDR6 at 15 Gbps = 360 GB/s; x16 lanes, in a PCIe 3.0 host
 # 8 GT/s x 16 x 128/130 = 15.75 GB/s (the same as 4.0 x8).
+# Anchors (docs/benchmarks.md, users.md): llama.cpp -ngl 99 --n-cpu-moe / -cmoe, 26B-A4B Q4_K_M:
+# ~20 tok/s on an RTX 4060 Laptop (host CPU not published; reported "at 248K context", the context
+# allocated, not the depth of the measured tokens), 12-15 on an RTX 3060 12 GB in a PCIe 3.0 host.
 # Efficiency 0.70: a decode layer's matrices are 1-7 MB each (attn_q 6.5 MB, the dense MLP
 # 11-13 MB in three), too small to stream at the 80-90% a large GEMV reaches; llama.cpp's dense
 # decode on these cards is usually quoted at 70-80% of peak on 7-8B models. Not calibrated: no GPU
@@ -88,8 +98,8 @@ DDR5_8_CORE = Host("8-core laptop, DDR5-5600 x2", 89.6, 0.65, 8, 1.8)
 DDR4_6_CORE = Host("6-core desktop, DDR4-3200 x2", 51.2, 0.65, 6, 1.45)
 
 SYSTEMS = (
-    System("RTX 4060 Laptop 8 GB + 8-core DDR5", RTX_4060_LAPTOP, DDR5_8_CORE, PCIE4_X8, "~20"),
-    System("RTX 3060 12 GB + 6-core DDR4, PCIe 3", RTX_3060, DDR4_6_CORE, PCIE3_X16, "12-15"),
+    System("RTX 4060 Laptop 8 GB + 8-core DDR5", RTX_4060_LAPTOP, DDR5_8_CORE, PCIE4_X8, (20.0, 20.0)),
+    System("RTX 3060 12 GB + 6-core DDR4, PCIe 3", RTX_3060, DDR4_6_CORE, PCIE3_X16, (12.0, 15.0)),
 )
 
 
@@ -201,7 +211,21 @@ def this_host(measured: Measured) -> Host:
 
 def systems_with_this_host(measured: Measured) -> tuple:
     return SYSTEMS + (System(f"RTX 4060 Laptop 8 GB + this CPU ({measured.threads} thr)", RTX_4060_LAPTOP,
-                             this_host(measured), PCIE4_X8, ""),)
+                             this_host(measured), PCIE4_X8),)
+
+
+def implied_host_efficiency(system: System, mb: ModelBytes, measured: Measured) -> Optional[float]:
+    """The host efficiency (share of its DRAM peak) at which the sequential schedule gives the
+    anchor's mid tok/s, everything else as stated: what the anchors say the expert reads really
+    run at, if the rest of the model is right. None without an anchor or when no efficiency fits."""
+    if system.anchor is None:
+        return None
+    target_ms = 2e3 / sum(system.anchor)
+    rest = predict(system, mb, measured)
+    cpu_us = (target_ms - (rest["ms"] - rest["cpu_ms"])) * 1e3 / mb.n_layer - measured.fixed_us
+    if cpu_us <= 0:
+        return None
+    return mb.per_layer(mb.expert_bytes) / (cpu_us * 1e3) / system.host.bandwidth_gbps
 
 
 def prediction_rows(mb: ModelBytes, measured: Measured, hit_rate: float = 0.3,
@@ -211,8 +235,10 @@ def prediction_rows(mb: ModelBytes, measured: Measured, hit_rate: float = 0.3,
         seq, ovl = predict(s, mb, measured), predict(s, mb, measured, overlapped=True)
         hot = predict(s, mb, measured, hit_rate=hit_rate, overlapped=True)
         rows.append({"system": s.name, "sequential": seq["tok_s"], "overlapped": ovl["tok_s"],
-                     "overlapped_hot": hot["tok_s"], "anchor": s.anchor, "gpu_ms": seq["gpu_ms"],
-                     "cpu_ms": seq["cpu_ms"], "crossing_ms": seq["crossing_ms"], "cpu_bound": seq["cpu_bound"]})
+                     "overlapped_hot": hot["tok_s"], "anchor": s.anchor_label, "gpu_ms": seq["gpu_ms"],
+                     "cpu_ms": seq["cpu_ms"], "crossing_ms": seq["crossing_ms"], "cpu_bound": seq["cpu_bound"],
+                     "host_efficiency": s.host.efficiency,
+                     "implied_host_efficiency": implied_host_efficiency(s, mb, measured)})
     return rows
 
 
@@ -266,11 +292,16 @@ def offload_model_bench(seconds: float = 2.0, threads=(1, 2), context: int = 409
               "", f"predicted decode tok/s (hot: {hit_rate:.0%} of expert bytes served from VRAM):"]
     cols = [Column("system", 40, "s", "<"), Column("sequential", 10, ".1f"), Column("overlapped", 10, ".1f"),
             Column(f"ovl+{hit_rate:.0%} hot", 11, ".1f"), Column("llama.cpp", 9, "s"), Column("GPU ms", 7, ".2f"),
-            Column("CPU ms", 7, ".2f"), Column("PCIe ms", 7, ".2f"), Column("CPU is", 8, "s")]
+            Column("CPU ms", 7, ".2f"), Column("PCIe ms", 7, ".2f"), Column("CPU is", 8, "s"),
+            Column("host eff.", 9, "s"), Column("anchor eff.", 11, "s")]
     lines.append(header(cols))
     for r in rows:
-        lines.append(row(cols, [r["system"], r["sequential"], r["overlapped"], r["overlapped_hot"], r["anchor"] or "-",
-                                r["gpu_ms"], r["cpu_ms"], r["crossing_ms"], r["cpu_bound"]]))
+        implied = r["implied_host_efficiency"]
+        lines.append(row(cols, [r["system"], r["sequential"], r["overlapped"], r["overlapped_hot"], r["anchor"],
+                                r["gpu_ms"], r["cpu_ms"], r["crossing_ms"], r["cpu_bound"],
+                                f"{r['host_efficiency']:.2f}", "-" if implied is None else f"{implied:.2f}"]))
+    lines.append("host eff.: the share of the host's DRAM peak assumed for the expert reads; anchor eff.: the "
+                 "share at which the sequential schedule would give the llama.cpp figure")
     return {"cpu": cpu_flags(), "load_average": list(load), "context": context, "hit_rate": hit_rate,
             "measured": {**mix, **measured.__dict__},
             "bytes": mb.__dict__, "predicted": rows, "table": "\n".join(lines)}

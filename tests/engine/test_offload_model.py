@@ -12,7 +12,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from engine.bench.offload_model import (SYSTEMS, Measured, cpu_expert_us, model_bytes, prediction_rows, predict,
+from engine.bench.offload_model import (SYSTEMS, Measured, cpu_expert_us, model_bytes, predict, prediction_rows,
                                         this_host)
 from models.synthetic import synthetic_layout
 
@@ -103,7 +103,19 @@ def test_prediction_rows_name_every_system_and_its_anchor():
     rows = prediction_rows(model_bytes(synthetic_layout("26b-a4b")), MEASURED)
     assert [r["system"] for r in rows[:2]] == [s.name for s in SYSTEMS]
     assert rows[0]["anchor"] == "~20" and rows[1]["anchor"] == "12-15"
-    assert "this CPU" in rows[2]["system"]
+    assert "this CPU" in rows[2]["system"] and rows[2]["anchor"] == "-"
+    assert rows[2]["implied_host_efficiency"] is None
+
+
+@pytest.mark.parametrize("system", SYSTEMS, ids=lambda s: s.name)
+def test_the_implied_host_efficiency_reproduces_the_anchor(system):
+    from engine.bench.offload_model import implied_host_efficiency
+
+    mb = model_bytes(synthetic_layout("26b-a4b"))
+    fast_cores = replace(MEASURED, per_core_gbps=1e3)  # memory-bound, as the targets are
+    eff = implied_host_efficiency(system, mb, fast_cores)
+    calibrated = replace(system, host=replace(system.host, efficiency=eff))
+    assert math.isclose(predict(calibrated, mb, fast_cores)["tok_s"], sum(system.anchor) / 2, rel_tol=1e-9)
 
 
 def test_the_timed_graph_computes_the_expert_mix():
