@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import time
 
+import numpy as np
 import torch
 
 _GATE_UP, _DOWN = "ffn_gate_up_exps.weight", "ffn_down_exps.weight"
@@ -61,7 +62,11 @@ class ExpertMix:
         self.E, self.d, self.n_used = E, d, n_used
         self.bytes_per_expert = (self.gate_up.nbytes + self.down.nbytes) // E
         self.z = torch.randn(1, 1, d, generator=gen)  # float32 [T, 1, d] cpu: the normed residual
-        self.ids = torch.zeros(1, n_used, dtype=torch.int32)
+        # int32 [T, k] cpu, written through numpy between runs: a torch op there would wake torch's
+        # OpenMP workers, whose spin-wait after it took a core from ggml's two threads (2-thread
+        # runs measured 90 ms instead of ~2 ms on the 2-core VM)
+        self._ids = np.zeros((1, n_used), dtype=np.int32)
+        self.ids = torch.from_numpy(self._ids)
         self.out = torch.empty(1, d)
         g = Graph(16 + n_used, True)
         gz, gi = g.input(self.z), g.input(self.ids)
@@ -76,26 +81,26 @@ class ExpertMix:
         g.output(h2)
         self.graph = g.finish()
 
-    def choose(self, gen) -> None:
-        self.ids[0] = torch.randperm(self.E, generator=gen)[: self.n_used].to(torch.int32)
+    def choose(self, rng: np.random.Generator) -> None:
+        self._ids[0] = rng.choice(self.E, self.n_used, replace=False)
 
     def run(self) -> None:
         self.graph.run([self.z, self.ids], [self.out])
 
 
-def _time_ms(mixes: list, seconds: float, gen, fresh: bool, min_runs: int = 3) -> tuple[float, float, int]:
+def _time_ms(mixes: list, seconds: float, rng, fresh: bool, min_runs: int = 3) -> tuple[float, float, int]:
     """Median and 10th-percentile ms of one mix run over `seconds` (at least `min_runs` per mix),
     the mixes in turn; `fresh`: new random experts before each run (DRAM), else the same ones
     (cache-hot). On a shared machine the median carries the other jobs' share of the cores; the
     10th percentile is the runs that had them to themselves, the figure the rates are taken from."""
     for m in mixes:  # warm: pages in, graphs allocated
-        m.choose(gen)
+        m.choose(rng)
         m.run()
     times, stop = [], time.perf_counter() + seconds
     while len(times) < min_runs * len(mixes) or time.perf_counter() < stop:
         m = mixes[len(times) % len(mixes)]
         if fresh:
-            m.choose(gen)
+            m.choose(rng)
         t = time.perf_counter()
         m.run()
         times.append(time.perf_counter() - t)
@@ -131,7 +136,7 @@ def measure_expert_mix(threads=(1, 2), seconds: float = 2.0, variant: str = "26b
 
     v = VARIANTS[variant]
     E, d, width, k = v["n_expert"], v["d"], v["expert_ffn"], v["n_expert_used"]
-    gen = torch.Generator().manual_seed(seed)
+    gen, rng = torch.Generator().manual_seed(seed), np.random.default_rng(seed)
     kinds = sorted(set(expert_layer_types(synthetic_layout(variant)).values()))
     mixes = [ExpertMix(gu, dn, E, d, width, k, gen) for gu, dn in kinds]
     tiny = ExpertMix(kinds[0][0], "Q8_0", k, 256, 32, k, gen)  # the fixed cost: 8 experts of 24 KB
@@ -139,9 +144,9 @@ def measure_expert_mix(threads=(1, 2), seconds: float = 2.0, variant: str = "26b
     try:
         for n in threads:
             ggml.set_threads(n)
-            fresh_median, fresh, runs = _time_ms(mixes, seconds, gen, fresh=True)
-            _, hot, _ = _time_ms(mixes, seconds / 2, gen, fresh=False)
-            _, fixed, _ = _time_ms([tiny], seconds / 4, gen, fresh=False)
+            fresh_median, fresh, runs = _time_ms(mixes, seconds, rng, fresh=True)
+            _, hot, _ = _time_ms(mixes, seconds / 2, rng, fresh=False)
+            _, fixed, _ = _time_ms([tiny], seconds / 4, rng, fresh=False)
             mean_bytes = sum(m.bytes_per_expert for m in mixes) * k / len(mixes)
             rows.append({"threads": n, "fresh_median_ms": fresh_median, "fresh_ms": fresh, "hot_ms": hot,
                          "fixed_ms": fixed, "runs": runs, "bytes": int(mean_bytes),
