@@ -203,10 +203,12 @@ def cpu_bound(host: Host, measured: Measured) -> str:
 
 
 def this_host(measured: Measured) -> Host:
-    """The measuring machine as the host: its measured rate on its threads, its measured read roof
-    (efficiency 1: the roof is already what a streaming kernel reaches here)."""
-    return Host(f"this CPU ({measured.threads} threads, measured)", measured.read_gbps or 1e9, 1.0,
-                measured.threads, max(measured.effective_gbps, 1e-9) / measured.per_core_gbps / measured.threads)
+    """The measuring machine as the host, at the expert-mix rate measured on its threads. Its DRAM
+    figure is the plain read's roof or the mix's own rate, whichever is higher (the mix reached
+    that much from DRAM, so the memory gives at least it; on the 2-core VM a torch sum reads
+    slower than ggml's products do), at efficiency 1: both are measured, not peaks."""
+    return Host(f"this CPU ({measured.threads} threads, measured)", max(measured.read_gbps, measured.effective_gbps),
+                1.0, measured.threads, measured.effective_gbps / measured.per_core_gbps / measured.threads)
 
 
 def systems_with_this_host(measured: Measured) -> tuple:

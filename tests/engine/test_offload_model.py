@@ -100,6 +100,20 @@ def test_this_machine_as_host_runs_at_its_measured_rate():
     assert math.isclose(us, n_bytes / (MEASURED.effective_gbps * 1e3), rel_tol=1e-9)
 
 
+def test_measured_rates_come_from_the_one_thread_row_and_the_best_row():
+    from engine.bench.offload_model import measured_from
+
+    rows = [{"threads": 1, "bytes": 100, "fresh_gbps": 10.0, "fixed_ms": 0.025, "read_gbps": 12.0},
+            {"threads": 2, "bytes": 100, "fresh_gbps": 15.0, "fixed_ms": 110.0, "read_gbps": 9.0}]
+    m = measured_from({"rows": rows})
+    assert (m.per_core_gbps, m.threads, m.effective_gbps, m.read_gbps) == (10.0, 2, 15.0, 9.0)
+    assert m.fixed_us == 25.0  # a loaded 2-thread run's barrier waits are not the graph's cost
+    # the host made of it is compute-bound at the measured rate, above the plain read's roof
+    host = this_host(m)
+    assert host.bandwidth_gbps == 15.0
+    assert math.isclose(cpu_expert_us(host, m, 15e6) - m.fixed_us, 1e3, rel_tol=1e-12)
+
+
 def test_prediction_rows_name_every_system_and_its_anchor():
     rows = prediction_rows(model_bytes(synthetic_layout("26b-a4b")), MEASURED)
     assert [r["system"] for r in rows[:2]] == [s.name for s in SYSTEMS]
