@@ -19,7 +19,8 @@ def cmd_bench(a) -> int:
         from engine.bench import offload_model_bench
         from engine.cpu_runtime import default_threads
         if a.measure_seconds <= 0 or not 0 <= a.hit_rate <= 1 or a.offload_context < 1:
-            raise ValueError("--offload-model needs --measure-seconds > 0, --hit-rate in [0, 1], --offload-context >= 1")
+            raise ValueError("--offload-model needs --measure-seconds > 0, --hit-rate in [0, 1] and "
+                             "--offload-context >= 1")
         threads = sorted({1, a.threads or default_threads()})
         out = offload_model_bench(a.measure_seconds, threads, a.offload_context, a.hit_rate)
     elif a.constraints:  # the grammar mask per token on the model's vocabulary (no weights loaded)

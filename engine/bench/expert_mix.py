@@ -128,9 +128,9 @@ def read_bandwidth_gbps(threads: int, n_bytes: int = 1 << 30, repeat: int = 3) -
 
 def measure_expert_mix(threads=(1, 2), seconds: float = 2.0, variant: str = "26b-a4b", seed: int = 0) -> dict:
     """Per thread count: ms of one layer's mix with fresh experts (DRAM; median and 10th
-    percentile) and hot ones (10th percentile), over both kinds of layer of the file, the bytes one mix reads, the GB/s that makes, the graph's fixed
-    cost (8 tiny experts), and the plain read roof. `seconds` per measurement (the runs' time,
-    not the banks' building)."""
+    percentile) and hot ones (10th percentile), over both kinds of layer of the file; the bytes one
+    mix reads and the GB/s that makes; the graph's fixed cost (8 tiny experts); the plain read roof.
+    `seconds` per measurement (the runs' time, not the banks' building)."""
     from kernels import ggml
     from models.synthetic import VARIANTS, synthetic_layout
 

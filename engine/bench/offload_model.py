@@ -199,7 +199,7 @@ def cpu_bound(host: Host, measured: Measured) -> str:
     """What limits the host's expert reads: "memory" or "compute" (the slower of the two rates)."""
     memory = host.bandwidth_gbps * host.efficiency
     compute = measured.per_core_gbps * host.core_speed * host.cores
-    return "compute" if compute < memory else "memory"
+    return "compute" if compute <= memory else "memory"
 
 
 def this_host(measured: Measured) -> Host:
@@ -285,8 +285,8 @@ def offload_model_bench(seconds: float = 2.0, threads=(1, 2), context: int = 409
              Column("read GB/s", 9, ".1f"), Column("runs", 5, "d")]
     lines.append(header(mcols))
     for r in mix["rows"]:
-        lines.append(row(mcols, [r["threads"], r["fresh_median_ms"], r["fresh_ms"], r["fresh_gbps"], r["hot_ms"], r["hot_gbps"],
-                                 r["fixed_ms"] * 1e3, r["read_gbps"], r["runs"]]))
+        lines.append(row(mcols, [r["threads"], r["fresh_median_ms"], r["fresh_ms"], r["fresh_gbps"], r["hot_ms"],
+                                 r["hot_gbps"], r["fixed_ms"] * 1e3, r["read_gbps"], r["runs"]]))
     lines += ["(fresh: 8 new random experts a run, 10th percentile; hot: the same 8 again; fixed: 8 tiny experts)",
               f"per-core rate {measured.per_core_gbps:.2f} GB/s; this host: {measured.threads} threads at "
               f"{measured.effective_gbps:.2f} GB/s; GPU bytes a token {mb.gpu_layer_bytes / 1e9:.3f} GB "
