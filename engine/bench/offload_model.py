@@ -7,8 +7,8 @@ Per token (`predict`), for each of the 30 layers:
   GPU part   attention (its weights and the KV it reads at `context`), the dense MLP, the router,
              norms: bytes / (card bandwidth x efficiency) + a fixed launch cost per layer
   crossing   device -> host: the normed residual (d float32) + 8 ids + 8 weights; host ->
-             device: the experts' sum (d float32): each one PCIe latency + bytes / PCIe bandwidth,
-             and one stream sync before the first
+             device: the experts' sum (d float32): each one PCIe latency (a small copy with the
+             stream sync before it) + bytes / PCIe bandwidth
   CPU part   expert bytes / (host bandwidth x efficiency), or the measured per-core rate x the
              host's core speed x cores when that is slower (compute-bound), + the graph's fixed
              cost (thread wake-up and barriers, measured here)
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
+
 
 @dataclass(frozen=True)
 class Gpu:
@@ -177,7 +178,7 @@ def predict(system: System, mb: ModelBytes, measured: Measured, hit_rate: float 
     """ms per token and tok/s, with the parts per token (module doc)."""
     if not 0.0 <= hit_rate <= 1.0:
         raise ValueError(f"hit rate {hit_rate} is not in [0, 1]")
-    L = mb.n_layer
+    L = mb.n_layer  # below: bytes and us per layer
     experts = mb.per_layer(mb.expert_bytes)
     cpu = cpu_expert_us(system.host, measured, experts * (1 - hit_rate)) if hit_rate < 1 else 0.0
     hits = gpu_us(system.gpu, experts * hit_rate)
