@@ -145,6 +145,16 @@ def _parser() -> argparse.ArgumentParser:
                    help="count the kernels of one decode step and the weight bytes per token, and compile each "
                         "decode GEMV format for --arch: SASS instructions per weight byte, bandwidth cap")
     g.add_argument("--arch", default="sm_86", metavar="SM", help="--static: compile target, sm_75, sm_80, sm_86, sm_89, sm_90 or sm_120")
+    g = b.add_argument_group("offload model (--offload-model: 26B-A4B experts on the host CPU beside a GPU)")
+    g.add_argument("--offload-model", action="store_true",
+                   help="time one 26B-A4B layer's expert mix here (1 and --threads threads) and print the "
+                        "predicted decode tok/s of GPU + host-experts systems beside llama.cpp's published figures")
+    g.add_argument("--measure-seconds", type=float, default=2.0, metavar="S",
+                   help="--offload-model: seconds of runs per measurement (the banks' building not counted)")
+    g.add_argument("--hit-rate", type=float, default=0.3, metavar="H",
+                   help="--offload-model: share of expert bytes a hot-expert cache serves from VRAM")
+    g.add_argument("--offload-context", type=int, default=4096, metavar="N",
+                   help="--offload-model: tokens of context the GPU's attention reads")
     b.add_argument("--spec-draft-model", metavar="PATH",
                    help="assistant GGUF: decode tok/s with and without it, acceptance, verify cost")
     b.add_argument("--spec-tokens", type=int, default=2)

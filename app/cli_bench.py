@@ -1,6 +1,6 @@
 """`edgegem bench`: the benchmarks of engine/bench/ from the command line (GPU engine, CPU beside
 llama.cpp, per-op profile, static kernel report, GEMV, KV resume, speculative, constraints, audio,
-the API server)."""
+the API server, the host-experts decode model)."""
 from __future__ import annotations
 
 import json
@@ -15,7 +15,15 @@ def cmd_bench(a) -> int:
         raise ValueError("give --model or --synthetic, not both")
     _int_list(a.prompt_lengths, "--prompt-lengths")  # bad lists fail before any work starts
     _int_list(a.contexts, "--contexts")
-    if a.constraints:  # the grammar mask per token on the model's vocabulary (no weights loaded)
+    if a.offload_model:  # one expert mix timed here, decode tok/s predicted for GPU + host systems
+        from engine.bench import offload_model_bench
+        from engine.cpu_runtime import default_threads
+        if a.measure_seconds <= 0 or not 0 <= a.hit_rate <= 1 or a.offload_context < 1:
+            raise ValueError("--offload-model needs --measure-seconds > 0, --hit-rate in [0, 1] and "
+                             "--offload-context >= 1")
+        threads = sorted({1, a.threads or default_threads()})
+        out = offload_model_bench(a.measure_seconds, threads, a.offload_context, a.hit_rate)
+    elif a.constraints:  # the grammar mask per token on the model's vocabulary (no weights loaded)
         from engine import api
         from engine.bench import constraint_bench
         out = constraint_bench(api.resolve_model(a.model), threads=a.threads)

@@ -14,6 +14,8 @@ through the names below.
   kv_quality.py       each KV format's next-token KL divergence on a model (`edgegem kv-check`)
   constraint_mask.py  the structured-output token mask's cost per token (`bench --constraints`)
   audio_encode.py     the audio tower's encode time per clip length (`bench --audio`)
+  expert_mix.py       one 26B-A4B layer's expert mix on this CPU: ms, GB/s, fixed cost, read roof
+  offload_model.py    decode time of GPU + host-experts systems from measured parts (`--offload-model`)
   table.py            the fixed-width columns the reports print
 
 The names are looked up lazily (PEP 562), so `import engine.bench` imports none of the modules
@@ -37,6 +39,7 @@ _EXPORTS = {
     "kv_check": "kv_quality", "save_result": "kv_quality", "load_result": "kv_quality",
     "constraint_bench": "constraint_mask",
     "audio_bench": "audio_encode",
+    "offload_model_bench": "offload_model", "measure_expert_mix": "expert_mix",
 }
 __all__ = sorted(_EXPORTS)
 
