@@ -10,7 +10,7 @@ import asyncio
 import base64
 import os
 
-from mcp.server.mcpserver import Image, MCPServer
+from mcp.server.mcpserver import Context, Image, MCPServer
 
 # a 1x1 red PNG
 PNG = base64.b64decode("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC")
@@ -47,6 +47,10 @@ def build(name: str, bad_schema: bool) -> MCPServer:
     @server.tool(description="A 1x1 PNG.")
     def image() -> Image:
         return Image(data=PNG, format="png")
+
+    @server.tool(description="An HTTP request header of this call (none over stdio).")
+    def header(name: str, ctx: Context) -> str:
+        return (ctx.headers or {}).get(name.lower(), "none")
 
     if bad_schema:
         @server.tool(description="Its schema is broken.")

@@ -259,8 +259,15 @@ class McpServers:
         _tap_sdk_log(self.log)
         self._portal_cm = start_blocking_portal(name="edgegem-mcp")
         self.portal = self._portal_cm.__enter__()
-        for s in live:
-            self.portal.start_task_soon(s.serve, self.start_timeout)
+        # One task that starts the others: the portal waits for the loop to take each task it is
+        # given, and a starting server holds the loop for ~1 s (importing the SDK, spawning).
+        self.portal.start_task_soon(self._serve_all, live)
+
+    async def _serve_all(self, live: list[McpServer]) -> None:
+        import anyio
+        async with anyio.create_task_group() as tg:
+            for s in live:
+                tg.start_soon(s.serve, self.start_timeout)
 
     def _changed(self) -> None:
         with self._cond:
