@@ -125,3 +125,15 @@ class ToolBox:
             return ToolResult.error(f"the arguments do not match {spec.name}'s schema: {problem}; nothing was run")
         source = next(s for s in self.sources if s.name == spec.server)
         return source.call(spec.tool, arguments, timeout or self.call_timeout)
+
+    # -- the engine's tool loop (engine/tool_loop.py) gives calls as the engine parsed them:
+    # {"id", "type": "function", "function": {"name", "arguments"}}
+    def spec_for_call(self, call: dict) -> Optional[ToolSpec]:
+        """The tool a call names (for the approval question), or None for an unknown one."""
+        return self.find(call.get("function", {}).get("name", ""))
+
+    def call_for_loop(self, call: dict, timeout: Optional[float] = None) -> tuple[str, bool]:
+        """`run_tool_loop`'s `call_tool`: (result text, is_error). Images stay in `call()`'s result."""
+        fn = call.get("function", {})
+        r = self.call(fn.get("name", ""), fn.get("arguments"), timeout)
+        return r.text, r.is_error

@@ -115,3 +115,13 @@ def test_the_shell_tool_is_opt_in_always_asks_and_is_capped(allowed):
     assert r.text == "error: the command did not finish within 0.3 s; it was killed"
     assert box.call("shell", {"command": f"head -c {MAX_TEXT_CHARS * 2} /dev/zero | tr '\\0' y"}).truncated
     assert os.getcwd() != str(allowed)
+
+
+def test_the_engine_loops_call_shape(allowed):
+    box = _box(allowed)
+    call = {"id": "call_0", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "notes.txt"}'}}
+    assert box.spec_for_call(call).key == "builtin/read_file"
+    assert box.call_for_loop(call) == ("hello\nworld\n", False)
+    text, failed = box.call_for_loop({"function": {"name": "nope", "arguments": {}}})
+    assert failed and text == "error: unknown tool 'nope'"
+    assert box.spec_for_call({"function": {"name": "nope"}}) is None

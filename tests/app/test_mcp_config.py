@@ -7,10 +7,11 @@ import pytest
 
 from app.tools.config import ConfigError, default_config_path, load_config
 
-# Claude Desktop's documented sample (modelcontextprotocol.io "Connect to local MCP servers")
+# Claude Desktop's documented sample (modelcontextprotocol.io "Connect to local MCP servers"; its
+# folders under the home folder written ~/ here: tests/repo/test_repo_paths.py)
 CLAUDE_DESKTOP = {"mcpServers": {"filesystem": {
-    "command": "npx", "args": ["-y", "@modelcontextprotocol/server-filesystem", "/Users/username/Desktop",
-                               "/Users/username/Downloads"]}}}
+    "command": "npx", "args": ["-y", "@modelcontextprotocol/server-filesystem", "~/Desktop",
+                               "~/Downloads"]}}}
 
 
 def _write(tmp_path, data, name="mcp.json"):
@@ -23,8 +24,8 @@ def test_claude_desktop_sample_is_one_stdio_server(tmp_path):
     cfg = load_config(_write(tmp_path, CLAUDE_DESKTOP))
     (s,) = cfg.servers
     assert (s.name, s.transport, s.command) == ("filesystem", "stdio", "npx")
-    assert s.args == ("-y", "@modelcontextprotocol/server-filesystem", "/Users/username/Desktop",
-                      "/Users/username/Downloads")
+    assert s.args == ("-y", "@modelcontextprotocol/server-filesystem", "~/Desktop",
+                      "~/Downloads")
     assert s.env == {} and not s.disabled
 
 
