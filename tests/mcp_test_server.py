@@ -66,6 +66,9 @@ def main() -> None:
     p.add_argument("--bad-schema", action="store_true")
     p.add_argument("--http", type=int, metavar="PORT")
     a = p.parse_args()
+    if os.environ.get("MCP_TEST_PIDFILE"):  # the config's "env" reached us; the test checks we are gone
+        with open(os.environ["MCP_TEST_PIDFILE"], "w") as f:
+            f.write(str(os.getpid()))
     server = build(a.name, a.bad_schema)
     if a.http:
         server.run("streamable-http", host="127.0.0.1", port=a.http)

@@ -107,6 +107,8 @@ class BuiltinTools(ToolSource):
         path = self.inside(raw)
         if path.is_dir():
             raise Refused(f"{raw}: a folder (list_dir lists it)")
+        if not path.is_file():  # a FIFO or a device would block the read or never end
+            raise Refused(f"{raw}: not a regular file")
         size = path.stat().st_size
         with open(path, "rb") as f:
             data = f.read(MAX_READ_BYTES)

@@ -10,6 +10,7 @@ negotiation and process shutdown (stdin closed, 2 s, SIGTERM, SIGKILL) are used 
 """
 from __future__ import annotations
 
+import atexit
 import contextvars
 import logging
 import math
@@ -259,6 +260,7 @@ class McpServers:
         _tap_sdk_log(self.log)
         self._portal_cm = start_blocking_portal(name="edgegem-mcp")
         self.portal = self._portal_cm.__enter__()
+        atexit.register(self.close)  # a front end that ends without close() still stops its servers
         # One task that starts the others: the portal waits for the loop to take each task it is
         # given, and a starting server holds the loop for ~1 s (importing the SDK, spawning).
         self.portal.start_task_soon(self._serve_all, live)
@@ -290,6 +292,7 @@ class McpServers:
                     self.portal.call(s.scope.cancel)
                 except RuntimeError:
                     pass
+        atexit.unregister(self.close)
         try:
             self._portal_cm.__exit__(None, None, None)  # waits for every server's task to finish
         finally:

@@ -125,3 +125,9 @@ def test_the_engine_loops_call_shape(allowed):
     text, failed = box.call_for_loop({"function": {"name": "nope", "arguments": {}}})
     assert failed and text == "error: unknown tool 'nope'"
     assert box.spec_for_call({"function": {"name": "nope"}}) is None
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="POSIX FIFOs")
+def test_a_fifo_is_refused_not_read(allowed):
+    os.mkfifo(allowed / "pipe")
+    assert _box(allowed).call("read_file", {"path": "pipe"}).text == "error: pipe: not a regular file"

@@ -3,6 +3,7 @@
 failure is one status line and the others go on."""
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -204,10 +205,29 @@ def test_an_http_server_that_is_not_there_fails_in_one_line():
         assert st.state is ServerState.FAILED and st.error and "\n" not in st.error
 
 
-def test_close_stops_the_servers_and_later_calls_say_so():
-    b = _box({"test": {"command": PY, "args": [SERVER]}})
+def test_close_stops_the_servers_and_later_calls_say_so(tmp_path):
+    pidfile = tmp_path / "pid"
+    b = _box({"test": {"command": PY, "args": [SERVER], "env": {"MCP_TEST_PIDFILE": str(pidfile)}}})
     b.start()
     assert b.wait_started(30)
+    pid = int(pidfile.read_text())
+    os.kill(pid, 0)  # running
+    t0 = time.monotonic()
     b.close()
+    assert time.monotonic() - t0 < 3
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # gone, and reaped
     assert b.statuses()[1].state is ServerState.STOPPED
     assert b.call("echo", {"text": "x"}).text.startswith("error: unknown tool 'echo'")
+
+
+def test_schema_checks_in_one_line():
+    from app.tools.schema import argument_problem, schema_problem
+    assert schema_problem({"type": "object", "properties": {"a": {"type": "integer"}}}) is None
+    assert schema_problem({}) is None  # no constraints: any object
+    assert schema_problem({"type": "array"}) == "describes 'array' arguments, not an object of named ones"
+    assert schema_problem("x") == "is not a JSON object"
+    assert schema_problem({"type": "object", "required": "a"}).startswith("is not valid JSON Schema: 'a' is not")
+    remote = {"type": "object", "properties": {"a": {"$ref": "https://example.com/s.json"}}}
+    assert schema_problem(remote) is None and argument_problem(remote, {"a": 1}) is None  # no fetch, no crash
+    assert argument_problem({"type": "object"}, []) == "the arguments must be a JSON object, not list"
