@@ -183,13 +183,17 @@ class McpServer(ToolSource):
     async def serve(self, start_timeout: float) -> None:
         import anyio
         _current.set(self)
-        self.scope = anyio.CancelScope(deadline=anyio.current_time() + start_timeout)
         self._http = None
         try:
             if self.stopping:  # closed before this task ran
                 return
+            # Built (the SDK imported: ~1 s on a busy core) before the start clock runs.
+            connection = self._client()
+            self.scope = anyio.CancelScope(deadline=anyio.current_time() + start_timeout)
+            if self.stopping:  # close() ran while the SDK imported and found no scope to cancel
+                self.scope.cancel()
             with self.scope:
-                async with self._client() as client:
+                async with connection as client:
                     tools: list[Any] = []
                     cursor = None
                     for _ in range(LIST_PAGES):

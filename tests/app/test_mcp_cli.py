@@ -23,7 +23,7 @@ def config(tmp_path):
 
 
 def test_mcp_list_prints_each_server_and_its_tools(config, tmp_path, capsys):
-    assert main(["mcp", "list", "--mcp-config", str(config), "--allow-dir", str(tmp_path), "--timeout", "20"]) == 0
+    assert main(["mcp", "list", "--mcp-config", str(config), "--allow-dir", str(tmp_path), "--timeout", "60"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == f"{config}: 2 servers"
     assert out[1] == "builtin: ready (3 tools)"
@@ -35,7 +35,7 @@ def test_mcp_list_prints_each_server_and_its_tools(config, tmp_path, capsys):
 
 
 def test_mcp_list_json(config, capsys):
-    assert main(["mcp", "list", "--mcp-config", str(config), "--shell-tool", "--json"]) == 0
+    assert main(["mcp", "list", "--mcp-config", str(config), "--shell-tool", "--json", "--timeout", "60"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["config"] == str(config)
     builtin, test, gone = data["servers"]

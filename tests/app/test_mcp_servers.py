@@ -18,7 +18,7 @@ from app.tools.results import MAX_TEXT_CHARS
 
 SERVER = str(Path(__file__).resolve().parents[1] / "mcp_test_server.py")
 PY = sys.executable
-START_TIMEOUT = 8.0  # each real server starts in ~1-2 s of CPU here; hostile ones fail at this
+START_TIMEOUT = 60.0  # a real server starts in ~1-2 s of CPU, longer on 2 busy cores
 
 
 def _box(servers: dict, **kw) -> ToolBox:
@@ -34,18 +34,27 @@ def box():
         "time": {"command": PY, "args": ["-m", "mcp_server_time", "--local-timezone", "UTC"]},
         "missing": {"command": "edgegem-no-such-command"},
         "exits": {"command": PY, "args": ["-c", "import sys; sys.stderr.write('missing API key\\n'); sys.exit(3)"]},
+        "off": {"command": "edgegem-no-such-command", "disabled": True},
+    }, start_timeout=60.0)  # real servers on 2 busy cores: seconds each; the test is not about their speed
+    t0 = time.monotonic()
+    b.start()
+    assert time.monotonic() - t0 < 1.0, "start() must return at once: the chat opens while servers start"
+    assert b.wait_started(90)
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="module")
+def hostile():
+    b = _box({
         # reads its stdin and never answers
         "hangs": {"command": PY, "args": ["-c", "import sys; sys.stdin.read()"]},
         # answers every message with a line that is not JSON-RPC
         "garbage": {"command": PY, "args": ["-c", "import sys\nfor line in sys.stdin: print('{\"oops', flush=True)"]},
-        "off": {"command": "edgegem-no-such-command", "disabled": True},
-    }, start_timeout=4.0)
-    t0 = time.monotonic()
-    b.start()
-    assert time.monotonic() - t0 < 1.0, "start() must return at once: the chat opens while servers start"
-    assert b.wait_started(30)
-    yield b
-    b.close()
+    }, start_timeout=2.0)
+    with b:
+        assert b.wait_started(30)
+        yield b
 
 
 def _status(box, name):
@@ -58,10 +67,16 @@ def test_every_server_is_one_status_line(box):
     assert lines["time"] == "time: ready (2 tools)"
     assert lines["missing"] == "missing: failed (cannot run 'edgegem-no-such-command': no such file or command)"
     assert lines["exits"] == "exits: failed (exited before answering (stderr: missing API key))"
-    assert lines["hangs"] == "hangs: failed (did not answer within 4 s)"
-    assert lines["garbage"].startswith("garbage: failed (did not answer within 4 s (") and "not JSON-RPC" in lines["garbage"]
     assert lines["off"] == "off: disabled"
     assert all("\n" not in line for line in lines.values())
+
+
+def test_a_server_that_hangs_or_writes_garbage_fails_at_the_start_timeout(hostile, box):
+    lines = {s.name: s.line() for s in hostile.statuses()}
+    assert lines["hangs"] == "hangs: failed (did not answer within 2 s)"
+    assert lines["garbage"].startswith("garbage: failed (did not answer within 2 s (") and "not JSON-RPC" in lines["garbage"]
+    assert [t.name for t in hostile.tools()] == ["date_time"]
+    assert _status(box, "test").state is ServerState.READY  # the others go on
 
 
 def test_a_tool_with_an_invalid_schema_is_refused_at_listing(box):
@@ -142,7 +157,7 @@ def test_an_image_comes_back_as_bytes_and_a_line(box):
 
 
 def test_tools_of_failed_servers_are_not_offered_and_say_why(box):
-    assert not [t for t in box.tools() if t.server in ("missing", "exits", "hangs", "garbage", "off")]
+    assert not [t for t in box.tools() if t.server in ("missing", "exits", "off")]
     assert box.call("exits__x", {}).text == "error: exits__x: exits: failed (exited before answering " \
                                            "(stderr: missing API key))"
 
@@ -160,7 +175,7 @@ def test_a_switched_off_tool_is_not_declared_and_not_run(box):
 
 def test_a_server_that_dies_mid_call_fails_alone():
     with _box({"crashy": {"command": PY, "args": [SERVER, "--name", "crashy"]}}) as b:
-        assert b.wait_started(30)
+        assert b.wait_started(90)
         r = b.call("crash", {})
         assert r.is_error and r.text == "error: server 'crashy' exited during the call"
         st = b.statuses()[1]
@@ -180,7 +195,7 @@ def test_streamable_http_server_with_headers():
     port = _free_port()
     proc = subprocess.Popen([PY, SERVER, "--http", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while True:
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
@@ -189,7 +204,7 @@ def test_streamable_http_server_with_headers():
                 assert time.monotonic() < deadline and proc.poll() is None, "the HTTP test server did not start"
                 time.sleep(0.1)
         with _box({"web": {"url": f"http://127.0.0.1:{port}/mcp", "headers": {"X-Edgegem-Test": "yes"}}}) as b:
-            assert b.wait_started(30)
+            assert b.wait_started(90)
             assert b.statuses()[1].line() == "web: ready (8 tools)"
             assert b.call("add", {"a": 20, "b": 22}).text == "42"
             assert b.call("header", {"name": "X-Edgegem-Test"}).text == "yes"
@@ -209,7 +224,7 @@ def test_close_stops_the_servers_and_later_calls_say_so(tmp_path):
     pidfile = tmp_path / "pid"
     b = _box({"test": {"command": PY, "args": [SERVER], "env": {"MCP_TEST_PIDFILE": str(pidfile)}}})
     b.start()
-    assert b.wait_started(30)
+    assert b.wait_started(90)
     pid = int(pidfile.read_text())
     os.kill(pid, 0)  # running
     t0 = time.monotonic()
@@ -231,3 +246,14 @@ def test_schema_checks_in_one_line():
     remote = {"type": "object", "properties": {"a": {"$ref": "https://example.com/s.json"}}}
     assert schema_problem(remote) is None and argument_problem(remote, {"a": 1}) is None  # no fetch, no crash
     assert argument_problem({"type": "object"}, []) == "the arguments must be a JSON object, not list"
+
+
+def test_nothing_reaches_the_terminal(capfd):
+    """The app draws the whole screen: a server's stderr and the SDK's warnings about a server that
+    writes garbage go to a file and to `McpServers.log`, never to our stderr."""
+    noisy = "import sys\nsys.stderr.write('noise\\n'); sys.stderr.flush()\nfor line in sys.stdin: print('{bad', flush=True)"
+    with _box({"noisy": {"command": PY, "args": ["-c", noisy]}}, start_timeout=2.0) as b:
+        assert b.wait_started(30)
+        assert b.statuses()[1].error.startswith("did not answer within 2 s (stderr: noise)")
+    out, err = capfd.readouterr()
+    assert out == "" and err == ""
