@@ -104,8 +104,11 @@ class McpServer(ToolSource):
         if state.state is not ServerState.READY:
             return ToolResult.error(f"server {self.name!r} is {state.state.value}" +
                                     (f": {state.error}" if state.error else ""))
+        portal = self._owner.portal
         try:
-            return self._owner.portal.call(self._call, tool, arguments, timeout)
+            if portal is None:
+                raise RuntimeError("closed")
+            return portal.call(self._call, tool, arguments, timeout)
         except RuntimeError as e:  # the loop is gone: the servers were closed
             return ToolResult.error(f"server {self.name!r} is stopped ({one_line(e)})")
 
