@@ -13,7 +13,7 @@ import sys
 import threading
 from pathlib import Path
 
-from . import cli_chat, cli_kvcheck, cli_serve, cli_tools
+from . import cli_chat, cli_kvcheck, cli_mcp, cli_serve, cli_tools
 from .cli_bench import cmd_bench
 from .cli_info import cmd_info
 from .cli_options import (_audio_args, _engine_args, _engine_options, _fit_args, _image_args, _image_model_args,
@@ -195,6 +195,7 @@ def _parser() -> argparse.ArgumentParser:
     _kv_session_arg(c)
     cli_tools.add_commands(sub)
     cli_kvcheck.add_command(sub)
+    cli_mcp.add_command(sub)
     cli_serve.add_command(sub, _engine_args, _image_model_args)
     return p
 
@@ -246,6 +247,7 @@ COMMANDS = {"app": cmd_app, "score": cmd_score, "tokenize": cmd_tokenize, "run":
             "bench": cmd_bench, "chat": cli_chat.cmd_chat}
 COMMANDS.update(cli_tools.COMMANDS)
 COMMANDS.update(cli_kvcheck.COMMANDS)
+COMMANDS.update(cli_mcp.COMMANDS)
 COMMANDS.update(cli_serve.COMMANDS)
 
 

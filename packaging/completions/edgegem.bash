@@ -5,7 +5,7 @@ _edgegem() {
         case "${COMP_WORDS[i]}" in -*) ;; *) cmd="${COMP_WORDS[i]}"; break ;; esac
     done
     if [[ -z "$cmd" ]]; then
-        COMPREPLY=($(compgen -W "app score tokenize run info bench chat doctor pull models import kv-check serve -h --help --debug --version" -- "$cur"))
+        COMPREPLY=($(compgen -W "app score tokenize run info bench chat doctor pull models import kv-check mcp serve -h --help --debug --version" -- "$cur"))
         return
     fi
     case "$cmd:$prev" in
@@ -17,6 +17,11 @@ _edgegem() {
         app:--embed-weights) COMPREPLY=($(compgen -W "host device" -- "$cur")); return ;;
         app:--max-running-requests) COMPREPLY=(); return ;;
         app:--prefill-chunk) COMPREPLY=(); return ;;
+        app:--n-cpu-moe|app:-ncmoe) COMPREPLY=(); return ;;
+        app:--n-gpu-layers|app:-ngl) COMPREPLY=(); return ;;
+        app:--override-tensor|app:-ot) COMPREPLY=(); return ;;
+        app:--ctx-size|app:-c) COMPREPLY=(); return ;;
+        app:--moe-cache) COMPREPLY=(); return ;;
         app:--fast-prefill) COMPREPLY=($(compgen -W "on off" -- "$cur")); return ;;
         app:--cache-type) COMPREPLY=($(compgen -W "radix naive" -- "$cur")); return ;;
         app:--context-overflow) COMPREPLY=($(compgen -W "error truncate" -- "$cur")); return ;;
@@ -83,6 +88,11 @@ _edgegem() {
         run:--embed-weights) COMPREPLY=($(compgen -W "host device" -- "$cur")); return ;;
         run:--max-running-requests) COMPREPLY=(); return ;;
         run:--prefill-chunk) COMPREPLY=(); return ;;
+        run:--n-cpu-moe|run:-ncmoe) COMPREPLY=(); return ;;
+        run:--n-gpu-layers|run:-ngl) COMPREPLY=(); return ;;
+        run:--override-tensor|run:-ot) COMPREPLY=(); return ;;
+        run:--ctx-size|run:-c) COMPREPLY=(); return ;;
+        run:--moe-cache) COMPREPLY=(); return ;;
         run:--fast-prefill) COMPREPLY=($(compgen -W "on off" -- "$cur")); return ;;
         run:--cache-type) COMPREPLY=($(compgen -W "radix naive" -- "$cur")); return ;;
         run:--context-overflow) COMPREPLY=($(compgen -W "error truncate" -- "$cur")); return ;;
@@ -101,6 +111,11 @@ _edgegem() {
         info:--embed-weights) COMPREPLY=($(compgen -W "host device" -- "$cur")); return ;;
         info:--max-running-requests) COMPREPLY=(); return ;;
         info:--prefill-chunk) COMPREPLY=(); return ;;
+        info:--n-cpu-moe|info:-ncmoe) COMPREPLY=(); return ;;
+        info:--n-gpu-layers|info:-ngl) COMPREPLY=(); return ;;
+        info:--override-tensor|info:-ot) COMPREPLY=(); return ;;
+        info:--ctx-size|info:-c) COMPREPLY=(); return ;;
+        info:--moe-cache) COMPREPLY=(); return ;;
         info:--spec-draft-model) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         info:--mmproj) COMPREPLY=(); return ;;
         info:--device) COMPREPLY=($(compgen -W "cuda cpu" -- "$cur")); return ;;
@@ -157,6 +172,11 @@ _edgegem() {
         chat:--embed-weights) COMPREPLY=($(compgen -W "host device" -- "$cur")); return ;;
         chat:--max-running-requests) COMPREPLY=(); return ;;
         chat:--prefill-chunk) COMPREPLY=(); return ;;
+        chat:--n-cpu-moe|chat:-ncmoe) COMPREPLY=(); return ;;
+        chat:--n-gpu-layers|chat:-ngl) COMPREPLY=(); return ;;
+        chat:--override-tensor|chat:-ot) COMPREPLY=(); return ;;
+        chat:--ctx-size|chat:-c) COMPREPLY=(); return ;;
+        chat:--moe-cache) COMPREPLY=(); return ;;
         chat:--fast-prefill) COMPREPLY=($(compgen -W "on off" -- "$cur")); return ;;
         chat:--cache-type) COMPREPLY=($(compgen -W "radix naive" -- "$cur")); return ;;
         chat:--context-overflow) COMPREPLY=($(compgen -W "error truncate" -- "$cur")); return ;;
@@ -204,6 +224,11 @@ _edgegem() {
         serve:--embed-weights) COMPREPLY=($(compgen -W "host device" -- "$cur")); return ;;
         serve:--max-running-requests) COMPREPLY=(); return ;;
         serve:--prefill-chunk) COMPREPLY=(); return ;;
+        serve:--n-cpu-moe|serve:-ncmoe) COMPREPLY=(); return ;;
+        serve:--n-gpu-layers|serve:-ngl) COMPREPLY=(); return ;;
+        serve:--override-tensor|serve:-ot) COMPREPLY=(); return ;;
+        serve:--ctx-size|serve:-c) COMPREPLY=(); return ;;
+        serve:--moe-cache) COMPREPLY=(); return ;;
         serve:--fast-prefill) COMPREPLY=($(compgen -W "on off" -- "$cur")); return ;;
         serve:--cache-type) COMPREPLY=($(compgen -W "radix naive" -- "$cur")); return ;;
         serve:--context-overflow) COMPREPLY=($(compgen -W "error truncate" -- "$cur")); return ;;
@@ -218,19 +243,20 @@ _edgegem() {
         serve:--mmproj) COMPREPLY=(); return ;;
     esac
     case "$cmd" in
-        app) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --data-dir --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min --threads --image-tokens --mmproj --kv-disk-budget --serve --host --api-key --api-key-file --insecure-no-key --allowed-hosts --cors-origin --max-body --max-image-pixels --max-queued-requests --default-max-tokens --access-log" -- "$cur")); else COMPREPLY=(); fi ;;
+        app) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --data-dir --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --cpu-moe -cmoe --n-cpu-moe -ncmoe --n-gpu-layers -ngl --override-tensor -ot --ctx-size -c --moe-cache --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min --threads --image-tokens --mmproj --kv-disk-budget --serve --host --api-key --api-key-file --insecure-no-key --allowed-hosts --cors-origin --max-body --max-image-pixels --max-queued-requests --default-max-tokens --access-log" -- "$cur")); else COMPREPLY=(); fi ;;
         score) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --tokens --out --image --image-tokens --mmproj --audio" -- "$cur")); else COMPREPLY=(); fi ;;
         tokenize) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --text --image --image-tokens --mmproj --audio" -- "$cur")); else COMPREPLY=(); fi ;;
-        run) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --prompt --system --image --image-tokens --mmproj --audio --max-tokens --temperature --top-k --top-p --min-p --repetition-penalty --presence-penalty --seed --stop-at-blank-line --no-stop-at-blank-line --dry-multiplier --dry-base --dry-allowed-length --dry-penalty-last-n --dry-sequence-breaker --xtc-probability --xtc-threshold --raw --json-schema --grammar --json --exact --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min --threads --kv-session" -- "$cur")); else COMPREPLY=(); fi ;;
-        info) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --synthetic --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --spec-draft-model --mmproj --device --exact --json" -- "$cur")); else COMPREPLY=($(compgen -f -- "$cur")); fi ;;
+        run) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --prompt --system --image --image-tokens --mmproj --audio --max-tokens --temperature --top-k --top-p --min-p --repetition-penalty --presence-penalty --seed --stop-at-blank-line --no-stop-at-blank-line --dry-multiplier --dry-base --dry-allowed-length --dry-penalty-last-n --dry-sequence-breaker --xtc-probability --xtc-threshold --raw --json-schema --grammar --json --exact --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --cpu-moe -cmoe --n-cpu-moe -ncmoe --n-gpu-layers -ngl --override-tensor -ot --ctx-size -c --moe-cache --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min --threads --kv-session" -- "$cur")); else COMPREPLY=(); fi ;;
+        info) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --synthetic --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --cpu-moe -cmoe --n-cpu-moe -ncmoe --n-gpu-layers -ngl --override-tensor -ot --ctx-size -c --moe-cache --spec-draft-model --mmproj --device --exact --json" -- "$cur")); else COMPREPLY=($(compgen -f -- "$cur")); fi ;;
         bench) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --synthetic --device --prompt-tokens --decode-tokens --threads --no-llama-cpp --engine --both --keep-gguf --profile --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --fast-prefill --prompt-lengths --contexts --decode-steps --peak-bandwidth --rows --static --arch --spec-draft-model --spec-tokens --constraints --audio --audio-seconds --mmproj --kv-resume --kv-lengths --serve --clients --serve-tokens --long-words --max-running-requests --json" -- "$cur")); else COMPREPLY=(); fi ;;
-        chat) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --system --thinking --image --image-tokens --mmproj --audio --max-tokens --temperature --top-k --top-p --min-p --repetition-penalty --presence-penalty --seed --stop-at-blank-line --no-stop-at-blank-line --dry-multiplier --dry-base --dry-allowed-length --dry-penalty-last-n --dry-sequence-breaker --xtc-probability --xtc-threshold --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min --threads --kv-session" -- "$cur")); else COMPREPLY=(); fi ;;
+        chat) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --system --thinking --image --image-tokens --mmproj --audio --max-tokens --temperature --top-k --top-p --min-p --repetition-penalty --presence-penalty --seed --stop-at-blank-line --no-stop-at-blank-line --dry-multiplier --dry-base --dry-allowed-length --dry-penalty-last-n --dry-sequence-breaker --xtc-probability --xtc-threshold --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --cpu-moe -cmoe --n-cpu-moe -ncmoe --n-gpu-layers -ngl --override-tensor -ot --ctx-size -c --moe-cache --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min --threads --kv-session" -- "$cur")); else COMPREPLY=(); fi ;;
         doctor) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --data-dir --models-dir --json" -- "$cur")); else COMPREPLY=(); fi ;;
         pull) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --draft --no-draft --no-mmproj --revision --data-dir --models-dir" -- "$cur")); else COMPREPLY=(); fi ;;
         models) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --data-dir --models-dir --gpu-memory-budget --device --json" -- "$cur")); else COMPREPLY=(); fi ;;
         import) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --data-dir" -- "$cur")); else COMPREPLY=(); fi ;;
         kv-check) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --text --tokens --chunk --device --data-dir --json" -- "$cur")); else COMPREPLY=(); fi ;;
-        serve) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --port --host --api-key --api-key-file --insecure-no-key --allowed-hosts --cors-origin --max-body --max-image-pixels --max-queued-requests --default-max-tokens --access-log --kv-dir --kv-disk-budget --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min --threads --image-tokens --mmproj" -- "$cur")); else COMPREPLY=(); fi ;;
+        mcp) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help" -- "$cur")); else COMPREPLY=(); fi ;;
+        serve) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --port --host --api-key --api-key-file --insecure-no-key --allowed-hosts --cors-origin --max-body --max-image-pixels --max-queued-requests --default-max-tokens --access-log --kv-dir --kv-disk-budget --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --cpu-moe -cmoe --n-cpu-moe -ncmoe --n-gpu-layers -ngl --override-tensor -ot --ctx-size -c --moe-cache --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min --threads --image-tokens --mmproj" -- "$cur")); else COMPREPLY=(); fi ;;
     esac
 }
 complete -o filenames -F _edgegem edgegem
