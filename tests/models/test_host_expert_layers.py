@@ -5,7 +5,8 @@ segments run as Triton kernels on CPU tensors (the interpreter, `kernels_on_cpu`
 first layers or of every layer stay as the file's bytes and go through ggml's `mul_mat_id`.
 
 Pinned: a prompt chunk and then one-row decode steps give the greedy tokens of the all-CPU ggml
-runtime and of the float64 reference, logits no further from the reference than the ggml runtime's;
+runtime and of the float64 reference, logits no further from the reference than the ggml runtime's
+(with bf16 activations, as on a GPU: than the two roundings together);
 the device router picks the experts the CPU graph and the float64 router pick; each host layer
 crosses once each way per forward with (r, ids, weights) and the expert sum; a host tensor that is
 not an expert bank is refused in one line.
@@ -94,6 +95,21 @@ def test_host_experts_on_the_first_layers_decode_the_cpu_runtimes_tokens(q8, run
     assert _dist(logits, ref_logits) <= 1.05 * _dist(cpu_logits, ref_logits), (
         _dist(logits, ref_logits), _dist(cpu_logits, ref_logits))
     assert _dist(logits, cpu_logits) <= 2 * _dist(cpu_logits, ref_logits)
+
+
+def test_with_bfloat16_activations_host_experts_keep_the_tokens(q8, runtimes):
+    """The Triton runtime's default on a GPU: bf16 activations (float32 crossing to the host, back
+    to bf16 for h1 + h2). Same greedy tokens; the logits' error at most the sum of the two
+    roundings, the bf16 runtime's (no host experts) and the ggml runtime's (8-bit activations)."""
+    cpu_logits, (ref_ids, ref_logits) = runtimes[2][1], runtimes[3]
+    bf16 = load_model(q8, dtype=torch.bfloat16, quantized=True, with_tokenizer=False).model
+    hybrid = load_model(q8, dtype=torch.bfloat16, quantized=True, with_tokenizer=False,
+                        host_tensors=_banks(range(SPLIT.n_layer))).model
+    with kernels_on_cpu():
+        plain_ids, plain_logits = _greedy(bf16)
+        ids, logits = _greedy(hybrid)
+    assert ids == plain_ids == ref_ids
+    assert _dist(logits, ref_logits) <= _dist(plain_logits, ref_logits) + _dist(cpu_logits, ref_logits)
 
 
 def _route_f64(ref, i: int, r: torch.Tensor):
