@@ -157,12 +157,14 @@ def moe_ffn(r: torch.Tensor, w, b: str, eps: float, n_used: int, parts: dict) ->
 def ggml_route(model, i: int, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The all-CPU runtime's router alone for layer i of a ggml-runtime model: r [T, d] float32
     CPU -> (ids [T, k] int32, weights [T, k] float32), the nodes `moe_nodes` runs (the choice a
-    host-experts layer's device router must agree with: tests/models/test_host_experts.py)."""
+    host-experts layer's device router must agree with: tests/models/test_host_expert_layers.py)."""
     check_cpu_float32(r)
     T, d = r.shape
     b, k = f"blk.{i}.", model.cfg.n_expert_used
     g = Graph(32)
     parts = moe_parts(model.w, b, T)
+    if parts is None:
+        raise ValueError(f"{b}: the router runs on ggml only for a model of the ggml runtime")
     m = moe_constants(g, model.w, b, parts, d)
     sel, w = router_nodes(g, g.input(r), T, m, model.cfg.rms_eps, k)
     g.output(g.cont(sel))  # both are views (top-k of the argsort, a reshape): an output is a tensor of its own
