@@ -13,7 +13,7 @@ import torch
 
 from .decoder import DecoderModel, Trace
 from .gemma4_ggml import fused_moe_ffn
-from .host_experts import host_moe_ffn
+from .host_experts import check_host_banks, host_moe_ffn
 from .image_attention import image_last_key
 from .kv_cache import KVStore
 from .metadata import ConfigError, metadata_reader, vocab_size_of
@@ -549,4 +549,5 @@ def load_gemma4(gguf, dtype=torch.float32, device="cpu", weight_dtype=None, quan
                            host_embeddings, progress, cpu_quant, frozenset(host_tensors))
     model = Gemma4Model(cfg, weights, dtype=dtype, device=device)
     model.host_expert_layers = frozenset(int(n.split(".")[1]) for n in host_tensors)
+    check_host_banks(model)
     return model

@@ -41,19 +41,22 @@ _MIN_SUM = 6.103515625e-5  # llama.cpp clamps the top-k sum to float16's smalles
 def moe_nodes(g: Graph, gr: int, T: int, m: dict, eps: float, n_used: int) -> int:
     """The block's nodes on the residual node gr [d, T] -> [d, T] (module doc); `m` holds the
     Matrix/Bank objects and the constant nodes (`moe_parts`)."""
-    d = m["d"]
     h1 = norm_nodes(g, mlp_nodes(g, norm_nodes(g, gr, m["ffn_norm"], eps), m["gate_up"], m["down"],
                                  m["gate"], m["up"]), m["post_1"], eps)
-    # router: logits [E, T], softmax over all E, top-k by probability
-    inv_sqrt_d = float(np.float32(1.0) / np.sqrt(np.float32(d)))  # llama.cpp's 1.0f / sqrtf(n_embd)
+    sel, w = router_nodes(g, gr, T, m, eps, n_used)
+    return g.add(h1, expert_nodes(g, gr, sel, w, T, m, eps, n_used))
+
+
+def router_nodes(g: Graph, gr: int, T: int, m: dict, eps: float, n_used: int) -> tuple[int, int]:
+    """The router's nodes on the residual gr [d, T] -> (sel [k, T] int32 best first, w [1, k, T]
+    renormalized over the k): logits [E, T], softmax over all E, top-k by probability."""
+    inv_sqrt_d = float(np.float32(1.0) / np.sqrt(np.float32(m["d"])))  # llama.cpp's 1.0f / sqrtf(n_embd)
     u = g.mul(g.scale(g.rms_norm(gr, eps), inv_sqrt_d), m["router_scale"])
     probs = g.soft_max(g.mul_mat(g.matrix(m["router"]), u))
-    E = m["E"]
-    sel = g.argsort_top_k(probs, n_used)  # [k, T] int32, best first
-    w = g.get_rows(g.reshape_3d(probs, 1, E, T), sel)  # [1, k, T]
+    sel = g.argsort_top_k(probs, n_used)
+    w = g.get_rows(g.reshape_3d(probs, 1, m["E"], T), sel)
     w2 = g.reshape_2d(w, n_used, T)
-    w = g.reshape_3d(g.div(w2, g.clamp(g.sum_rows(w2), _MIN_SUM, float("inf"))), 1, n_used, T)
-    return g.add(h1, expert_nodes(g, gr, sel, w, T, m, eps, n_used))
+    return sel, g.reshape_3d(g.div(w2, g.clamp(g.sum_rows(w2), _MIN_SUM, float("inf"))), 1, n_used, T)
 
 
 def expert_nodes(g: Graph, gr: int, sel: int, w: int, T: int, m: dict, eps: float, n_used: int,
@@ -149,6 +152,27 @@ def moe_ffn(r: torch.Tensor, w, b: str, eps: float, n_used: int, parts: dict) ->
     out = torch.empty(T, d)
     cached_graph(key, build, T).run([r], [out])
     return out
+
+
+def ggml_route(model, i: int, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The all-CPU runtime's router alone for layer i of a ggml-runtime model: r [T, d] float32
+    CPU -> (ids [T, k] int32, weights [T, k] float32), the nodes `moe_nodes` runs (the choice a
+    host-experts layer's device router must agree with: tests/models/test_host_expert_layers.py)."""
+    check_cpu_float32(r)
+    T, d = r.shape
+    b, k = f"blk.{i}.", model.cfg.n_expert_used
+    g = Graph(32)
+    parts = moe_parts(model.w, b, T)
+    if parts is None:
+        raise ValueError(f"{b}: the router runs on ggml only for a model of the ggml runtime")
+    m = moe_constants(g, model.w, b, parts, d)
+    sel, w = router_nodes(g, g.input(r), T, m, model.cfg.rms_eps, k)
+    g.output(g.cont(sel))  # both are views (top-k of the argsort, a reshape): an output is a tensor of its own
+    g.output(g.cont(w))
+    g.finish()
+    ids, wts = torch.empty(T, k, dtype=torch.int32), torch.empty(T, k)
+    g.run([r], [ids, wts])
+    return ids, wts
 
 
 def fused_moe_ffn(model, i: int, r: torch.Tensor) -> Optional[torch.Tensor]:

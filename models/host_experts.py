@@ -27,6 +27,7 @@ from .formats import ExpertBank
 from .expert_stream import streamed_mix
 from .gemma4_ggml import expert_nodes
 from .ops import gated_mlp, gelu_tanh, linear, rms_norm
+from .quant import type_name
 
 _MIN_SUM = 6.103515625e-5  # llama.cpp clamps the top-k sum to float16's smallest normal
 _BANKS = ("gate_up_exps", "gate_exps", "up_exps", "down_exps")
@@ -41,6 +42,42 @@ def _banks(w, b: str) -> dict:
     if out["down_exps"] is None or (out["gate_up_exps"] is None and (out["gate_exps"] is None or out["up_exps"] is None)):
         raise ValueError(f"{b}: the expert banks are not in host memory (file bytes) for the CPU's products")
     return out
+
+
+def check_host_banks(model) -> None:
+    """At load: the banks of every host-experts layer are the file's bytes in host memory, of types
+    llama.cpp's CPU kernels multiply, and those kernels are here (else one line, not a crash at the
+    first forward: ggml given a CUDA bank's pointer, or a type it has no product for)."""
+    if not model.host_expert_layers:
+        return
+    from kernels import ggml
+
+    if not ggml.available():
+        raise ValueError(f"expert banks in host RAM run on llama.cpp's kernels, unavailable here ({ggml.reason()}): "
+                         "pip install 'edgegem[cpu]'")
+    for i in sorted(model.host_expert_layers):
+        for k in _BANKS:
+            name = f"blk.{i}.ffn_{k}.weight"
+            v = model.w.get(name)
+            if v is None:
+                continue
+            if not isinstance(v, ExpertBank) or v.raw.device.type != "cpu":
+                raise ValueError(f"{name}: not the file's bytes in host memory, as the host experts need")
+            if not ggml.supported(v.ggml_type):
+                raise ValueError(f"{name}: llama.cpp's CPU kernels here do not multiply {type_name(v.ggml_type)} banks")
+
+
+_host_copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(weight) -> (it, its CPU float32 copy)
+
+
+def _on_host(t: torch.Tensor) -> torch.Tensor:
+    """A layer's small constant (a norm weight [d], the per-expert scale [E]) as a CPU float32
+    tensor, copied once per weight: a prefill chunk's graph (over CACHED_ROWS rows) is built per run,
+    and a copy from the GPU there would wait for all the queued work, the dense branch included."""
+    hit = _host_copies.get(id(t))
+    if hit is None or hit[0] is not t:  # the weight is held in the entry: its id is not reused
+        hit = _host_copies[id(t)] = (t, t.detach().float().cpu().contiguous())
+    return hit[1]
 
 
 def expert_mix(w, b: str, r: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, eps: float,
@@ -61,9 +98,8 @@ def expert_mix(w, b: str, r: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor,
         # the weights come in as [T, k, 1] (ggml [1, k, T]): a view of an input would keep the
         # data pointer of the build, not the run's
         gr, sel, gw = g.input(r), g.input(ids), g.input(wts3)
-        m = dict(banks, d=d, E=E, pre_2=g.constant(pre.float().cpu().contiguous()),
-                 post_2=g.constant(post.float().cpu().contiguous()),
-                 down_scale=None if scale is None else g.constant(scale.float().cpu().reshape(1, E, 1)))
+        m = dict(banks, d=d, E=E, pre_2=g.constant(_on_host(pre)), post_2=g.constant(_on_host(post)),
+                 down_scale=None if scale is None else g.constant(_on_host(scale).reshape(1, E, 1)))
         g.output(expert_nodes(g, gr, sel, gw, T, m, eps, k, normed))
         return g.finish()
 

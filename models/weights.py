@@ -188,6 +188,14 @@ def check_host_tensors(host_tensors, plan) -> None:
     missing = sorted(set(host_tensors) - set(plan))
     if missing:
         raise ValueError(f"{missing[0]}: no such expert bank in this model")
+    # a layer's experts run on one side: gate/up on the GPU and down on the host would cross the
+    # [T, k, I] activations instead of the [T, d] rows
+    layers = {n.split(".")[1] for n in host_tensors}
+    left = sorted(n for n in plan if "_exps." in n and n.endswith(".weight") and n.split(".")[1] in layers
+                  and n not in host_tensors)
+    if left:
+        raise ValueError(f"{left[0]}: a layer's expert banks stay in host RAM together (the others of "
+                         f"blk.{left[0].split('.')[1]} are placed there)")
 
 
 def load_weights(source, plan: dict, dtype: torch.dtype = torch.float32, device="cpu",
