@@ -168,8 +168,14 @@ def from_flags(names: Iterable[str], n_layer: int, flags: PlacementFlags) -> Pla
                          "(it is not a mixture of experts); --n-gpu-layers places dense layers")
     n_exp = n_layer if flags.cpu_moe else min(flags.n_cpu_moe or 0, n_layer)
     gpu = n_layer if flags.n_gpu_layers is None else min(flags.n_gpu_layers, n_layer)
-    return build(names, n_layer, [i for i in moe if i < n_exp], range(n_layer - gpu), flags.overrides,
-                 source=flags.names())
+    placed = build(names, n_layer, [i for i in moe if i < n_exp], range(n_layer - gpu), flags.overrides,
+                   source=flags.names())
+    split = sorted({layer_of(n) for n in placed.host if is_expert_bank(n)} - set(placed.expert_layers)
+                   - set(placed.cpu_layers))
+    if split:  # gate/up on one side and down on the other would cross [T, k, I] activations a layer
+        raise ValueError(f"{flags.names()}: layer {split[0]}'s expert banks would be split between host RAM and "
+                         "the GPU; place a layer's banks together (e.g. -ot 'blk\\.N\\..*_exps=cpu')")
+    return placed
 
 
 def auto_steps(names: Iterable[str], n_layer: int, partial: bool = False, layers: bool = True) -> Iterator[Placement]:

@@ -56,6 +56,14 @@ def test_cpu_moe_and_n_cpu_moe_hold_the_banks_of_those_layers(moe):
     assert "1 more tensor" in mixed.describe(30)
 
 
+def test_an_override_that_splits_a_layers_banks_is_refused_in_one_line(moe):
+    with pytest.raises(ValueError) as e:
+        from_flags(_names(moe), 30, PlacementFlags(overrides=parse_overrides([r"blk\.4\.ffn_down_exps=cpu"])))
+    assert "layer 4's expert banks would be split" in str(e.value) and "\n" not in str(e.value)
+    whole = from_flags(_names(moe), 30, PlacementFlags(overrides=parse_overrides([r"blk\.4\..*_exps=cpu"])))
+    assert whole.expert_layers == (4,)
+
+
 def test_n_gpu_layers_keeps_the_last_n_on_the_gpu_as_llama_cpp(dense):
     p = from_flags(_names(dense), 60, PlacementFlags(n_gpu_layers=25))
     assert p.cpu_layers == tuple(range(35)) and p.gpu_layers(60) == 25
