@@ -193,6 +193,11 @@ def _parser() -> argparse.ArgumentParser:
     _sampling_args(c, temperature=0.7)
     _engine_args(c)
     _kv_session_arg(c)
+    cli_mcp.add_tool_args(c)
+    c.add_argument("--tool-choice", choices=["auto", "required", "none"], default="auto",
+                   help="with tools: auto (the model decides), required (every reply calls one), none")
+    c.add_argument("--max-tool-steps", type=int, default=8, metavar="N",
+                   help="replies with tool calls before the loop stops (default 8)")
     cli_tools.add_commands(sub)
     cli_kvcheck.add_command(sub)
     cli_mcp.add_command(sub)

@@ -61,6 +61,7 @@ def cmd_chat(a) -> int:
     """Plain line chat (no full-screen UI, no saved history); the history stays in the prefix cache."""
     from engine import api
 
+    from .cli_chat_tools import asker, open_toolbox, reply_with_tools
     from .cli_options import _device, _emit, _engine_options, _generation, _kv_note, _kv_path, _start_client
     path = api.resolve_model(a.model)
     print(f"edgegem: plain terminal chat on {path.name} (run `edgegem` for the full-screen app).")
@@ -82,6 +83,8 @@ def cmd_chat(a) -> int:
         print("A base model: your text is continued, not answered"
               + ("; each continuation ends at a blank line.\n" if gen.stop_at_blank_line else ".\n"))
     history = [{"role": "system", "content": a.system}] if a.system else []
+    box, policy = (None, None) if base else open_toolbox(a)  # a base model takes no tools
+    approve = asker(box, policy, id(history)) if box is not None else None
     try:
         while True:
             try:
@@ -106,6 +109,16 @@ def cmd_chat(a) -> int:
                 continue
             # the media stay in the history: later turns see them too
             sys.stdout.write("model> ")
+            if box is not None:  # the tool loop: calls asked, run, answered until the model answers
+                added, _, out = reply_with_tools(client, history, gen, box, approve, _emit, a.max_tool_steps,
+                                                 a.tool_choice)
+                if out.stopped == "error":
+                    print(f"\n[error: {out.error}]", file=sys.stderr)
+                    history.pop()
+                else:
+                    history += added
+                sys.stdout.write("\n\n")
+                continue
             reply, failed = "", False
             for ev in client.stream(rid):
                 reply += ev.text
@@ -122,6 +135,8 @@ def cmd_chat(a) -> int:
                 history.append({"role": "assistant", "content": reply})
             sys.stdout.write("\n\n")
     finally:
+        if box is not None:
+            box.close()
         client.close()
         _kv_note({}, client)
     return 0
