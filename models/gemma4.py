@@ -13,12 +13,12 @@ import torch
 
 from .decoder import DecoderModel, Trace
 from .gemma4_ggml import fused_moe_ffn
-from .host_experts import check_host_banks, host_moe_ffn
+from .host_experts import check_host_banks, expert_ffn, host_moe_ffn, layer_banks
 from .image_attention import image_last_key
 from .kv_cache import KVStore
 from .metadata import ConfigError, metadata_reader, vocab_size_of
 from .ops import (add_rms_norm, attend, attention_prologue, attn_residual, embedding_rows, ffn_residual, gated_mlp,
-                  gelu_tanh, head_logits, kernel_path, linear, linear_gelu_mul, quant_rows_to_device, quantized_table,
+                  head_logits, kernel_path, linear, linear_gelu_mul, quant_rows_to_device, quantized_table,
                   rms_norm, rope_dtype, rope_inv_freq, rows_to_device, scaled_add_rms_norm)
 from .token_graph import fused_decode_step
 from .weights import load_weights
@@ -508,15 +508,10 @@ class Gemma4Model(DecoderModel):
         z = rms_norm(r, w[b + "pre_ffw_norm_2.weight"], eps)
         h2 = torch.zeros_like(r)
         I = cfg.expert_ffn_width
+        banks = layer_banks(w, b)
         for e in top_e.unique().tolist():
             rows, slot = (top_e == e).nonzero(as_tuple=True)
-            if b + "ffn_gate_up_exps.weight" in w:
-                gu = linear(z[rows], w[b + "ffn_gate_up_exps.weight"][e])
-                gate, up = gu[:, :I], gu[:, I:]
-            else:
-                gate = linear(z[rows], w[b + "ffn_gate_exps.weight"][e])
-                up = linear(z[rows], w[b + "ffn_up_exps.weight"][e])
-            out = linear(gelu_tanh(gate) * up, w[b + "ffn_down_exps.weight"][e])
+            out = expert_ffn([bank[e] for bank in banks], z[rows], I)
             h2.index_add_(0, rows, out * top_p[rows, slot, None])
         return h1 + rms_norm(h2, w[b + "post_ffw_norm_2.weight"], eps)
 

@@ -179,13 +179,29 @@ def _receive(model, i: int, r: torch.Tensor, sent, normed: bool) -> torch.Tensor
         copied.synchronize()
     t0 = time.perf_counter()
     st.out.copy_(expert_mix(model.w, f"blk.{i}.", st.r, st.ids, st.wts, model.cfg.rms_eps, normed))
-    traffic = model.__dict__.setdefault("host_traffic", {"crossings": 0, "to_host": 0, "to_device": 0, "cpu_ms": 0.0})
-    traffic["cpu_ms"] += (time.perf_counter() - t0) * 1e3
-    up, down = crossing_bytes(r.shape[1], st.ids.shape[1], r.shape[0])
-    traffic["crossings"] += 1
-    traffic["to_host"] += up
-    traffic["to_device"] += down
+    _count(model, *crossing_bytes(r.shape[1], st.ids.shape[1], r.shape[0]), t0)
     return st.out.to(r.device, non_blocking=r.device.type == "cuda")
+
+
+def _count(model, to_host: int, to_device: int, t0: float) -> None:
+    """One layer's crossing in `model.host_traffic` (the engine's status, the bench): its bytes
+    each way and the CPU's milliseconds since t0."""
+    traffic = model.__dict__.setdefault("host_traffic", {"crossings": 0, "to_host": 0, "to_device": 0, "cpu_ms": 0.0})
+    traffic["crossings"] += 1
+    traffic["to_host"] += to_host
+    traffic["to_device"] += to_device
+    traffic["cpu_ms"] += (time.perf_counter() - t0) * 1e3
+
+
+def expert_ffn(mats, x: torch.Tensor, I: int) -> torch.Tensor:
+    """One expert on its rows x [n, d]: down(gelu_tanh(gate) * up), `mats` its matrices (ExpertMatrix
+    or tensors), [gate_up, down] or [gate, up, down]; I the expert's FFN width."""
+    if len(mats) == 3:
+        gate, up = linear(x, mats[0]), linear(x, mats[1])
+    else:
+        gu = linear(x, mats[0])
+        gate, up = gu[:, :I], gu[:, I:]
+    return linear(gelu_tanh(gate) * up, mats[-1])
 
 
 def _dense(model, i: int, r: torch.Tensor) -> torch.Tensor:
@@ -223,12 +239,7 @@ def _cached_moe_ffn(model, i: int, r: torch.Tensor, ids: torch.Tensor, wts: torc
             rows, cols = (hit & (slot == s)).nonzero(as_tuple=True)
             e = int(st.ids[rows[0], cols[0]])
             rows_d = rows.to(r.device, non_blocking=True)
-            if len(banks) == 3:  # gate, up, down
-                gate, up = banks[0][s].linear(z[rows_d]), banks[1][s].linear(z[rows_d])
-            else:
-                gu = banks[0][s].linear(z[rows_d])
-                gate, up = gu[:, :I], gu[:, I:]
-            y = banks[-1][s].linear(gelu_tanh(gate) * up)
+            y = expert_ffn([bank[s] for bank in banks], z[rows_d], I)
             k_w = st.wts[rows, cols].to(r.device, non_blocking=True)
             if scale is not None:
                 k_w = k_w * scale.to(r.device).float()[e]
@@ -246,22 +257,18 @@ def _cached_moe_ffn(model, i: int, r: torch.Tensor, ids: torch.Tensor, wts: torc
         out.copy_(expert_mix(w, b, st.r, m_ids, m_wts.contiguous(), eps, normed=False))
         h2 += out.to(r.device, non_blocking=r.device.type == "cuda")
         back = out.numel() * out.element_size()
-    traffic = model.__dict__.setdefault("host_traffic", {"crossings": 0, "to_host": 0, "to_device": 0, "cpu_ms": 0.0})
-    traffic["crossings"] += 1
-    traffic["to_host"] += crossing_bytes(d, cfg.n_expert_used, T)[0]
-    traffic["to_device"] += back
-    traffic["cpu_ms"] += (time.perf_counter() - t0) * 1e3
+    _count(model, crossing_bytes(d, cfg.n_expert_used, T)[0], back, t0)
     cache.admit(i, st.ids, hit)
     return h1 + rms_norm(h2, w[b + "post_ffw_norm_2.weight"], eps).to(r.dtype)
 
 
+def layer_banks(w, b: str) -> list:
+    """Layer prefix b's expert banks in product order: [gate_up, down] or [gate, up, down]."""
+    names = ("gate_up",) if b + "ffn_gate_up_exps.weight" in w else ("gate", "up")
+    return [w[f"{b}ffn_{n}_exps.weight"] for n in (*names, "down")]
+
+
 def cache_banks(model) -> dict:
-    """{layer: [its host banks in the cache's order: gate_up (or gate, up), down]} of a model's
-    host-expert layers, for models.expert_cache.ExpertCache."""
-    out = {}
-    for i in sorted(model.host_expert_layers):
-        b = f"blk.{i}."
-        names = (["ffn_gate_up_exps.weight"] if b + "ffn_gate_up_exps.weight" in model.w
-                 else ["ffn_gate_exps.weight", "ffn_up_exps.weight"]) + ["ffn_down_exps.weight"]
-        out[i] = [model.w[b + n] for n in names]
-    return out
+    """{layer: its host banks (`layer_banks`)} of a model's host-expert layers, for
+    models.expert_cache.ExpertCache and models.expert_stream.ExpertStream."""
+    return {i: layer_banks(model.w, f"blk.{i}.") for i in sorted(model.host_expert_layers)}
