@@ -373,8 +373,8 @@ def _place(layout, opt: PlanOptions, cfg, budget: int, source: str, sizes: dict[
     host_experts = sum(host_w.get(n, 0) for n in placed.host_banks)
     if host_w:
         add("weights in host RAM", 0, sum(host_w.values()), placed.describe(cfg.n_layer))
+    biggest = max((host_w[n] for n in placed.host_banks), default=0)
     if host_experts:  # two buffers of the largest host bank (models/expert_stream.py)
-        biggest = max(host_w[n] for n in placed.host_banks)
         add("expert streaming buffers", 2 * biggest, 0, f"two of {fmt_size(biggest)}: prefill chunks of 32+ rows "
             "multiply the host layers' experts on the GPU, the banks copied in double-buffered")
     if opt.draft is not None:
@@ -439,7 +439,7 @@ def _place(layout, opt: PlanOptions, cfg, budget: int, source: str, sizes: dict[
                           "cpu_layers": list(placed.cpu_layers), "host_expert_layers": list(placed.expert_layers),
                           "host_weight_bytes": sum(host_w.values()), "host_expert_bytes": host_experts,
                           "expert_cache_bytes": cache, "expert_slot_bytes": slot,
-                          "stream_buffer_bytes": 2 * max((host_w[n] for n in placed.host_banks), default=0),
+                          "stream_buffer_bytes": 2 * biggest,
                           "target_context": target_context(cfg, opt),
                           "host_tensors": sorted(placed.host), "summary": placed.describe(cfg.n_layer)}
     # No full-attention owner (all layers sliding): the context is bounded by the model only.
