@@ -30,7 +30,8 @@ class EdgegemApp(App[int]):
     TITLE = "edgegem"
 
     def __init__(self, backend, store: Optional[Store] = None, data_dir: Optional[Path] = None,
-                 default_settings: Optional[dict] = None, plan_seconds: float = 1.0, server=None) -> None:
+                 default_settings: Optional[dict] = None, plan_seconds: float = 1.0, server=None,
+                 tools=None) -> None:
         super().__init__()
         self.backend = backend
         # `edgegem --serve`: app/server/run.BackgroundServer, bound already; it serves this app's
@@ -41,6 +42,9 @@ class EdgegemApp(App[int]):
         self.default_settings = default_settings or {}
         self.plan_seconds = plan_seconds  # how long the memory plan stays up before the chat opens
         self.session = None
+        # app/tools/session.AppTools: MCP servers and built-ins, started with the app (in the
+        # background), stopped with it; None when this run has no tools
+        self.tools = tools
 
     # --- loading -------------------------------------------------------------------------------
     def on_mount(self) -> None:
@@ -54,6 +58,8 @@ class EdgegemApp(App[int]):
             pass  # not the main thread, or a platform without loop signal handlers
         if self.server is not None:
             self.server.start()
+        if self.tools is not None:
+            self.tools.start()
         self.start_load()
 
     def _on_signal(self, code: int) -> None:
@@ -144,6 +150,8 @@ class EdgegemApp(App[int]):
             self.server.stop()
         if self.session is not None:
             self.session.client.close()
+        if self.tools is not None:
+            self.tools.close()
         self.store.close()
 
 
@@ -168,6 +176,7 @@ PALETTE = [
     ("Import conversation", "Add a conversation from an exported JSON file", "import"),
     ("Search conversations", "Ctrl+F", "search"),
     ("Settings", "Sampling, system prompt, engine flags (Ctrl+S)", "settings"),
+    ("Tools", "MCP servers and built-in tools: status, on/off, tools allowed always (Ctrl+G)", "tools"),
     ("Measure KV formats (kv-check)", "What each KV cache format costs on this model: KL divergence, top-1",
      "kv_check"),
     ("Help", "Key bindings (F1)", "help"),

@@ -17,13 +17,15 @@ from engine.constraints import ConstraintError, from_ollama_format, from_respons
 from engine.memory_plan import fmt_size  # bytes -> "1.5 GiB": the one formatter (app and engine)
 from engine.media import as_audio_input, as_image_input  # path | bytes -> ImageInput / AudioInput, or a one-line ValueError
 from engine.structured import check_tool_request, ollama_tool_calls
+from engine.tool_loop import DECLINED, run_tool_loop  # the chat's tool loop (app/screens/chat_tools.py)
 
 __all__ = ["EngineBackend", "EngineOptions", "GenerationParams", "SamplingParams", "generation_params",
            "BASE_MODEL_DEFAULTS", "Session", "size", "fmt_size",
            "split_thinking", "plan_lines", "kv_pools", "exiting_on_signal", "as_image_input", "as_audio_input",
            "image_marker", "audio_marker", "audio_from_base64", "QueueFullError", "ErrorKind", "load_error_kind",
            "ConstraintError",
-           "from_response_format", "from_ollama_format", "check_tool_request", "ollama_tool_calls"]
+           "from_response_format", "from_ollama_format", "check_tool_request", "ollama_tool_calls",
+           "run_tool_loop", "DECLINED"]
 
 # progress(fraction 0..1, one-line description)
 Progress = Callable[[float, str], None]

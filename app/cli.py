@@ -13,7 +13,7 @@ import sys
 import threading
 from pathlib import Path
 
-from . import cli_chat, cli_kvcheck, cli_mcp, cli_serve, cli_tools
+from . import cli_chat, cli_chat_tools, cli_kvcheck, cli_mcp, cli_serve, cli_tools
 from .cli_bench import cmd_bench
 from .cli_info import cmd_info
 from .cli_options import (_audio_args, _engine_args, _engine_options, _fit_args, _image_args, _image_model_args,
@@ -55,6 +55,12 @@ def _parser() -> argparse.ArgumentParser:
                         "0 turns saving off)")
     # A chat should go on when it outgrows the context: the app drops the oldest turns by default.
     a.set_defaults(context_overflow="truncate")
+    cli_mcp.add_tool_args(a)
+    a.add_argument("--max-tool-steps", type=int, metavar="N",
+                   help="replies with tool calls before the loop stops (default 8; also in Settings)")
+    a.add_argument("--tool-choice", choices=["auto", "required", "none"],
+                   help="with tools: auto (the model decides; the default), required (every reply calls one), "
+                        "none (also in Settings)")
     srv = a.add_argument_group("API server in the app (--serve)")
     srv.add_argument("--serve", nargs="?", type=int, const=cli_serve.DEFAULT_PORT, metavar="PORT",
                      help=f"also serve the OpenAI and Ollama APIs on this app's engine (port {cli_serve.DEFAULT_PORT} "
@@ -231,6 +237,7 @@ def cmd_app(a) -> int:
     budget = parse_size(a.kv_disk_budget) if a.kv_disk_budget not in ("0", "") else 0
     kv = {"kv_save": "evict", "kv_dir": str(store.data_dir / "kv"), "kv_disk_budget": budget} if budget else {}
     backend = EngineBackend(a.model, replace(_engine_options(a), **kv), a.device, mmproj=a.mmproj)
+    tools = cli_chat_tools.app_tools(a, store.data_dir)  # a bad mcp.json: one line, before anything starts
     server = None
     if a.serve is not None:  # refused (bad flags, port in use) in one line before the app starts
         from .server.run import BackgroundServer
@@ -238,13 +245,18 @@ def cmd_app(a) -> int:
         cfg = cli_serve.server_config(a, a.serve)
         cfg.kv_auto = bool(kv)  # API conversations' KV files go beside the app's, in one budget
         server = BackgroundServer(ServerState(cfg), cfg)
-    app = EdgegemApp(backend, store,
-                     default_settings={"image_tokens": a.image_tokens} if a.image_tokens else None, server=server)
+    defaults = {**({"image_tokens": a.image_tokens} if a.image_tokens else {}),
+                **({"tool_steps": a.max_tool_steps} if a.max_tool_steps else {}),
+                **({"tool_choice": a.tool_choice} if a.tool_choice else {})}
+    app = EdgegemApp(backend, store, default_settings=defaults or None, server=server,
+                     tools=tools)
     try:
         app.run()
     finally:
         if server is not None:
             server.stop()
+        if tools is not None:
+            tools.close()
     return app.return_code or 0
 
 

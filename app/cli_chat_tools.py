@@ -11,12 +11,26 @@ from dataclasses import replace
 from typing import Callable, Optional
 
 
-def tools_wanted(a) -> bool:
+def tools_wanted(a, data_dir=None) -> bool:
     """Whether this chat offers tools: a config, a folder for the file tools or the shell tool given,
     or a `mcp.json` in the data folder."""
     from .tools.config import default_config_path
 
-    return bool(a.mcp_config or a.allow_dir or a.shell_tool) or default_config_path(None).exists()
+    return bool(a.mcp_config or a.allow_dir or a.shell_tool) or default_config_path(data_dir).exists()
+
+
+def app_tools(a, data_dir):
+    """The chat app's tools (app/tools/session.AppTools, started by the app), or None when none are
+    wanted. A config file that cannot be read is refused here, in one line, before the app opens."""
+    if a.max_tool_steps is not None and a.max_tool_steps < 1:
+        raise ValueError(f"--max-tool-steps must be at least 1, not {a.max_tool_steps}")
+    if not tools_wanted(a, data_dir):
+        return None
+    from .tools import load_config
+    from .tools.session import AppTools, ToolOptions
+
+    return AppTools(ToolOptions(load_config(a.mcp_config, data_dir), a.allow_dir, shell=a.shell_tool,
+                                yes_tools=a.yes_tools), data_dir)
 
 
 def open_toolbox(a):

@@ -21,6 +21,9 @@ from models.tool_format import response_block
 from .client import GenerationParams
 
 
+DECLINED = "the user declined this call; it did not run"
+
+
 @dataclass
 class ToolOutcome:
     """One call of a reply and what came of it: `result` the text the model is given back."""
@@ -63,9 +66,13 @@ def run_tool_loop(client, messages: Sequence[dict], params: GenerationParams,
                   call_tool: Callable[[dict], tuple[str, bool]],
                   approve: Callable[[dict], bool] = lambda call: True, max_steps: int = 8,
                   should_stop: Callable[[], bool] = lambda: False,
-                  on_event: Optional[Callable[[Any], None]] = None) -> LoopResult:
+                  on_event: Optional[Callable[[Any], None]] = None,
+                  on_submit: Optional[Callable[[int, int], None]] = None,
+                  on_outcome: Optional[Callable[[ToolOutcome], None]] = None) -> LoopResult:
     """`call_tool(call) -> (result text, is_error)`; `approve(call) -> bool` (denied: the model
-    is told so and nothing runs); `on_event(StreamEvent)` sees every event as it comes."""
+    is told so and nothing runs); `on_event(StreamEvent)` sees every event as it comes;
+    `on_submit(step, request id)` each request as it is submitted (a front end aborts it on
+    Escape); `on_outcome(ToolOutcome)` each call's outcome as it is known."""
     if max_steps < 1:
         raise ValueError(f"the tool step limit must be at least 1, not {max_steps}")
     tok = client.loaded.tokenizer
@@ -74,6 +81,8 @@ def run_tool_loop(client, messages: Sequence[dict], params: GenerationParams,
     ids = client.last_prompt_ids(rid)
     steps: list[LoopStep] = []
     while True:
+        if on_submit is not None:
+            on_submit(len(steps), rid)
         events = []
         for ev in client.stream(rid):
             events.append(ev)
@@ -95,11 +104,13 @@ def run_tool_loop(client, messages: Sequence[dict], params: GenerationParams,
             name = call["function"]["name"]
             if approve(call):
                 text, failed = call_tool(call)
-                step.outcomes.append(ToolOutcome(call, text, error=failed))
+                outcome = ToolOutcome(call, text, error=failed)
             else:
-                text = "the user declined this call; it did not run"
-                step.outcomes.append(ToolOutcome(call, text, denied=True))
-            blocks.append(response_block(name, text))
+                outcome = ToolOutcome(call, DECLINED, denied=True)
+            step.outcomes.append(outcome)
+            if on_outcome is not None:
+                on_outcome(outcome)
+            blocks.append(response_block(name, outcome.result))
         if should_stop():
             return LoopResult(steps, "stopped")
         if len(steps) >= max_steps:

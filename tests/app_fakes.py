@@ -6,6 +6,7 @@ abort, and can hold the stream open at a gate (to stop "mid-stream" deterministi
 from __future__ import annotations
 
 import itertools
+import json
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -161,3 +162,75 @@ class FakeBackend:
             raise self.error
         self.loads += 1
         return Session(self.client, dict(self.info))
+
+
+class CharTokenizer:
+    """One token per character (the tool loop encodes its result blocks with the model's tokenizer)."""
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids) -> str:
+        return "".join(map(chr, ids))
+
+
+@dataclass
+class ToolFakeClient(FakeClient):
+    """A scripted model that calls tools: reply i (by submission order) streams `replies[i]["pieces"]`
+    and, when it has `calls` ([{"name", "arguments"}]), ends with finish reason `tool_calls`; past
+    the script every reply is `final`. `submit_ids` records each continuation's ids (the loop's
+    prompt: the previous one, the reply, the result blocks), so tests read what the model was given."""
+
+    replies: list = field(default_factory=list)
+    final: list = field(default_factory=lambda: ["It is ", "12:34."])
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.loaded = type("Loaded", (), {"tokenizer": CharTokenizer()})()
+        self.continuations: list[list[int]] = []
+        self._reply_of: dict[int, dict] = {}
+        self._prompts: dict[int, list[int]] = {}
+
+    def _script(self, rid: int) -> None:
+        n = len(self._reply_of)
+        self._reply_of[rid] = self.replies[n] if n < len(self.replies) else {"pieces": self.final}
+
+    def submit(self, messages, params) -> int:
+        rid = super().submit(messages, params)
+        self._script(rid)
+        self._prompts[rid] = list(range(self.prompt_tokens))
+        return rid
+
+    def submit_ids(self, ids, params) -> int:
+        rid = next(self._ids)
+        self.submitted.append((None, params))
+        self.continuations.append(list(ids))
+        self._script(rid)
+        self._prompts[rid] = list(ids)
+        return rid
+
+    def last_prompt_ids(self, rid: int) -> list[int]:
+        return list(self._prompts[rid])
+
+    def stream(self, rid: int, timeout=None):
+        reply = self._reply_of[rid]
+        pieces, calls = reply["pieces"], reply.get("calls")
+        n = 0
+        for i, piece in enumerate(pieces):
+            if rid in self.aborted:
+                yield StreamEvent(rid, [], "", True, "abort", None, self._stats(n))
+                return
+            time.sleep(self.delay)
+            n += 1
+            yield StreamEvent(rid, [ord(c) for c in piece], piece)
+        if calls:
+            full = [{"id": f"call_{rid}_{j}", "type": "function",
+                     "function": {"name": c["name"], "arguments": json.dumps(c.get("arguments", {}))}}
+                    for j, c in enumerate(calls)]
+            yield StreamEvent(rid, [], "", True, "tool_calls", None, self._stats(n), tool_calls=full)
+        else:
+            yield StreamEvent(rid, [], "", True, "stop", None, self._stats(n))
+
+    def _stats(self, n: int) -> dict:
+        prompt = len(self._prompts.get(max(self._prompts, default=0), ())) or self.prompt_tokens
+        return {**super()._stats(n), "prompt_tokens": prompt}

@@ -27,6 +27,7 @@ from app.conversation_format import prompt_message
 from app.screens.chat_commands import ChatCommandsMixin, one_line
 from app.screens.chat_media import MediaInputMixin
 from app.screens.chat_record import RecordMixin
+from app.screens.chat_tools import ChatToolsMixin
 from app.screens.settings import BASE_SETTINGS, DEFAULT_SETTINGS
 from app.store import DEFAULT_TITLE, Message
 from app.widgets.attachments import AttachmentBar
@@ -45,7 +46,8 @@ _gen_ids = itertools.count(1)
 
 @dataclass
 class Generation:
-    """One answer being written: which conversation, which view, the engine's request id."""
+    """One answer being written: which conversation, which view, the engine's request id. With
+    tools, one answer is several replies (steps): each streams into a view of its own."""
 
     conversation_id: int
     view: MessageView
@@ -54,8 +56,27 @@ class Generation:
     stop_requested: bool = False
     prompt_tokens: int = 0
     tokens: int = 0
-    text: str = ""  # raw text so far (thought channel included); written by the worker only
+    # (step, raw text of that step so far, thought channel included): written by the worker only,
+    # replaced whole so the UI never pairs one step's text with another's view
+    live: tuple = (0, "")
     shown: str = ""  # what the view shows; UI thread only
+    view_step: int = 0  # the step `view` streams (UI thread)
+    view_done: bool = False  # `view` holds a finished reply with calls (UI thread)
+    tool_views: dict = field(default_factory=dict)  # call id -> its "running" MessageView (UI thread)
+    pending_calls: dict = field(default_factory=dict)  # call id -> the last reply's calls not yet answered
+    last_stats: Optional[dict] = None  # the worker's last finished step
+    error_kind: object = None
+
+    @property
+    def text(self) -> str:
+        return self.live[1]
+
+    def append(self, text: str, n_tokens: int = 0) -> None:
+        self.live = (self.live[0], self.live[1] + text)
+        self.tokens += n_tokens
+
+    def new_step(self, step: int) -> None:
+        self.live = (step, "")
 
 
 def sampling_params(s: dict, continue_text: bool = False) -> GenerationParams:
@@ -67,7 +88,7 @@ def sampling_params(s: dict, continue_text: bool = False) -> GenerationParams:
                              image_tokens=int(s["image_tokens"]))
 
 
-class ChatScreen(MediaInputMixin, RecordMixin, ChatCommandsMixin, Screen[None]):
+class ChatScreen(ChatToolsMixin, MediaInputMixin, RecordMixin, ChatCommandsMixin, Screen[None]):
     BINDINGS = [
         Binding("escape", "stop", "Stop"),
         Binding("ctrl+r", "regenerate", "Regenerate"),
@@ -85,6 +106,7 @@ class ChatScreen(MediaInputMixin, RecordMixin, ChatCommandsMixin, Screen[None]):
         Binding("f8", "delete", "Delete", show=False),
         Binding("f4", "export", "Export", show=False),
         Binding("ctrl+s", "settings", "Settings"),
+        Binding("ctrl+g", "tools", "Tools", show=False),
         Binding("f1", "help", "Help"),
     ]
 
@@ -222,17 +244,22 @@ class ChatScreen(MediaInputMixin, RecordMixin, ChatCommandsMixin, Screen[None]):
             v.remove()
         return m
 
+    def _drop_answer(self) -> None:
+        """The last answer: every reply and tool result after the last user message."""
+        while self.messages and self.messages[-1].role in ("assistant", "tool"):
+            self._drop_last(self.messages[-1].role)
+
     async def action_regenerate(self) -> None:
         if self._busy() or not self.messages:
             return
-        self._drop_last("assistant")
+        self._drop_answer()
         if self.messages and self.messages[-1].role == "user":
             await self.generate()
 
     async def action_edit_last(self) -> None:
         if self._busy():
             return
-        self._drop_last("assistant")
+        self._drop_answer()
         m = self._drop_last("user")
         if m is not None:
             box = self.query_one(ChatInput)
@@ -268,7 +295,9 @@ class ChatScreen(MediaInputMixin, RecordMixin, ChatCommandsMixin, Screen[None]):
         params = replace(sampling_params(self.settings, self.continuation),
                          kv_session=self._kv_session(self.conversation_id))
         msgs = self.prompt_messages()
-        self.run_worker(lambda: self._work(self.gen, msgs, params), thread=True, group="generate")
+        work = self._work_tools if self.tools_on() else self._work
+        g = self.gen
+        self.run_worker(lambda: work(g, msgs, params), thread=True, group="generate")
 
     def _work(self, g: Generation, msgs: list[dict], params: GenerationParams) -> None:
         """Worker thread: submit and stream. Never touches widgets or the store."""
@@ -279,8 +308,7 @@ class ChatScreen(MediaInputMixin, RecordMixin, ChatCommandsMixin, Screen[None]):
             if g.stop_requested:
                 self.client.abort(rid)
             for ev in self.client.stream(rid):
-                g.text += ev.text
-                g.tokens += len(ev.token_ids)
+                g.append(ev.text, len(ev.token_ids))
                 if ev.finished:
                     self.post_message(GenerationDone(g.id, g.text, ev.finish_reason, ev.error, ev.stats,
                                                      ev.error_kind))
@@ -294,9 +322,12 @@ class ChatScreen(MediaInputMixin, RecordMixin, ChatCommandsMixin, Screen[None]):
         near UI_SHARE: a long answer on a slow CPU refreshes less often instead of decoding slower."""
         g = self.gen
         now = time.perf_counter()
-        if g is None or g.text == g.shown or now < self._next_pump:
+        if g is None or now < self._next_pump:
             return
-        g.shown = g.text
+        step, text = g.live
+        if step != g.view_step or g.view_done or text == g.shown:
+            return  # a tool loop's next reply: its view is not mounted yet
+        g.shown = text
         thought, answer = split_thinking(g.shown)
         await g.view.show(thought, answer)
         self.query_one("#messages", VerticalScroll).scroll_end(animate=False)
@@ -307,6 +338,14 @@ class ChatScreen(MediaInputMixin, RecordMixin, ChatCommandsMixin, Screen[None]):
         g = self.gen
         if g is None or msg.gen_id != g.id:
             return
+        if msg.tool_end:  # the loop stopped after a reply with calls: that reply is saved already
+            await self.finish_tool_loop(g, msg)
+            self.gen = None
+            self._finished(msg.stats)
+            return
+        if g.view_done:  # a continuation failed before it wrote anything: its own view
+            g.view = MessageView("assistant", status="streaming")
+            await self.query_one("#messages", VerticalScroll).mount(g.view)
         # a continuation is kept as written (its leading space joins it to the text it continues)
         thought, answer = (None, msg.text) if self.continuation else split_thinking(msg.text)
         status = "error" if msg.error else "stopped" if msg.reason == "abort" else "done"
@@ -322,11 +361,14 @@ class ChatScreen(MediaInputMixin, RecordMixin, ChatCommandsMixin, Screen[None]):
         self.messages.append(m)
         self.gen = None
         await g.view.finish(thought, answer, status, m.id or None, error)
-        if msg.stats:
-            self.last_stats = msg.stats
         if msg.error:
             self.notify(msg.error, title=FAILED_TITLE.get(msg.error_kind, "Generation failed"), severity="error",
                         timeout=10)
+        self._finished(msg.stats)
+
+    def _finished(self, stats: Optional[dict]) -> None:
+        if stats:
+            self.last_stats = stats
         self.query_one("#messages", VerticalScroll).scroll_end(animate=False)
         self.query_one(Sidebar).reload(self.conversation_id)
         self.refresh_status()
@@ -351,7 +393,8 @@ class ChatScreen(MediaInputMixin, RecordMixin, ChatCommandsMixin, Screen[None]):
         self.query_one(StatusPanel).refresh_from(self.session.info, self.client.status(),
                                                  self.context_tokens(), self.last_stats,
                                                  pending=(len(bar.pending), bar.tokens),
-                                                 server=getattr(self.app, "server", None))
+                                                 server=getattr(self.app, "server", None),
+                                                 tools=self.app_tools.summary() if self.app_tools else None)
 
     def on_attachment_bar_changed(self, event: AttachmentBar.Changed) -> None:
         self.refresh_status()

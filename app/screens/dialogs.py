@@ -71,6 +71,7 @@ HELP = """\
 | F8 | delete the conversation |
 | F4 | export the conversation to Markdown and JSON |
 | Ctrl+S | settings (sampling, system prompt; engine flags reload the model) |
+| Ctrl+G | tools: MCP servers and built-ins, each tool on/off, tools allowed always |
 | Ctrl+P | command palette |
 | F1 | this help |
 | Ctrl+Q | quit |

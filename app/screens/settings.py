@@ -19,7 +19,8 @@ DEFAULT_SETTINGS = {"system": "", "temperature": 0.7, "top_p": 0.95, "top_k": 64
                     "repetition_penalty": 1.0, "max_tokens": 1024, "thinking": False, "image_tokens": 280,
                     "dry_multiplier": 0.0, "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": 64,
                     "dry_sequence_breakers": list(SamplingParams().dry_sequence_breakers),
-                    "xtc_probability": 0.0, "xtc_threshold": 0.1, "stop_at_blank_line": False}
+                    "xtc_probability": 0.0, "xtc_threshold": 0.1, "stop_at_blank_line": False,
+                    "tool_steps": 8, "tool_choice": "auto"}
 # Over those for a base model (the text-continuation mode): the engine's base-model defaults, the
 # ones `edgegem run`, `chat` and the server's completion endpoints take too (DRY on over the whole
 # text, a paragraph or so, ending at a blank line: engine/request_params.py says why).
@@ -35,7 +36,9 @@ NUMBERS = {"temperature": ("Temperature", float, 0.0, 5.0), "top_p": ("Top-p", f
            "dry_allowed_length": ("DRY allowed length", int, 0, 1_000_000),
            "dry_penalty_last_n": ("DRY window (-1: all)", int, -1, 1_000_000),
            "xtc_probability": ("XTC probability (0: off)", float, 0.0, 1.0),
-           "xtc_threshold": ("XTC threshold", float, 0.0, 1.0)}
+           "xtc_threshold": ("XTC threshold", float, 0.0, 1.0),
+           "tool_steps": ("Tool steps (replies with calls)", int, 1, 64)}
+TOOL_CHOICES = ("auto", "required", "none")  # with tools: the model decides, every reply calls one, none
 KV_FORMATS = ["auto", "bf16", "fp16", "fp32", "int8_per_token_head", "fp8_per_token_head"]
 
 
@@ -53,6 +56,9 @@ def parse_settings(raw: dict) -> dict:
     if int(raw.get("image_tokens", DEFAULT_SETTINGS["image_tokens"])) not in IMAGE_BUDGETS:
         raise ValueError(f"Image tokens: one of {', '.join(map(str, IMAGE_BUDGETS))}")
     out["image_tokens"] = int(raw.get("image_tokens", DEFAULT_SETTINGS["image_tokens"]))
+    if raw.get("tool_choice", "auto") not in TOOL_CHOICES:
+        raise ValueError(f"Tool choice: one of {', '.join(TOOL_CHOICES)}")
+    out["tool_choice"] = raw.get("tool_choice", "auto")
     for key, (label, typ, lo, hi) in NUMBERS.items():
         try:
             v = typ(str(raw[key]).strip())
@@ -119,6 +125,9 @@ class SettingsScreen(ModalScreen["SettingsResult | None"]):
                 yield Select([(str(b), b) for b in IMAGE_BUDGETS], allow_blank=False, compact=True,
                              value=int(s["image_tokens"]) if int(s["image_tokens"]) in IMAGE_BUDGETS else 280,
                              id="image_tokens")
+                yield Label("Tool choice")
+                yield Select([(c, c) for c in TOOL_CHOICES], allow_blank=False, compact=True, id="tool_choice",
+                             value=s["tool_choice"] if s["tool_choice"] in TOOL_CHOICES else "auto")
             yield Label("Engine (applied by reloading the model)", classes="heading")
             with Grid(classes="numbers"):
                 yield Label("KV cache format")
@@ -161,6 +170,7 @@ class SettingsScreen(ModalScreen["SettingsResult | None"]):
         raw["stop_at_blank_line"] = self.query_one("#stop_at_blank_line", Switch).value
         raw["dry_sequence_breakers"] = self.query_one("#dry_sequence_breakers", Input).value
         raw["image_tokens"] = self.query_one("#image_tokens", Select).value
+        raw["tool_choice"] = self.query_one("#tool_choice", Select).value
         try:
             conv = parse_settings(raw)
         except ValueError as e:

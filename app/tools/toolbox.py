@@ -34,12 +34,13 @@ class ToolBox:
 
     @classmethod
     def create(cls, config, allow_dirs: Sequence[str] = (), shell: bool = False,
-               call_timeout: float = DEFAULT_CALL_TIMEOUT, start_timeout: Optional[float] = None) -> "ToolBox":
-        """The built-ins and `config`'s servers (not started: `start()`)."""
+               call_timeout: float = DEFAULT_CALL_TIMEOUT, start_timeout: Optional[float] = None,
+               disabled: Iterable[str] = (), extra: Sequence[ToolSource] = ()) -> "ToolBox":
+        """The built-ins, `config`'s servers (not started: `start()`) and `extra` sources."""
         from .builtin import BuiltinTools
         from .servers import DEFAULT_START_TIMEOUT, McpServers
         servers = McpServers(config.servers, start_timeout or DEFAULT_START_TIMEOUT)
-        return cls([BuiltinTools(allow_dirs, shell=shell), *servers.servers], call_timeout, servers)
+        return cls([BuiltinTools(allow_dirs, shell=shell), *servers.servers, *extra], call_timeout, servers, disabled)
 
     def start(self) -> None:
         if self._servers is not None:
@@ -88,6 +89,10 @@ class ToolBox:
         spec = self.find(name)
         key = spec.key if spec is not None else name
         (self._disabled.discard if enabled else self._disabled.add)(key)
+
+    def disabled(self) -> list[str]:
+        """The `server/tool` keys switched off."""
+        return sorted(self._disabled)
 
     def find(self, name: str) -> Optional[ToolSpec]:
         tools = self.tools()

@@ -5,6 +5,7 @@ when they come faster than it renders); the thought pane is replaced whole on ea
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -28,6 +29,13 @@ def code_blocks(markdown: str) -> list[str]:
         tail = rest[rest.rfind("```"):]
         blocks.append(tail.split("\n", 1)[1] if "\n" in tail else "")
     return blocks
+
+
+def call_block(call: dict) -> Collapsible:
+    """One call of a reply: its name, then its arguments as JSON (collapsed)."""
+    return Collapsible(Static(json.dumps(call.get("arguments", {}), ensure_ascii=False, indent=1),
+                              classes="tool-text", markup=False),
+                       title=f"call {call['name']}", collapsed=True, classes="tool-call")
 
 
 class TimedMarkdown(Markdown):
@@ -67,17 +75,30 @@ class MessageView(Vertical):
                 yield Static(self.content, classes="tool-text", markup=False)
             return
         yield TimedMarkdown(self.content, classes="body")
-        for call in self.tool.get("calls", ()):  # each call: its name, then its arguments as JSON
-            with Collapsible(title=f"call {call['name']}", collapsed=True, classes="tool-call"):
-                yield Static(json.dumps(call.get("arguments", {}), ensure_ascii=False, indent=1),
-                             classes="tool-text", markup=False)
+        yield from map(call_block, self.tool.get("calls", ()))
 
     def _result_title(self) -> str:
         status = self.tool.get("status", "ok")
         return f"result of {self.tool.get('name', '?')}" + ("" if status == "ok" else f" ({status})")
 
+    # --- tool calls while the loop runs --------------------------------------------------------
+    async def show_calls(self, calls: list[dict]) -> None:
+        """A finished reply's calls ({"id", "name", "arguments"}), as a reopened one shows them."""
+        self.tool = {"calls": list(calls)}
+        await self.mount_all([call_block(c) for c in calls])
+
+    def set_result(self, text: str, status: str, message_id: Optional[int]) -> None:
+        """A tool message's result is in ("ok" | "error" | "denied"): text and title replace "running"."""
+        self.content, self.message_id = text, message_id
+        self.tool = {**self.tool, "status": status}
+        self.status = "done"
+        self.query_one(".tool-text", Static).update(text)
+        self.query_one(".tool-result", Collapsible).title = self._result_title()
+        self.query_one(".role", Label).update(self._header())
+
     def _header(self) -> str:
-        extra = {"stopped": "  (stopped)", "error": "  (error)", "streaming": "  …"}.get(self.status, "")
+        extra = {"stopped": "  (stopped)", "error": "  (error)", "streaming": "  …",
+                 "running": "  running…"}.get(self.status, "")
         if self.error:
             extra = f"  ({self.error})"
         return ROLE_LABEL.get(self.role, self.role) + extra
@@ -110,6 +131,9 @@ class MessageView(Vertical):
     async def finish(self, thought: Optional[str], answer: str, status: str, message_id: Optional[int],
                      error: Optional[str] = None) -> None:
         if self._stream is not None:
+            # a stream started in this same tick (a tool loop's reply that wrote nothing) must run
+            # once before it is stopped: cancelling a task that never started raises in its awaiter
+            await asyncio.sleep(0)
             await self._stream.stop()
             self._stream = None
         await self.show(thought, answer)

@@ -24,9 +24,10 @@ class StatusPanel(Static):
         self.lines: list[str] = []
 
     def refresh_from(self, info: dict, status: dict, context_tokens: int, last: Optional[dict],
-                     pending: tuple[int, int] = (0, 0), server=None) -> None:
+                     pending: tuple[int, int] = (0, 0), server=None, tools: Optional[str] = None) -> None:
         """`pending`: (images and clips, soft tokens) attached to the message being written;
-        `server`: the API server running in this process (app/server/run.BackgroundServer), if any."""
+        `server`: the API server running in this process (app/server/run.BackgroundServer), if any;
+        `tools`: app/tools/session.AppTools.summary() when this run has tools."""
         lines = [f"model   {info.get('model', '?')}", f"file    {info.get('file', '?')}",
                  f"device  {info.get('device', '?')}" + (f" · {info['runtime']}" if info.get("runtime") else "")]
         pools = kv_pools(status)
@@ -73,6 +74,8 @@ class StatusPanel(Static):
                          f"out, {size(experts.get('to_device', 0))} back")
             if "hit_rate" in experts:
                 lines.append(f"  hot   {100 * experts['hit_rate']:.0f}% on the GPU, {experts['cache_slots']} slots a layer")
+        if tools is not None:
+            lines.append(f"tools   {tools}")
         if status.get("running"):
             lines.append(f"running {status['running']}, waiting {status.get('waiting', 0)}")
         if server is not None:

@@ -1,0 +1,215 @@
+"""The chat's tool loop (engine/tool_loop.py through app/backend.py): the worker generates, asks
+for approval, runs each call and continues the same turn on the prefix cache; the UI thread shows
+each reply's calls, each result as it comes (a "running" block first), the approval dialog, and
+saves every reply and result the moment it is known, so Escape (or a crash) keeps what was done.
+
+Thread rules as in chat.py: the worker only writes the Generation's live text and posts messages
+(app/messages.py, in order per step); widgets and the store are the UI thread's.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+from textual.containers import VerticalScroll
+
+from app.backend import DECLINED, run_tool_loop, split_thinking
+from app.messages import (GenerationDone, ToolApprovalNeeded, ToolCallFinished, ToolCallStarted, ToolStepDone,
+                          ToolStepStarted)
+from app.screens.chat_commands import one_line
+from app.screens.tools import ApprovalScreen, ToolsScreen
+from app.widgets.message_view import MessageView
+
+STOPPED_RESULT = "the user stopped the tool loop before this call ran"
+
+
+@dataclass
+class Reply:
+    """The approval dialog's answer, handed from the UI thread to the waiting worker."""
+
+    event: threading.Event = field(default_factory=threading.Event)
+    answer: str = "deny"
+
+
+def stored_calls(calls: list) -> list[dict]:
+    """The engine's calls ({"id", "function": {"name", "arguments": JSON text}}) as the store keeps
+    them ({"id", "name", "arguments": object}; arguments that are not a JSON object kept as text)."""
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function", {})
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                args = {"_text": args}
+        out.append({"id": c.get("id") or f"call_{j}", "name": fn.get("name", "?"),
+                    "arguments": args if isinstance(args, dict) else {"_value": args}})
+    return out
+
+
+class ChatToolsMixin:
+    """Mixed into ChatScreen: `tools_on()`, the worker `_work_tools`, the loop's message handlers."""
+
+    @property
+    def app_tools(self):
+        return getattr(self.app, "tools", None)  # app/tools/session.AppTools, None: no tools this run
+
+    def tools_on(self) -> bool:
+        """Tools go with a request when this run has some switched on and the model is a Gemma-4
+        chat model (the template's tool declarations; a base model continues text)."""
+        t = self.app_tools
+        return (t is not None and not self.continuation and self.session.info.get("arch") == "gemma4"
+                and bool(t.declarations()))
+
+    def action_tools(self) -> None:
+        if self.app_tools is None:
+            self.notify("No tools in this run: write mcp.json in the data folder (docs/tools.md), or start "
+                        "edgegem with --mcp-config FILE, --allow-dir DIR or --shell-tool.", title="Tools",
+                        timeout=8)
+            return
+        self.app.push_screen(ToolsScreen(self.app_tools))
+
+    # --- the worker ----------------------------------------------------------------------------
+    def _work_tools(self, g, msgs: list[dict], params) -> None:
+        tools = self.app_tools
+        params = replace(params, tools=tools.declarations(), tool_choice=self.settings.get("tool_choice", "auto"))
+        conversation = g.conversation_id
+
+        def on_submit(step: int, rid: int) -> None:
+            if step:
+                g.new_step(step)
+                self.post_message(ToolStepStarted(g.id, step))
+            g.request_id = rid
+            if g.stop_requested:
+                self.client.abort(rid)
+
+        def on_event(ev) -> None:
+            g.append(ev.text, len(ev.token_ids))
+            if ev.finished:
+                g.last_stats, g.error_kind = ev.stats, ev.error_kind
+            if ev.finished and ev.finish_reason == "tool_calls" and ev.tool_calls:
+                self.post_message(ToolStepDone(g.id, g.text, ev.tool_calls, ev.stats))
+
+        def approve(call: dict) -> bool:
+            spec = tools.box.spec_for_call(call)
+            if spec is None or not spec.enabled:
+                return True  # the call's result says why nothing ran (unknown, switched off)
+            if not tools.policy.needs_asking(spec, conversation):
+                return True
+            reply = Reply()
+            self.post_message(ToolApprovalNeeded(g.id, spec, stored_calls([call])[0]["arguments"], reply))
+            while not reply.event.wait(0.1):
+                if g.stop_requested or not self.is_attached:  # Escape, or the app closing
+                    return False
+            if reply.answer == "stop":
+                g.stop_requested = True
+                return False
+            from app.tools.approval import Decision
+            return tools.policy.decide(spec, Decision(reply.answer), conversation)
+
+        def call_tool(call: dict) -> tuple[str, bool]:
+            self.post_message(ToolCallStarted(g.id, call))
+            return tools.box.call_for_loop(call)
+
+        try:
+            out = run_tool_loop(self.client, msgs, params, call_tool, approve,
+                                max_steps=max(1, int(self.settings.get("tool_steps", 8))),
+                                should_stop=lambda: g.stop_requested, on_event=on_event, on_submit=on_submit,
+                                on_outcome=lambda o: self.post_message(ToolCallFinished(g.id, o)))
+        except Exception as e:  # noqa: BLE001 - context overflow on a continuation...: shown, not raised
+            self.post_message(GenerationDone(g.id, "", "error", one_line(e), None))
+            return
+        last = out.steps[-1] if out.steps else None
+        stats = g.last_stats or {}
+        if out.stopped in ("stopped", "step_limit"):
+            self.post_message(GenerationDone(g.id, "", "tool_calls", None, stats, tool_end=out.stopped))
+        elif out.stopped == "error":
+            self.post_message(GenerationDone(g.id, g.text, "error", out.error, stats, g.error_kind))
+        else:
+            self.post_message(GenerationDone(g.id, last.text if last else "", last.finish_reason if last else "stop",
+                                             None, stats))
+
+    # --- the UI thread -------------------------------------------------------------------------
+    async def on_tool_step_done(self, msg: ToolStepDone) -> None:
+        g = self.gen
+        if g is None or msg.gen_id != g.id:
+            return
+        thought, answer = split_thinking(msg.text)
+        calls = stored_calls(msg.calls)
+        m = self._saved(lambda: self.store.add_message(g.conversation_id, "assistant", answer,
+                                                       thinking=thought or "", stats={**msg.stats,
+                                                       "finish_reason": "tool_calls"}, tool={"calls": calls}),
+                        "the reply")
+        if m is not None:
+            self.messages.append(m)
+        g.pending_calls = {c["id"]: c for c in calls}
+        await g.view.finish(thought, answer, "done", m.id if m else None)
+        await g.view.show_calls(calls)
+        g.view_done = True
+        self.last_stats = msg.stats
+        self.refresh_status()
+
+    async def on_tool_call_started(self, msg: ToolCallStarted) -> None:
+        g = self.gen
+        if g is None or msg.gen_id != g.id:
+            return
+        call = stored_calls([msg.call])[0]
+        view = MessageView("tool", "", status="running", tool={"call_id": call["id"], "name": call["name"],
+                                                             "status": "running"})
+        g.tool_views[call["id"]] = view
+        await self.query_one("#messages", VerticalScroll).mount(view)
+        self.query_one("#messages", VerticalScroll).scroll_end(animate=False)
+
+    async def on_tool_call_finished(self, msg: ToolCallFinished) -> None:
+        g = self.gen
+        if g is None or msg.gen_id != g.id:
+            return
+        await self._keep_result(g, msg.outcome.call, msg.outcome.result,
+                                "denied" if msg.outcome.denied else "error" if msg.outcome.error else "ok")
+
+    async def _keep_result(self, g, call: dict, text: str, status: str) -> None:
+        c = stored_calls([call])[0]
+        g.pending_calls.pop(c["id"], None)
+        m = self._saved(lambda: self.store.add_message(g.conversation_id, "tool", text, tool={
+            "call_id": c["id"], "name": c["name"], "status": status}), "the tool result")
+        if m is not None:
+            self.messages.append(m)
+        view = g.tool_views.pop(c["id"], None)
+        if view is None:  # denied: it never ran
+            view = MessageView("tool", "", status="running", tool={"call_id": c["id"], "name": c["name"]})
+            await self.query_one("#messages", VerticalScroll).mount(view)
+        view.set_result(text, status, m.id if m else None)
+        self.query_one("#messages", VerticalScroll).scroll_end(animate=False)
+
+    async def on_tool_step_started(self, msg: ToolStepStarted) -> None:
+        g = self.gen
+        if g is None or msg.gen_id != g.id:
+            return
+        view = MessageView("assistant", status="streaming")
+        await self.query_one("#messages", VerticalScroll).mount(view)
+        view.start_stream()
+        g.view, g.view_step, g.view_done, g.shown = view, msg.step, False, ""
+
+    async def finish_tool_loop(self, g, msg: GenerationDone) -> None:
+        """The loop stopped after a reply with calls: the calls that did not run get a result saying
+        so (the conversation stays well-formed for the next turn), nothing else is written."""
+        for c in list(g.pending_calls.values()):
+            await self._keep_result(g, {"id": c["id"], "function": {"name": c["name"], "arguments": c["arguments"]}},
+                                    STOPPED_RESULT if msg.tool_end == "stopped" else DECLINED, "denied")
+        if msg.tool_end == "step_limit":
+            self.notify(f"Stopped after {self.settings.get('tool_steps', 8)} replies with tool calls "
+                        "(Settings: tool steps). Send a message to go on.", title="Tool loop", timeout=8)
+
+    def on_tool_approval_needed(self, msg: ToolApprovalNeeded) -> None:
+        g = self.gen
+        if g is None or msg.gen_id != g.id:
+            msg.reply.event.set()
+            return
+
+        def answered(answer: Optional[str]) -> None:
+            msg.reply.answer = answer or "deny"
+            msg.reply.event.set()
+        self.app.push_screen(ApprovalScreen(msg.spec, msg.call), answered)
