@@ -71,8 +71,8 @@ def check_cpu_layers(cfg, layers: Sequence[int], arch: str = "gemma4") -> None:
         raise ValueError("whole layers in host RAM beside a GPU run for models without per-layer inputs (31B); "
                          "E2B/E4B keep every layer on the GPU (their tables are in host RAM already)")
     if getattr(cfg, "n_expert", 0):
-        raise ValueError("whole layers of a mixture of experts in host RAM beside a GPU do not run yet: keep the "
-                         "expert banks there (--cpu-moe) and the layers on the GPU")
+        raise ValueError("whole layers of a mixture of experts do not run beside a GPU yet (its expert banks do: "
+                         "--cpu-moe)")
 
 
 def host_plan(plan: dict, n: int, n_layer: int) -> dict:

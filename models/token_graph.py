@@ -152,9 +152,11 @@ def attention_nodes(g: Graph, gx: int, ga: int, B: int, qkv: Matrix, v_matrix: O
 def token_ready(x: torch.Tensor, caches: Sequence, *tables: torch.Tensor) -> bool:
     """Rows inside `cpu_chains` (a ggml-runtime model's forward) with x and `tables` as the chains
     take them (float32, unit last stride: a float64 model keeps the torch ops), and caches that
-    attend on ggml's kernel (`ggml_attention`) and offer their windows (`decode_window`)."""
+    attend on ggml's kernel (`ggml_attention`; `host_ggml_attention` for the layers on the CPU
+    beside a GPU, models/host_layers.py) and offer their windows (`decode_window`)."""
     return in_cpu_chains(x, *tables) and all(
-        getattr(c, "ggml_attention", False) and hasattr(c, "decode_window") for c in caches)
+        (getattr(c, "ggml_attention", False) or getattr(c, "host_ggml_attention", False))
+        and hasattr(c, "decode_window") for c in caches)
 
 
 # --- the model's layers as the graph takes them --------------------------------------------------
