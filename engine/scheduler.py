@@ -3,7 +3,8 @@ stream, stop, and give KV back. `Engine.step()` is schedule -> run -> postproces
 
 Prefill chunks run one sequence per forward. Decode-phase requests step together through
 `BatchDecoder` (engine/batch_decode.py: static buffers, a CUDA graph per batch shape on CUDA) when
-`batched_decode` is on (the default on CUDA; it also runs on the CPU), else one forward each.
+`batched_decode` is on (the default on CUDA, unless the first layers run on the CPU beside it:
+models/host_layers.py; it also runs on the CPU), else one forward each.
 Outputs are the same either way: a request's tokens depend only on its own KV.
 
 Preemption: when a forward needs KV slots the pools cannot give even after evicting cached
