@@ -133,6 +133,16 @@ def test_each_forward_crosses_once_with_its_rows_and_nothing_comes_back(q8):
     assert host_layers.crossing_bytes(5376, torch.float32) == 21504
 
 
+def test_the_bench_row_takes_per_token_figures_from_two_statuses():
+    from engine.bench.throughput import cpu_layer_row
+
+    before = {"layers": 28, "runtime": "ggml", "forwards": 3, "rows": 40, "crossings": 3, "to_device": 40 * 10752,
+              "cpu_ms": 900.0}
+    after = dict(before, forwards=7, rows=44, crossings=7, to_device=44 * 10752, cpu_ms=900.0 + 4 * 85.5)
+    assert cpu_layer_row(before, after, 4) == {"layer_pcie_bytes_per_token": 10752, "cpu_layer_ms_per_token": 85.5,
+                                               "crossings_per_token": 1.0}
+
+
 def _engine_run(model, backend: str, prompts, max_tokens=4):
     eng = Engine(model, None, EngineConfig(full_tokens=64, window_tokens=64, prefill_chunk=6,
                                            attention_backend=backend, **FP32))
