@@ -80,8 +80,9 @@ def open_model(path: Path, exact: bool = True, device: str = "cpu", embed_weight
     float16 matrices, `exact`: float32, the torch path throughout). `lm.runtime` says which.
     On the CPU a model whose weights cannot fit in available RAM is refused before loading
     (engine/ram_check.py: RamTooSmall, ErrorKind.CAPACITY). On CUDA, `options` (the budget, KV
-    formats and placement flags) decide before the load which expert banks stay in host RAM
-    (`host_placement`)."""
+    formats and placement flags) decide before the load which expert banks and which first whole
+    layers stay in host RAM (`plan_placement`; `lm.model.host_layers`: those layers, run by the
+    CPU's runtime)."""
     runtime = choose_runtime(device, exact, gguf=not Path(path).is_dir())
     if device == "cpu":  # refused in one line now rather than by the allocator part-way through the load
         from .ram_check import check_host_ram
@@ -123,14 +124,21 @@ def host_placement(layout, opts: "EngineOptions") -> frozenset:
 
 def plan_placement(layout, opts: "EngineOptions") -> dict:
     """The plan's placement beside the GPU (MemoryPlan.placement; BudgetTooSmall when nothing
-    fits). Whole layers on the CPU are planned but not run yet beside a GPU: refused in one line."""
-    from .memory_plan import plan_memory
+    fits). Whole layers on the CPU run for a dense Gemma-4 without per-layer inputs (31B), the
+    first layers (models/host_layers.py); other plans with whole layers are refused in one line
+    before the load."""
+    from models.host_layers import check_cpu_layers
+
+    from .memory_plan import layout_config, plan_memory
 
     plan = plan_memory(layout, plan_options(opts, "cuda"))
     placed = plan.placement
     if placed.get("cpu_layers"):
-        raise ValueError(f"the plan keeps {placed['summary'].split(';')[0]}: whole layers beside a GPU do not run "
-                         "yet; use --device cpu, or a larger --gpu-memory-budget or a smaller --ctx-size")
+        try:
+            check_cpu_layers(layout_config(layout), placed["cpu_layers"], layout.architecture)
+        except ValueError as e:
+            raise ValueError(f"the plan keeps {placed['summary'].split(';')[0]}, but {e}; use --device cpu, or a "
+                             "larger --gpu-memory-budget or a smaller --ctx-size") from None
     return placed
 
 
@@ -315,6 +323,9 @@ def engine_plan(lm: LoadedModel, opts: EngineOptions):
         if kept:  # the placement the load made, whatever the budget measured after it would choose
             opts = replace(opts, placement=PlacementFlags(n_cpu_moe=len(kept)) if kept == list(range(len(kept)))
                            else PlacementFlags(overrides=tuple((rf"^blk\.{i}\..*_exps\.weight$", "cpu") for i in kept)))
+        host = getattr(lm.model, "host_layers", None)
+        if host is not None:  # the first layers on the CPU, as loaded
+            opts = replace(opts, placement=PlacementFlags(n_gpu_layers=lm.config.n_layer - host.n))
         plan = plan_memory(lm.source, plan_options(opts, device, budget, mmproj=getattr(lm, "mmproj", None),
                                                    dequantizes=getattr(lm, "runtime", None) is not Runtime.GGML),
                            lm.config)

@@ -52,6 +52,12 @@ class ModelRunner:
             x = torch.cat([r[0] for r in rows])
             pl = None if rows[0][1] is None else torch.cat([r[1] for r in rows])
             pos = torch.cat([kv.positions(model.device) for kv in kvs])
+            host = getattr(model, "host_layers", None)
+            if host is not None:  # the first layers on the CPU beside a GPU: B rows in one host pass
+                x = host.front(torch.tensor(tokens, dtype=torch.long), torch.cat([kv.positions("cpu") for kv in kvs]),
+                               kvs, decode=True)
+                return torch.stack([self._layers(kv, x[b:b + 1], None, pos[b:b + 1], True, False, False, None, host.n)
+                                    for b, kv in enumerate(kvs)])
             step = getattr(model, "decode_step", None)
             out = step(x, pos, kvs, pl) if step is not None else None
             if out is not None:  # (logits, h, y)
@@ -72,12 +78,16 @@ class ModelRunner:
         try:
             if failpoints.ACTIVE:
                 failpoints.maybe_fail("forward.oom")
-            x, pl = model.embed(ids) if media is None else model.embed(ids, media)
-            last_key = model.attention_limits(pos, media)  # 26B/31B image rows: their whole image
             # a decode token, the prompt's last token, a draft's verify rows: one ggml graph (on
             # llama.cpp's CPU kernels), each row attending as a decode step at its position would
-            step = getattr(model, "decode_step", None) if want_logits and media is None and (
-                len(tokens) == 1 or (all_rows and len(tokens) <= TOKEN_ROWS)) else None
+            decode = want_logits and media is None and (len(tokens) == 1 or (all_rows and len(tokens) <= TOKEN_ROWS))
+            last_key = model.attention_limits(pos, media)  # 26B/31B image rows: their whole image
+            host = getattr(model, "host_layers", None)
+            if host is not None:  # the embedding and the first layers on the CPU beside a GPU, one crossing
+                x = host.front(ids, pos_host, [kv] * len(tokens), media, decode)
+                return self._layers(kv, x, None, pos, want_logits, all_rows, return_hidden, last_key, host.n)
+            x, pl = model.embed(ids) if media is None else model.embed(ids, media)
+            step = getattr(model, "decode_step", None) if decode else None
             out = step(x, pos, [kv] * len(tokens), pl) if step is not None else None
             if out is not None:
                 logits, h, y = out
@@ -90,12 +100,12 @@ class ModelRunner:
         finally:
             kv.end()
 
-    def _layers(self, kv, x, pl, pos, want_logits, all_rows, return_hidden, last_key):
-        """The layers one by one over rows x [T, d] of `kv`'s forward (begun), fast prefill's
-        cut included, the final norm and the head."""
+    def _layers(self, kv, x, pl, pos, want_logits, all_rows, return_hidden, last_key, first: int = 0):
+        """The layers one by one from `first` over rows x [T, d] of `kv`'s forward (begun), fast
+        prefill's cut included, the final norm and the head."""
         model, L = self.model, self.model.cfg.n_layer
         watch = FiniteWatch(model.device, L)  # one check a step (CPU), naming the layer
-        for i in range(self.first_shared):
+        for i in range(first, self.first_shared):
             x = model.layer(i, x, pos, None if pl is None else pl[:, i], kv, last_key=last_key)
             watch.layer(i, x)
         if self.fast_prefill and not all_rows and self.first_shared < L:

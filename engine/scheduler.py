@@ -3,7 +3,8 @@ stream, stop, and give KV back. `Engine.step()` is schedule -> run -> postproces
 
 Prefill chunks run one sequence per forward. Decode-phase requests step together through
 `BatchDecoder` (engine/batch_decode.py: static buffers, a CUDA graph per batch shape on CUDA) when
-`batched_decode` is on (the default on CUDA; it also runs on the CPU), else one forward each.
+`batched_decode` is on (the default on CUDA, unless the first layers run on the CPU beside it:
+models/host_layers.py; it also runs on the CPU), else one forward each.
 Outputs are the same either way: a request's tokens depend only on its own KV.
 
 Preemption: when a forward needs KV slots the pools cannot give even after evicting cached
@@ -97,6 +98,9 @@ class Engine:
         backend = get_attention_backend(self.config.attention_backend, model.device, getattr(model, "runtime", None))
         self.attention_backend = None if backend.name == "torch" else backend
         self.ggml_attention = ggml_attention_for(model, self.attention_backend)  # each SequenceKV's, once
+        # beside a GPU, the first layers on the CPU (models/host_layers.py): their slabs in host memory
+        self.host_layers = getattr(model, "host_layers", None)
+        self.host_ggml_attention = self.host_layers is not None and ggml_attention_for(self.host_layers.cpu)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[int, Request] = {}
@@ -114,11 +118,13 @@ class Engine:
             win_tokens = 2 * c.max_running_requests * ((self.window or 0) + c.prefill_chunk + c.window_margin)
         self.pools = HybridKVPool(self.model.cfg, c.full_tokens, win_tokens,
                                   resolve_format(c.kv_cache_dtype, dev), resolve_format(c.swa_kv_cache_dtype, dev),
-                                  dev, share_kv=c.share_kv)
+                                  dev, share_kv=c.share_kv,
+                                  host_layers=() if self.host_layers is None else self.host_layers.layers)
         self.cache = make_prefix_cache(c.cache_type, self.pools, self.window)
         if c.kv_save == "evict":  # a conversation's KV goes to disk before the cache lets it go
             self.cache.before_evict = self.sessions.save_dirty
         batched = c.batched_decode if c.batched_decode is not None else self.model.device.type == "cuda"
+        batched = batched and self.host_layers is None  # a graph cannot capture the host's layers
         # Its graphs hold the slab addresses, so it is rebuilt with the pools.
         self.decoder = BatchDecoder(self.model, self.pools, self.attention_backend, c.cuda_graphs) \
             if batched else None
@@ -276,7 +282,7 @@ class Engine:
                     self._finish(req, "error", f"{kinds} encoder: {str(e).splitlines()[0] if str(e) else e!r}", kind)
                     continue
             req.kv = SequenceKV(self.pools, self.window, self.model.dtype, self.config.window_margin,
-                                self.attention_backend, self.ggml_attention)
+                                self.attention_backend, self.ggml_attention, self.host_ggml_attention)
             if match.length:
                 req.kv.attach_prefix(match.full_slots, match.win_pos, match.win_slots)
             req.locked, req.cached_len, req.computed_len = match.nodes, match.length, match.length
@@ -629,7 +635,8 @@ class Engine:
                 "audio": self.audio is not None,  # and audio clips
                 "speculative": self._spec_status(),
                 "device_memory": self._device_memory(),
-                "host_experts": self._host_experts()}
+                "host_experts": self._host_experts(),
+                "cpu_layers": self._cpu_layers()}
 
     def _host_experts(self) -> Optional[dict]:
         """Beside a GPU with expert banks in host RAM: the layers, the bytes that crossed, the hot-
@@ -644,6 +651,14 @@ class Engine:
             out.update(cache_slots=cache.slots, hit_rate=round(st.hit_rate, 4), lookups=st.lookups,
                        hits=st.hits, copies=st.copies)
         return out
+
+    def _cpu_layers(self) -> Optional[dict]:
+        """Beside a GPU with the first layers on the CPU: how many, their runtime, the forwards, the
+        residual's crossings and bytes, the host's milliseconds (models/host_layers.py); else None."""
+        host = self.host_layers
+        if host is None:
+            return None
+        return {"layers": host.n, "runtime": host.runtime.value, **host.traffic}
 
     def _spec_status(self) -> Optional[dict]:
         if self.spec is None:

@@ -141,15 +141,21 @@ class DecoderModel:
             return self._forward(tokens, pos, cache, logits_rows, trace, media)
 
     def _forward(self, tokens, pos, cache, logits_rows, trace, media) -> torch.Tensor:
+        cache = DenseKVCache() if cache is None else cache
+        host = getattr(self, "host_layers", None)  # the first layers on the CPU beside a GPU (models/host_layers.py)
+        first, pl = 0, None
+        if host is not None:
+            pos_host = torch.arange(tokens.shape[0]) if pos is None else pos.cpu()
+            x, first = host.front(tokens, pos_host, [cache] * tokens.shape[0], media, trace=trace), host.n
         tokens = tokens.to(self.device)
         pos = torch.arange(tokens.shape[0], device=self.device) if pos is None else pos.to(self.device)
-        cache = DenseKVCache() if cache is None else cache
-        x, pl = self.embed(tokens) if media is None else self.embed(tokens, media)
+        if host is None:
+            x, pl = self.embed(tokens) if media is None else self.embed(tokens, media)
+            if trace:
+                trace("inp_scaled", -1, x)
         last_key = self.attention_limits(pos, media)
-        if trace:
-            trace("inp_scaled", -1, x)
         watch = FiniteWatch(self.device, self.cfg.n_layer)
-        for i in range(self.cfg.n_layer):
+        for i in range(first, self.cfg.n_layer):
             x = self.layer(i, x, pos, None if pl is None else pl[:, i], cache, trace, last_key)
             watch.layer(i, x)
         watch.check()

@@ -14,6 +14,7 @@ import torch
 from .decoder import DecoderModel, Trace
 from .gemma4_ggml import fused_moe_ffn
 from .host_experts import check_host_banks, expert_ffn, host_moe_ffn, layer_banks
+from .host_layers import HostLayers, check_cpu_layers, host_plan, layer_of, load_host_layers, whole_layers
 from .image_attention import image_last_key
 from .kv_cache import KVStore
 from .metadata import ConfigError, metadata_reader, vocab_size_of
@@ -21,7 +22,7 @@ from .ops import (add_rms_norm, attend, attention_prologue, attn_residual, embed
                   head_logits, kernel_path, linear, linear_gelu_mul, quant_rows_to_device, quantized_table,
                   rms_norm, rope_dtype, rope_inv_freq, rows_to_device, scaled_add_rms_norm)
 from .token_graph import fused_decode_step
-from .weights import load_weights
+from .weights import load_weights, progress_parts
 
 
 def _per_layer(value: Any, n_layer: int, what: str) -> tuple[int, ...]:
@@ -372,6 +373,7 @@ class Gemma4Model(DecoderModel):
     """
 
     host_expert_layers: frozenset = frozenset()  # MoE layers whose banks stay in host RAM (load_gemma4)
+    host_layers: Optional[HostLayers] = None  # the first layers, whole, on the CPU beside a GPU (load_gemma4)
 
     def __init__(self, cfg: Gemma4Config, weights: Mapping[str, Any], dtype=torch.float32, device="cpu"):
         self.cfg, self.w, self.dtype, self.device = cfg, dict(weights), dtype, torch.device(device)
@@ -536,13 +538,24 @@ class Gemma4Model(DecoderModel):
 def load_gemma4(gguf, dtype=torch.float32, device="cpu", weight_dtype=None, quantized=False,
                 host_embeddings=False, progress=None, cpu_quant=False, host_tensors=frozenset()) -> Gemma4Model:
     """Build a Gemma4Model from a `GGUFFile`: config, shape-checked dequantized weights.
-    `host_tensors`: expert banks kept in host RAM and computed there (models/host_experts.py)."""
+    `host_tensors` (beside a GPU, the memory plan's placement): expert banks kept in host RAM and
+    computed there (models/host_experts.py), and every tensor of whole layers, the first ones,
+    loaded in the CPU runtime's form and run by the CPU (models/host_layers.py)."""
     gguf.check_architecture(("gemma4",))
     cfg = Gemma4Config.from_gguf(gguf)
-    present = set(gguf.tensors)
-    weights = load_weights(gguf, tensor_plan(cfg, present), dtype, device, weight_dtype, quantized,
-                           host_embeddings, progress, cpu_quant, frozenset(host_tensors))
+    plan = tensor_plan(cfg, set(gguf.tensors))
+    cpu_layers = whole_layers(plan, host_tensors)
+    check_cpu_layers(cfg, cpu_layers)
+    n = len(cpu_layers)
+    on_host = host_plan(plan, n, cfg.n_layer) if n else {}
+    device_plan = {k: v for k, v in plan.items() if layer_of(k) is None or layer_of(k) >= n}
+    banks = frozenset(t for t in host_tensors if layer_of(t) is None or layer_of(t) >= n)
+    parts = progress_parts(progress, gguf, [device_plan, on_host])
+    weights = load_weights(gguf, device_plan, dtype, device, weight_dtype, quantized, host_embeddings, parts[0],
+                           cpu_quant, banks)
     model = Gemma4Model(cfg, weights, dtype=dtype, device=device)
-    model.host_expert_layers = frozenset(int(n.split(".")[1]) for n in host_tensors)
+    model.host_expert_layers = frozenset(int(t.split(".")[1]) for t in banks)
     check_host_banks(model)
+    if n:
+        model.host_layers = load_host_layers(gguf, cfg, plan, on_host, n, model, parts[1])
     return model

@@ -25,6 +25,9 @@ test_ggml_step.py: the engine's tokens and log-probabilities bit for bit). A seq
 not depend on the others in its step while products of B rows take the kernel of one row
 (ggml's K-quant products switch kernels from 8 rows: `MAX_ROWS`).
 
+`fused_layers` builds the same graph through the first n layers only and gives the residual after
+them: the layers a model keeps in host RAM beside a GPU (models/host_layers.py).
+
 The graph is kept on the model, one at a time: its inputs' layouts change when a window grows by a
 bucket (kernels/ggml/attention.py: every 64 steps) or the batch changes, and a new one is built then
 (~35 x 60 nodes: a few ms). EDGEGEM_CPU_STEP_GRAPH=0 turns it off (the layer by layer path).
@@ -149,9 +152,11 @@ def attention_nodes(g: Graph, gx: int, ga: int, B: int, qkv: Matrix, v_matrix: O
 def token_ready(x: torch.Tensor, caches: Sequence, *tables: torch.Tensor) -> bool:
     """Rows inside `cpu_chains` (a ggml-runtime model's forward) with x and `tables` as the chains
     take them (float32, unit last stride: a float64 model keeps the torch ops), and caches that
-    attend on ggml's kernel (`ggml_attention`) and offer their windows (`decode_window`)."""
+    attend on ggml's kernel (`ggml_attention`; `host_ggml_attention` for the layers on the CPU
+    beside a GPU, models/host_layers.py) and offer their windows (`decode_window`)."""
     return in_cpu_chains(x, *tables) and all(
-        getattr(c, "ggml_attention", False) and hasattr(c, "decode_window") for c in caches)
+        (getattr(c, "ggml_attention", False) or getattr(c, "host_ggml_attention", False))
+        and hasattr(c, "decode_window") for c in caches)
 
 
 # --- the model's layers as the graph takes them --------------------------------------------------
@@ -179,15 +184,16 @@ def _per_layer(v, i: int) -> int:
     return v[i] if isinstance(v, tuple) else v
 
 
-def step_layers(model) -> Optional[list[StepLayer]]:
-    """The model's layers as the token graph takes them, built once (kept on the model), or None
-    where one cannot run in it (a matrix off ggml)."""
-    kept = getattr(model, "_ggml_step_layers", False)
-    if kept is False:
+def step_layers(model, n: Optional[int] = None) -> Optional[list[StepLayer]]:
+    """The model's first n layers (default: all) as the token graph takes them, built once (kept on
+    the model), or None where one cannot run in it (a matrix off ggml)."""
+    n = model.cfg.n_layer if n is None else n
+    kept = model.__dict__.setdefault("_ggml_step_layers", {})
+    if n not in kept:
         set_of = {model._rope_key(i, None): r for r, i in enumerate(model.rope_sets())}
-        layers = [_step_layer(model, i, set_of[model._rope_key(i, None)]) for i in range(model.cfg.n_layer)]
-        kept = model._ggml_step_layers = None if any(ly is None for ly in layers) else layers
-    return kept
+        layers = [_step_layer(model, i, set_of[model._rope_key(i, None)]) for i in range(n)]
+        kept[n] = None if any(ly is None for ly in layers) else layers
+    return kept[n]
 
 
 def _step_layer(model, i: int, rope: int) -> Optional[StepLayer]:
@@ -263,17 +269,50 @@ def fused_decode_step(model, x: torch.Tensor, pl: Optional[torch.Tensor], pos: t
     `begin` done) -> (logits [B, vocab] after the final softcap, h [B, d] the last residual), or
     None where it does not apply (a model of another runtime, a matrix off ggml, a cache without
     float32 windows, float64 rows, more than MAX_ROWS rows). The slabs receive the tokens' K and V."""
+    ready = _ready(model, x, pl, pos, caches, model.cfg.n_layer)
+    if ready is None:
+        return None
+    layers, tensors, plan = ready
+    cfg = model.cfg
+    head = model.head_w.matrix_for(MAX_ROWS) if is_ggml(model.head_w) else None
+    graph = _graph(model, tensors, plan, layers, model.w["output_norm.weight"], head, v_norm, attn_scale)
+    h, y = torch.empty(x.shape), torch.empty(x.shape)
+    if head is None:  # a head off ggml (a torch format): the graph gives the normed rows
+        graph.run(tensors, [y, h])
+        return model.head(y), h, y
+    logits = torch.empty(x.shape[0], head.shape[0])
+    graph.run(tensors, [logits, h, y])
+    if cfg.final_softcap:  # in place, the ops of `softcap` (same bits): 0.35 ms less on 262,144 logits
+        logits.div_(cfg.final_softcap).tanh_().mul_(cfg.final_softcap)
+    return logits, h, y
+
+
+def fused_layers(model, x: torch.Tensor, pos: torch.Tensor, caches: Sequence, n: int) -> Optional[torch.Tensor]:
+    """`fused_decode_step` through layers 0..n-1 only, for a model without per-layer inputs: x [B,
+    d] embedded -> the residual h [B, d] after layer n-1 (no final norm, no head), or None where
+    the graph does not apply. The first layers of a model whose others run on a GPU
+    (models/host_layers.py): their nodes are those of the whole token's graph, so h has its bits."""
+    ready = _ready(model, x, None, pos, caches, n)
+    if ready is None:
+        return None
+    layers, tensors, plan = ready
+    h = torch.empty(x.shape)
+    _graph(model, tensors, plan, layers, None, None, True, 1.0).run(tensors, [h])
+    return h
+
+
+def _ready(model, x, pl, pos, caches, n: int):
+    """(the first n step layers, the graph's inputs, its plan) for B rows, or None (module doc)."""
     if getattr(model, "runtime", None) is not Runtime.GGML or not env().cpu_step_graph:
         return None
     B = x.shape[0]
     if not 1 <= B <= MAX_ROWS or len(caches) != B:
         return None
-    cfg = model.cfg
     ropes = [model.rope(i, pos, rope_dtype(x)) for i in model.rope_sets()]
     tables = [t for r in ropes for t in r] + ([] if pl is None else [pl])
     if any(c.shape[-1] == 0 for c, _ in ropes) or not token_ready(x, caches, *tables):
         return None
-    layers = step_layers(model)
+    layers = step_layers(model, n)
     if layers is None:
         return None
     targets, rows = [], _rows(caches)
@@ -282,23 +321,21 @@ def fused_decode_step(model, x: torch.Tensor, pl: Optional[torch.Tensor], pos: t
         if t is None:
             return None
         targets.append(t)
-    head = model.head_w.matrix_for(MAX_ROWS) if is_ggml(model.head_w) else None
     tensors, plan = _plan(x, pl, ropes, layers, targets)
-    key = (tuple(layout(t) for t in tensors), tuple(plan), id(layers), id(head), v_norm, float(attn_scale))
+    return layers, tensors, plan
+
+
+def _graph(model, tensors, plan, layers, final_norm, head, v_norm, attn_scale) -> Graph:
+    """The graph for these inputs, kept on the model while their layouts stay (module doc)."""
+    cfg = model.cfg
+    key = (tuple(layout(t) for t in tensors), tuple(plan), id(layers), id(head), final_norm is None, v_norm,
+           float(attn_scale))
     kept = getattr(model, "_ggml_step_graph", None)
     if kept is None or kept[0] != key:
-        kept = (key, _build(tensors, plan, layers, model.w["output_norm.weight"], head, cfg.rms_eps,
-                            getattr(cfg, "n_expert_used", 0), cfg.d_model, v_norm, attn_scale))
+        kept = (key, _build(tensors, plan, layers, final_norm, head, cfg.rms_eps, getattr(cfg, "n_expert_used", 0),
+                            cfg.d_model, v_norm, attn_scale))
         model._ggml_step_graph = kept
-    h, y = torch.empty(x.shape), torch.empty(x.shape)
-    if head is None:  # a head off ggml (a torch format): the graph gives the normed rows
-        kept[1].run(tensors, [y, h])
-        return model.head(y), h, y
-    logits = torch.empty(B, head.shape[0])
-    kept[1].run(tensors, [logits, h, y])
-    if cfg.final_softcap:  # in place, the ops of `softcap` (same bits): 0.35 ms less on 262,144 logits
-        logits.div_(cfg.final_softcap).tanh_().mul_(cfg.final_softcap)
-    return logits, h, y
+    return kept[1]
 
 
 def _plan(x, pl, ropes, layers, targets) -> tuple[list[torch.Tensor], list]:
@@ -367,6 +404,9 @@ def _build(tensors, plan, layers, final_norm, head, eps, n_used, d, v_norm, attn
             h = g.add(h, norm_nodes(g, g.mul_mat(g.matrix(ly.ple[1]), e), c(ly.norms["post_norm"]), eps))
         if ly.scale is not None:
             h = g.scale(h, ly.scale)
+        if i + 1 == len(layers) and final_norm is None:  # the first layers only: h is the output
+            g.output(h)
+            return g.finish()
         a = norm_nodes(g, h, c(layers[i + 1].norms["attn"] if i + 1 < len(layers) else final_norm), eps)
     g.output(a if head is None else g.mul_mat(g.matrix(head), a))
     g.output(h)

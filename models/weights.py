@@ -172,7 +172,18 @@ def _int8_head(w: "QuantWeight", table) -> object | None:
 HOST_TABLES = ("token_embd.weight", "per_layer_token_embd.weight")
 
 
-def _file_bytes(source, name: str) -> int:
+def lookup_table(source, name: str, shape, weight_dtype: torch.dtype = torch.float16):
+    """A table only gathered from, in host memory as the CPU runtime keeps one (`load_weights` with
+    `cpu_quant`): GGUF rows read from the file on demand where its type allows, else `weight_dtype`
+    rows (HalfWeight for float16). The layers a model keeps on the CPU beside a GPU embed with it."""
+    q = _gguf_rows(source, name, shape, mapped=True)
+    if q is not None:
+        return q
+    t = source.load(name, shape, dtype=weight_dtype)
+    return HalfWeight(t) if weight_dtype == torch.float16 else t
+
+
+def file_bytes(source, name: str) -> int:
     """Bytes of tensor `name` as stored (GGUF: its quantized blocks), 0 when the source cannot say."""
     tensors = getattr(source, "tensors", None)
     t = tensors.get(name) if isinstance(tensors, dict) else None
@@ -180,11 +191,12 @@ def _file_bytes(source, name: str) -> int:
 
 
 def check_host_tensors(host_tensors, plan) -> None:
-    """Only expert banks stay in host memory beside a GPU so far: anything else is refused in one line."""
+    """Expert banks kept in host memory beside a GPU (whole layers are the model file's to split
+    off first: models/host_layers.py): anything else is refused in one line."""
     other = sorted(n for n in host_tensors if "_exps." not in n or not n.endswith(".weight"))
     if other:
         raise ValueError(f"{other[0]}{f' and {len(other) - 1} more' if len(other) > 1 else ''}: only MoE expert banks "
-                         "can stay in host RAM beside a GPU (whole layers and other tensors do not run there yet)")
+                         "and whole layers can stay in host RAM beside a GPU (parts of a layer do not run there)")
     missing = sorted(set(host_tensors) - set(plan))
     if missing:
         raise ValueError(f"{missing[0]}: no such expert bank in this model")
@@ -196,6 +208,22 @@ def check_host_tensors(host_tensors, plan) -> None:
     if left:
         raise ValueError(f"{left[0]}: a layer's expert banks stay in host RAM together (the others of "
                          f"blk.{left[0].split('.')[1]} are placed there)")
+
+
+def progress_parts(progress, source, plans: list) -> list:
+    """One `load_weights` progress callback per plan (name -> shape), reporting on one bar over
+    all of them (a model loaded in parts: the layers on the CPU beside a GPU, the rest)."""
+    if progress is None:
+        return [None] * len(plans)
+    counts = [len(p) for p in plans]
+    sizes = [sum(file_bytes(source, name) for name in p) for p in plans]
+
+    def part(j):
+        def report(done, total, bytes_done, bytes_total):
+            progress(sum(counts[:j]) + done, sum(counts), sum(sizes[:j]) + bytes_done, sum(sizes))
+        return report
+
+    return [part(j) for j in range(len(plans))]
 
 
 def load_weights(source, plan: dict, dtype: torch.dtype = torch.float32, device="cpu",
@@ -220,7 +248,7 @@ def load_weights(source, plan: dict, dtype: torch.dtype = torch.float32, device=
     # Tables only ever gathered from: the PLE table, and the token table when the head is untied.
     lookup_only = frozenset(["per_layer_token_embd.weight"] + (
         ["token_embd.weight"] if "output.weight" in plan else []))
-    sizes = [_file_bytes(source, name) for name in plan]
+    sizes = [file_bytes(source, name) for name in plan]
     total, done = sum(sizes), 0
 
     def one(name, shape, where, lookup=False):

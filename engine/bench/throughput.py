@@ -218,7 +218,7 @@ def gpu_bench(model=None, device="cuda", budget=None, kv_cache_dtype: str = "aut
         # context 0: a 1-token prompt; its first token, one untimed step, then decode_steps timed ones
         req, _ = prefill(max(c, 1), decode_steps + 2)
         engine.step()  # untimed: the slot tables grow to this context here (a graph re-capture on CUDA)
-        before, he0 = len(req.output_ids), engine.status().get("host_experts")
+        before, he0, cl0 = len(req.output_ids), engine.status().get("host_experts"), engine.status().get("cpu_layers")
         s = time_decode(engine, dev, decode_steps)
         n_done = len(req.output_ids) - before
         finish(req)
@@ -230,6 +230,8 @@ def gpu_bench(model=None, device="cuda", budget=None, kv_cache_dtype: str = "aut
         row["bandwidth_share"] = row["achieved_gbps"] / peak if peak else None
         if he0:
             row.update(host_expert_row(he0, engine.status()["host_experts"], n_done))
+        if cl0:
+            row.update(cpu_layer_row(cl0, engine.status()["cpu_layers"], n_done))
         add_row("decode", row)
     out["peak_memory_bytes"], out["peak_memory_source"] = _peak_memory(dev)
     out["table"] = _bench_table(out)
@@ -249,6 +251,16 @@ def host_expert_row(before: dict, after: dict, tokens: int) -> dict:
     if "lookups" in after:
         out["hit_rate"] = delta("hits") / delta("lookups") if delta("lookups") else 0.0
     return out
+
+
+def cpu_layer_row(before: dict, after: dict, tokens: int) -> dict:
+    """Per decode token, from two engine `cpu_layers` statuses (the first layers on the CPU beside
+    the GPU, models/host_layers.py): the residual's bytes over PCIe, the host's milliseconds in
+    its layers, and the crossings (one a forward; nothing comes back, no wait)."""
+    n = max(tokens, 1)
+    return {"layer_pcie_bytes_per_token": (after["to_device"] - before["to_device"]) / n,
+            "cpu_layer_ms_per_token": (after["cpu_ms"] - before["cpu_ms"]) / n,
+            "crossings_per_token": (after["crossings"] - before["crossings"]) / n}
 
 
 def time_decode(engine, device, steps: int) -> float:
@@ -301,6 +313,11 @@ def _bench_table(o: dict) -> str:
             lines.append(f"  context {r['context']}: host experts {r['pcie_bytes_per_token'] / 1e3:.1f} KB over PCIe, "
                          f"{r['cpu_expert_ms_per_token']:.2f} ms of CPU experts, {r['syncs_per_token']:.0f} syncs a token"
                          + (f", {100 * r['hit_rate']:.0f}% cache hits" if "hit_rate" in r else ""))
+    for r in o["decode"]:
+        if "layer_pcie_bytes_per_token" in r:
+            lines.append(f"  context {r['context']}: CPU layers {r['cpu_layer_ms_per_token']:.2f} ms, the residual "
+                         f"{r['layer_pcie_bytes_per_token'] / 1e3:.1f} KB over PCIe, "
+                         f"{r['crossings_per_token']:.0f} crossing a token")
     lines.append(f"bytes read per decode token = device weights {o['weight_bytes_per_token'] / 1e6:.1f} MB "
                  f"(lookup tables excluded) + KV of every attending layer at that context; peak bandwidth "
                  + (f"{peak:.0f} GB/s" if peak else "n/a (unknown device; --peak-bandwidth GBps)"))

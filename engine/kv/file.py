@@ -117,8 +117,8 @@ def snapshot(pools, cache, window: Optional[int], tokens: list[int], model_id: s
 
 
 def _gather(out: dict, prefix: str, pool, slots: torch.Tensor) -> None:
-    s = slots.to(pool.device)
     for i in pool.layers:
+        s = slots.to(pool.k[i].device)  # the pool's device, or the host for the CPU's layers beside a GPU
         out[f"{prefix}.{i}.k"] = pool.k[i][s].cpu()
         out[f"{prefix}.{i}.v"] = pool.v[i][s].cpu()
         if pool.fmt.scaled:
@@ -304,10 +304,11 @@ def _served(cache, prompt_ids: list[int]) -> int:
 def _scatter(t: dict, prefix: str, pool, slots: torch.Tensor, rows: slice) -> None:
     if not len(slots):
         return
-    s = slots.to(pool.device)
     for i in pool.layers:
-        pool.k[i][s] = t[f"{prefix}.{i}.k"][rows].to(pool.device)
-        pool.v[i][s] = t[f"{prefix}.{i}.v"][rows].to(pool.device)
+        dev = pool.k[i].device  # the pool's device, or the host for the CPU's layers beside a GPU
+        s = slots.to(dev)
+        pool.k[i][s] = t[f"{prefix}.{i}.k"][rows].to(dev)
+        pool.v[i][s] = t[f"{prefix}.{i}.v"][rows].to(dev)
         if pool.fmt.scaled:
-            pool.k_scale[i][s] = t[f"{prefix}.{i}.k_scale"][rows].to(pool.device)
-            pool.v_scale[i][s] = t[f"{prefix}.{i}.v_scale"][rows].to(pool.device)
+            pool.k_scale[i][s] = t[f"{prefix}.{i}.k_scale"][rows].to(dev)
+            pool.v_scale[i][s] = t[f"{prefix}.{i}.v_scale"][rows].to(dev)

@@ -5,6 +5,10 @@ layer of its attention type. KV-shared layers own nothing: they read their sourc
 found through `config.kv_shared_layers` (via `kv_source`), the same list attention reads. A slot
 is one token of one sequence in every slab of its pool ("pages of size 1").
 
+Beside a GPU, the slabs of the layers the CPU computes (`host_layers`: whole layers in host RAM,
+models/host_layers.py) are host memory in the same format; a slot still names one token in every
+slab of its pool, whichever side holds the slab.
+
 `share_kv=False` is a debug mode: every layer gets its own slab and a source layer's K/V are also
 copied into the slabs of the layers that share it, so tests can check the mapping changes nothing.
 """
@@ -39,18 +43,21 @@ def _zeros(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tens
 
 
 class KVPool:
-    """Slabs of one attention type. k[layer]: [capacity, n_kv, hd] in the format's value dtype."""
+    """Slabs of one attention type. k[layer]: [capacity, n_kv, hd] in the format's value dtype, on
+    `device`, or in host memory for the `host_layers` (the CPU's layers beside a GPU)."""
 
     def __init__(self, name: str, layer_dims: dict[int, tuple[int, int]], capacity: int, fmt: KVFormat,
-                 device="cpu"):
+                 device="cpu", host_layers=frozenset()):
         self.name, self.fmt, self.capacity, self.device = name, fmt, int(capacity), torch.device(device)
         self.layers = sorted(layer_dims)
+        self.host_layers = frozenset(i for i in host_layers if i in layer_dims)
+        where = {i: torch.device("cpu") if i in self.host_layers else self.device for i in self.layers}
         cap = self.capacity if self.layers else 0
-        self.k = {i: _zeros((cap, *layer_dims[i]), fmt.value_dtype, self.device) for i in self.layers}
-        self.v = {i: _zeros(tuple(self.k[i].shape), fmt.value_dtype, self.device) for i in self.layers}
+        self.k = {i: _zeros((cap, *layer_dims[i]), fmt.value_dtype, where[i]) for i in self.layers}
+        self.v = {i: _zeros(tuple(self.k[i].shape), fmt.value_dtype, where[i]) for i in self.layers}
         self.k_scale = self.v_scale = None
         if fmt.scaled:
-            self.k_scale = {i: torch.zeros((cap, layer_dims[i][0]), device=self.device) for i in self.layers}
+            self.k_scale = {i: torch.zeros((cap, layer_dims[i][0]), device=where[i]) for i in self.layers}
             self.v_scale = {i: torch.zeros_like(self.k_scale[i]) for i in self.layers}
         self.unit_bytes = sum(fmt.unit_bytes(*layer_dims[i]) for i in self.layers)
         # Free slots, in a structure whose cost does not grow with the capacity: the never-used
@@ -124,7 +131,7 @@ class KVPool:
     # --- data ------------------------------------------------------------------------------
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, n_kv, hd] at slots [T] of `layer`'s slab (quantizing 8-bit formats)."""
-        s = slots.to(self.device)
+        s = slots.to(self.k[layer].device)
         kq, ks = self.fmt.quantize(k)
         vq, vs = self.fmt.quantize(v)
         self.k[layer][s] = kq
@@ -134,8 +141,8 @@ class KVPool:
             self.v_scale[layer][s] = vs
 
     def read(self, layer: int, slots: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [S, n_kv, hd] in `dtype` gathered from slots [S]."""
-        s = slots.to(self.device)
+        """K, V [S, n_kv, hd] in `dtype` gathered from slots [S] (on the slab's device)."""
+        s = slots.to(self.k[layer].device)
         ks = self.k_scale[layer][s] if self.fmt.scaled else None
         vs = self.v_scale[layer][s] if self.fmt.scaled else None
         return (self.fmt.dequantize(self.k[layer][s], ks, dtype),
@@ -143,20 +150,23 @@ class KVPool:
 
     def status(self) -> dict:
         return {"format": self.fmt.name, "capacity": self.capacity, "used": self.n_used, "free": self.n_free,
-                "unit_bytes": self.unit_bytes, "slabs": len(self.layers)}
+                "unit_bytes": self.unit_bytes, "slabs": len(self.layers), "host_slabs": len(self.host_layers)}
 
 
 class HybridKVPool:
     """The full pool and the window pool of one model, and the layer -> slab mapping."""
 
     def __init__(self, cfg, full_tokens: int, window_tokens: int, fmt: KVFormat,
-                 swa_fmt: Optional[KVFormat] = None, device="cpu", share_kv: bool = True):
+                 swa_fmt: Optional[KVFormat] = None, device="cpu", share_kv: bool = True, host_layers=()):
         self.cfg, self.share_kv = cfg, share_kv
+        # the slabs (slab layers, `slab`) the CPU reads beside a GPU: those of its whole layers
+        self.host_layers = frozenset(host_layers)
         full_layers = owning_layers(cfg, sliding=False, share_kv=share_kv)
         win_layers = owning_layers(cfg, sliding=True, share_kv=share_kv)
-        self.full = KVPool("full", {i: _dims(cfg, i) for i in full_layers}, full_tokens, fmt, device)
+        self.full = KVPool("full", {i: _dims(cfg, i) for i in full_layers}, full_tokens, fmt, device,
+                           self.host_layers)
         self.window = KVPool("window", {i: _dims(cfg, i) for i in win_layers}, window_tokens,
-                             swa_fmt or fmt, device)
+                             swa_fmt or fmt, device, self.host_layers)
         # Debug mode: source layer -> the shared layers that keep a copy of its K/V.
         self.copies: dict[int, list[int]] = {}
         if not share_kv:

@@ -4,6 +4,10 @@ Full pool: one slot per position 0..n-1. Window pool: slots only for the positio
 can still see (the last `window - 1` before the next position), so a sequence holds at most
 window + chunk window slots however long it gets. Slots that came from the prefix cache are not
 this sequence's to free; `full_owned` / `win_owned` say which are.
+
+Beside a GPU, the slabs of the layers the CPU computes (`HybridKVPool.host_layers`) are read and
+written as on the CPU runtime whatever the device's backend: host slots, float32 reads, ggml's
+decode attention where the host runtime attends on it (`host_ggml_attention`).
 """
 from __future__ import annotations
 
@@ -51,7 +55,7 @@ def ggml_attention_for(model, backend=None) -> bool:
 
 class SequenceKV:
     def __init__(self, pools: HybridKVPool, window: Optional[int], dtype=torch.float32, margin: int = 64,
-                 backend=None, ggml_attention: bool = False):
+                 backend=None, ggml_attention: bool = False, host_ggml_attention: bool = False):
         # margin: window positions kept beyond what attention needs, so a cached prefix can be
         # served from up to `margin` tokens before the point where it was stored.
         self.pools, self.window, self.dtype, self.margin = pools, window, dtype, margin
@@ -59,6 +63,7 @@ class SequenceKV:
         # decode attention on ggml's kernel: what the model's runtime says, decided once by whoever
         # builds this (the engine: `ggml_attention_for`); False: the torch products
         self.ggml_attention = ggml_attention
+        self.host_ggml_attention = host_ggml_attention  # the same for the host slabs' layers
         self.has_window = bool(pools.window.layers)
         self.full_slots = _EMPTY.clone()  # [n] slot of position p at index p
         self.full_owned = torch.empty(0, dtype=torch.bool)  # False: the prefix cache owns it
@@ -132,14 +137,24 @@ class SequenceKV:
         t = self.tables()["pos"]
         return t if t.device.type == torch.device(device).type else self._pos.to(device)
 
+    def _on_host(self, slab: int) -> bool:
+        """Whether `slab` (a slab layer, `pools.slab`) is one of the CPU's beside a GPU."""
+        return slab in self.pools.host_layers
+
+    def _dtype(self, slab: int):
+        return torch.float32 if self._on_host(slab) else self.dtype  # the CPU runtime computes in float32
+
     def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self._on_host(self.pools.slab(layer)):  # the host slab: CPU slots, the pool's own store
+            self.pools.write(layer, *self.step_slots, k, v)
+            return
         t = self.tables()
         self.pools.write(layer, t["new_full"], t["new_win"], k, v, None if self.backend is None else self.backend.store)
 
     def slab_target(self, layer: int):
         """A kernel backend (triton): the slabs and slots the models' fused attention prologue
         stores this forward's K/V into itself (models.kv_cache.SlabTarget); None otherwise."""
-        if getattr(self.backend, "name", None) != "triton":
+        if getattr(self.backend, "name", None) != "triton" or self._on_host(self.pools.slab(layer)):
             return None
         t = self.tables()
         return self.pools.slab_target(layer, t["new_full"], t["new_win"])
@@ -150,8 +165,10 @@ class SequenceKV:
             return self.win_slots, self.win_pos
         return self.full_slots, torch.arange(len(self))
 
-    def _device_slots(self, pool) -> tuple[torch.Tensor, torch.Tensor]:
-        """`_slots` on the pools' device, from this forward's one table copy."""
+    def _device_slots(self, pool, host: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_slots` on the pools' device, from this forward's one table copy (`host`: the CPU's)."""
+        if host:
+            return self._slots(pool)
         t = self.tables()
         return (t["win_slots"], t["win_pos"]) if pool is self.pools.window else (t["full_slots"], t["full_pos"])
 
@@ -174,19 +191,19 @@ class SequenceKV:
     def _views(self, pool, slab: int, spans) -> tuple[list, list]:
         """K and V of each span as (dequantized) views of the slab: no gather."""
         def run(t, f, a, b):
-            return pool.fmt.dequantize(t[slab][f:f + b - a], None, self.dtype)
+            return pool.fmt.dequantize(t[slab][f:f + b - a], None, self._dtype(slab))
         return [run(pool.k, *sp) for sp in spans], [run(pool.v, *sp) for sp in spans]
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         slab = self.pools.slab(layer)
         if slab not in self._reads:  # KV-shared layers re-read their source's slab: gather once a step
             pool = self.pools.pool_of(slab)
-            slots, positions = self._device_slots(pool)
+            slots, positions = self._device_slots(pool, self._on_host(slab))
             spans = self._spans(pool)
             if spans is not None and len(spans) == 1:  # consecutive slots (a sequence alone in a fresh pool)
                 (k,), (v,) = self._views(pool, slab, spans)
             else:
-                k, v = pool.read(slab, slots, self.dtype)
+                k, v = pool.read(slab, slots, self._dtype(slab))
             self._reads[slab] = (k, v, positions)
         return self._reads[slab]
 
@@ -239,10 +256,11 @@ class SequenceKV:
             slots = self._visible_slots(pool, window)
             s0, n = int(slots[0]), slots.numel()
             if not pool.fmt.scaled and int(slots[-1]) - s0 == n - 1:
-                self._reads[key] = (pool.fmt.dequantize(pool.k[slab][s0:s0 + n], None, self.dtype),
-                                    pool.fmt.dequantize(pool.v[slab][s0:s0 + n], None, self.dtype))
+                dtype = self._dtype(slab)
+                self._reads[key] = (pool.fmt.dequantize(pool.k[slab][s0:s0 + n], None, dtype),
+                                    pool.fmt.dequantize(pool.v[slab][s0:s0 + n], None, dtype))
             else:
-                self._reads[key] = pool.read(slab, slots, self.dtype)
+                self._reads[key] = pool.read(slab, slots, self._dtype(slab))
         return self._reads[key]
 
     def _gathered_window(self, layer: int, window: Optional[int]):
@@ -268,7 +286,7 @@ class SequenceKV:
             at = torch.full((b - a,), -1, dtype=torch.long)
             keep = (positions >= a) & (positions < b)
             at[positions[keep] - a] = slots[keep]
-            k, v = pool.read(slab, at.clamp_min(0), self.dtype)
+            k, v = pool.read(slab, at.clamp_min(0), self._dtype(slab))
             absent = (at < 0).to(k.device)
             self._reads[key] = (k.masked_fill_(absent[:, None, None], 0.0),
                                 v.masked_fill_(absent[:, None, None], 0.0))
@@ -279,9 +297,11 @@ class SequenceKV:
         row `row` of this forward computed in one ggml graph (models/token_graph.py: a decode
         token, or a row of a draft's verify), or None (attention not on ggml's kernel, a kernel
         backend, the debug copies, not float32, or a window `_masked` does not give)."""
-        if not self.ggml_attention or self.backend is not None or self.pools.copies or self._step is None:
-            return None
         slab = self.pools.slab(layer)
+        host = self._on_host(slab)
+        ggml = self.host_ggml_attention if host else self.ggml_attention and self.backend is None
+        if not ggml or self.pools.copies or self._step is None:
+            return None
         pool = self.pools.pool_of(slab)
         if pool.k[slab].dtype != torch.float32 or pool.fmt.scaled:
             return None
@@ -314,12 +334,14 @@ class SequenceKV:
         tiles; a kernel backend reads the slots in place. `last_key` [T] (an image on a sliding
         layer of 26B/31B, models/image_attention.py): the chunk's image rows also see the rest of
         their image (one gather, untiled); one row (a decode step) never carries one."""
-        if self.backend is None:
+        host = self._on_host(self.pools.slab(layer))
+        if self.backend is None or host:  # the host slabs beside a GPU: as on the CPU runtime
             decode = q.shape[0] == 1 and q.device.type == "cpu"
             # ggml's kernel reads float32 rows with a unit last stride: a dtype and layout condition,
             # not a runtime one. The exactness tests run float64 models through this same code, and
             # a float64 (or strided) query keeps the torch products below.
-            on_ggml = self.ggml_attention and decode and q.dtype == torch.float32 and q.stride(-1) == 1
+            ggml = self.host_ggml_attention if host else self.ggml_attention
+            on_ggml = ggml and decode and q.dtype == torch.float32 and q.stride(-1) == 1
             if on_ggml and not self.pools.pool_of(self.pools.slab(layer)).fmt.scaled:
                 # llama.cpp's kernel over a window of the slab, or of the keys gathered in order
                 masked = self._masked(layer, window) or self._gathered_window(layer, window)

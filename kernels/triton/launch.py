@@ -40,8 +40,8 @@ import torch
 
 from ..arch import triton_supported
 
-__all__ = ["Launch", "LaunchRecord", "check_device", "interpreting", "kernels_on_cpu", "record_launches",
-           "recording", "reload_interpret", "triton_interpret", "use_kernels"]
+__all__ = ["Launch", "LaunchRecord", "check_device", "host_compute", "interpreting", "kernels_on_cpu",
+           "record_launches", "recording", "reload_interpret", "triton_interpret", "use_kernels"]
 
 _state = threading.local()  # cpu_kernels: depth of kernels_on_cpu(); record: the active LaunchRecord
 # The values Triton's getenv_bool takes as true (any case; anything else is false): the same
@@ -135,6 +135,19 @@ def kernels_on_cpu() -> Iterator[None]:
         yield
     finally:
         _state.cpu_kernels -= 1
+
+
+@contextlib.contextmanager
+def host_compute() -> Iterator[None]:
+    """Inside: CPU tensors keep the CPU path even within `kernels_on_cpu()`: the work a GPU's host
+    does beside it (whole layers in host RAM, models/host_layers.py), which on a real machine never
+    meets a kernel (its tensors are not CUDA ones). Outside `kernels_on_cpu()` it changes nothing."""
+    depth = getattr(_state, "cpu_kernels", 0)
+    _state.cpu_kernels = 0
+    try:
+        yield
+    finally:
+        _state.cpu_kernels = depth
 
 
 @dataclass

@@ -210,7 +210,9 @@ def test_the_app_shows_the_placement_notice_in_its_loading_plan(tiny_moe):
         session.client.close()
 
 
-def test_a_cuda_load_keeps_the_planned_banks_and_refuses_whole_layers_in_one_line(moe, dense):
+def test_a_cuda_load_keeps_the_planned_banks_and_whole_dense_layers_and_refuses_moe_layers(moe, dense):
+    """31B's first whole layers run on the CPU beside a GPU (models/host_layers.py): the load keeps
+    every tensor of them in host RAM; 26B's whole layers do not run yet: one line before the load."""
     from dataclasses import replace as with_
 
     from engine.api import EngineOptions, host_placement
@@ -219,9 +221,12 @@ def test_a_cuda_load_keeps_the_planned_banks_and_refuses_whole_layers_in_one_lin
     kept = host_placement(moe, opts)
     assert kept == {n for n in moe.tensors if n.endswith("_exps.weight")}
     assert host_placement(moe, with_(opts, gpu_memory_budget="24GiB")) == frozenset()
+    layers = host_placement(dense, with_(opts, gpu_memory_budget="12GiB", ctx_size=32768))
+    assert layers == {n for n in dense.tensors if n.startswith(tuple(f"blk.{i}." for i in range(28)))}
     with pytest.raises(ValueError) as e:
-        host_placement(dense, with_(opts, gpu_memory_budget="12GiB", ctx_size=32768))
-    assert "whole layers 0-27 in host RAM" in str(e.value) and "\n" not in str(e.value)
+        host_placement(moe, with_(opts, gpu_memory_budget="4GiB"))
+    msg = str(e.value)
+    assert "whole layers 0-1 in host RAM" in msg and "mixture of experts" in msg and "\n" not in msg
 
 
 def test_the_draft_and_the_head_stay_on_the_gpu_when_banks_leave(moe, tmp_path):
