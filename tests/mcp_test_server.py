@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import base64
 import os
+from typing import Literal
 
 from mcp.server.mcpserver import Context, Image, MCPServer
 
@@ -26,6 +27,10 @@ def build(name: str, bad_schema: bool) -> MCPServer:
     @server.tool(description="Add two integers.")
     def add(a: int, b: int) -> int:
         return a + b
+
+    @server.tool(description="The time in a zone (an enum argument: a tiny random model forced to call it ends).")
+    def clock(zone: Literal["utc", "cet"]) -> str:
+        return f"12:34 {zone}"
 
     @server.tool(description="Sleep, then answer.")
     async def slow(seconds: float) -> str:

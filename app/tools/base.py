@@ -80,6 +80,11 @@ class ToolSource(ABC):
     def tools(self) -> list[ToolSpec]:
         """This source's tools with their own names (the ToolBox renames on collisions)."""
 
+    def listed_tools(self) -> list[ToolSpec]:
+        """The tools this source listed when it was last ready (a failed server's, to say why a
+        call to one of them cannot run)."""
+        return self.tools()
+
     @abstractmethod
     def call(self, tool: str, arguments: dict, timeout: float) -> ToolResult:
         """Run `tool` (already validated against its schema); never raises for the tool's failure."""

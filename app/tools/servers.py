@@ -99,6 +99,10 @@ class McpServer(ToolSource):
         with self._lock:
             return list(self._tools) if self._state is ServerState.READY else []
 
+    def listed_tools(self) -> list[ToolSpec]:
+        with self._lock:
+            return list(self._tools)
+
     def call(self, tool: str, arguments: dict, timeout: float) -> ToolResult:
         state = self.status()
         if state.state is not ServerState.READY:

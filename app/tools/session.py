@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 from .approval import ApprovalPolicy
 from .base import ServerState
 from .config import ToolsConfig
-from .toolbox import ToolBox
+from .toolbox import DEFAULT_CALL_TIMEOUT, ToolBox
 
 SWITCHES_FILE = "tool-switches.json"
 DEFAULT_MAX_STEPS = 8
@@ -30,6 +30,7 @@ class ToolOptions:
     yes_tools: bool = False
     max_steps: int = DEFAULT_MAX_STEPS
     start_timeout: Optional[float] = None
+    call_timeout: float = DEFAULT_CALL_TIMEOUT  # seconds a call may take (its result then says it timed out)
     extra_sources: list = field(default_factory=list)  # more ToolSources (tests: a scripted one)
 
 
@@ -39,7 +40,8 @@ class AppTools:
         self.switches_path = Path(data_dir) / SWITCHES_FILE
         self.warning = ""  # one line when the switches file could not be read
         self.box = ToolBox.create(options.config, options.allow_dirs, shell=options.shell,
-                                  start_timeout=options.start_timeout, disabled=self._load_switches(),
+                                  call_timeout=options.call_timeout, start_timeout=options.start_timeout,
+                                  disabled=self._load_switches(),
                                   extra=options.extra_sources)
         self.policy = ApprovalPolicy(Path(data_dir) / "tool-approvals.json", yes_tools=options.yes_tools)
 

@@ -111,8 +111,13 @@ class ToolBox:
         read, never an exception; arguments that fail the schema run nothing."""
         spec = self.find(name)
         if spec is None:
-            for status in self.statuses():  # a tool of a server that failed (or is still starting)
-                if name.startswith(f"{safe_name(status.name)}__") and status.state is not ServerState.READY:
+            for src in self.sources:  # a tool of a server that failed (or is still starting)
+                status = src.status()
+                if status.state is ServerState.READY:
+                    continue
+                prefix = f"{safe_name(src.name)}__"
+                if name.startswith(prefix) or any(name in (safe_name(t.tool), prefix + safe_name(t.tool))
+                                                  for t in src.listed_tools()):
                     return ToolResult.error(f"{name}: {status.line()}")
             near = [t.name for t in self.tools() if t.name.endswith(f"__{name}")]
             return ToolResult.error(f"unknown tool {name!r}" + (f" (did you mean {' or '.join(near)}?)" if near else ""))

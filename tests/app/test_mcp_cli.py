@@ -28,7 +28,7 @@ def test_mcp_list_prints_each_server_and_its_tools(config, tmp_path, capsys):
     assert out[0] == f"{config}: 2 servers"
     assert out[1] == "builtin: ready (3 tools)"
     assert "  date_time [on]  The current date, time and day of the week, in the local time zone or a given one." in out
-    assert "test: ready (8 tools)" in out
+    assert "test: ready (9 tools)" in out
     assert "  add [on]  Add two integers." in out and "  echo [on]  Return the text unchanged." in out
     assert any(line.startswith("  ! tool 'broken' refused: its input schema is not valid JSON Schema") for line in out)
     assert out[-1] == "gone: failed (cannot run 'edgegem-no-such-command': no such file or command)"
@@ -41,7 +41,7 @@ def test_mcp_list_json(config, capsys):
     builtin, test, gone = data["servers"]
     assert [t["name"] for t in builtin["tools"]] == ["date_time", "shell"]
     assert builtin["tools"][1]["always_ask"] is True
-    assert (test["state"], test["transport"], len(test["tools"])) == ("ready", "stdio", 8)
+    assert (test["state"], test["transport"], len(test["tools"])) == ("ready", "stdio", 9)
     add = next(t for t in test["tools"] if t["name"] == "add")
     assert add["enabled"] and add["input_schema"]["required"] == ["a", "b"]
     assert test["notes"][0].startswith("tool 'broken' refused")

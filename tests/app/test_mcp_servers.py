@@ -63,7 +63,7 @@ def _status(box, name):
 
 def test_every_server_is_one_status_line(box):
     lines = {s.name: s.line() for s in box.statuses()}
-    assert lines["test"] == "test: ready (8 tools)" and lines["other"] == "other: ready (8 tools)"
+    assert lines["test"] == "test: ready (9 tools)" and lines["other"] == "other: ready (9 tools)"
     assert lines["time"] == "time: ready (2 tools)"
     assert lines["missing"] == "missing: failed (cannot run 'edgegem-no-such-command': no such file or command)"
     assert lines["exits"] == "exits: failed (exited before answering (stderr: missing API key))"
@@ -180,7 +180,7 @@ def test_a_server_that_dies_mid_call_fails_alone():
         assert r.is_error and r.text == "error: server 'crashy' exited during the call"
         st = b.statuses()[1]
         assert st.state is ServerState.FAILED and st.error.startswith("exited during a call to crash")
-        assert b.call("echo", {"text": "x"}).text.startswith("error: unknown tool 'echo'")
+        assert b.call("echo", {"text": "x"}).text == "error: echo: crashy: failed (exited during a call to crash)"
         assert b.call("crashy__echo", {"text": "x"}).text.startswith("error: crashy__echo: crashy: failed")
         assert not b.call("date_time", {}).is_error  # the built-ins go on
 
@@ -205,7 +205,7 @@ def test_streamable_http_server_with_headers():
                 time.sleep(0.1)
         with _box({"web": {"url": f"http://127.0.0.1:{port}/mcp", "headers": {"X-Edgegem-Test": "yes"}}}) as b:
             assert b.wait_started(90)
-            assert b.statuses()[1].line() == "web: ready (8 tools)"
+            assert b.statuses()[1].line() == "web: ready (9 tools)"
             assert b.call("add", {"a": 20, "b": 22}).text == "42"
             assert b.call("header", {"name": "X-Edgegem-Test"}).text == "yes"
     finally:
@@ -233,7 +233,7 @@ def test_close_stops_the_servers_and_later_calls_say_so(tmp_path):
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # gone, and reaped
     assert b.statuses()[1].state is ServerState.STOPPED
-    assert b.call("echo", {"text": "x"}).text.startswith("error: unknown tool 'echo'")
+    assert b.call("echo", {"text": "x"}).text == "error: echo: test: stopped"
 
 
 def test_schema_checks_in_one_line():

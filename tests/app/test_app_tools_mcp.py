@@ -1,0 +1,93 @@
+"""Tools in the chat app with real MCP servers (tests/mcp_test_server.py over stdio): the real
+engine on a tiny Gemma-4 forced to call a tool (tool_choice "required") with each result reaching
+the model's next prompt, and, on the scripted model, a hung call's timeout and a server that dies
+during a call, each one line in the conversation and the Tools screen."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from gguf import GGUFValueType
+
+from app.backend import EngineBackend, EngineOptions
+from app.screens.tools import ToolsScreen
+from app.tools.base import ServerState
+from app.tools.config import ToolsConfig, parse_servers
+from app.tools.session import AppTools, ToolOptions
+from models.tool_format import response_block
+from tests.app.test_app import make_app, on_screen, open_chat, until
+from tests.app.test_app_tools import approve, ask, done
+from tests.app_fakes import FakeBackend, ToolFakeClient
+from tests.tiny_models import TinySpec, write_tiny_gemma4
+
+SERVER = str(Path(__file__).resolve().parents[1] / "mcp_test_server.py")
+TEMPLATE = (Path(__file__).parents[1] / "data" / "google-gemma-4-31B-it.jinja").read_text()
+# where the random model picks, only the test server's clock stays on (its enum argument ends a
+# forced call within a few tokens; a free string or integer can run to max_tokens)
+OFF = ["builtin/date_time"] + [f"test/{t}" for t in ("echo", "add", "slow", "fail", "big", "crash", "image",
+                                                      "header")]
+
+
+def mcp_tools(data: Path, call_timeout: float = 60.0, off=()) -> AppTools:
+    data.mkdir(parents=True, exist_ok=True)
+    (data / "tool-switches.json").write_text(json.dumps({"off": list(off)}))
+    config = ToolsConfig(Path("mcp.json"), parse_servers({"mcpServers": {"test": {
+        "command": sys.executable, "args": [SERVER]}}}, "test"))
+    return AppTools(ToolOptions(config, call_timeout=call_timeout, start_timeout=60.0), data)
+
+
+async def ready(pilot, tools: AppTools) -> None:
+    await until(pilot, lambda: tools.box.statuses()[-1].state is not ServerState.STARTING, timeout=60)
+    assert tools.box.statuses()[-1].state is ServerState.READY, tools.box.statuses()[-1].line()
+
+
+async def test_a_tiny_gemma4_calls_an_mcp_tool_and_each_step_prefills_only_the_result(tmp_path):
+    model = write_tiny_gemma4(tmp_path / "tools.gguf", TinySpec(tool_tokens=True, extra={
+        "tokenizer.chat_template": (TEMPLATE, GGUFValueType.STRING)}), seed=41)
+    tools = mcp_tools(tmp_path / "data", off=OFF)
+    app = make_app(tmp_path, EngineBackend(str(model), EngineOptions(), device="cpu"), tools=tools)
+    app.default_settings = {"tool_choice": "required", "tool_steps": 2, "temperature": 0.0, "max_tokens": 96}
+    async with app.run_test(size=(120, 36)) as pilot:
+        await open_chat(pilot)
+        await ready(pilot, tools)
+        chat = await ask(pilot, "What time is it?")
+        await approve(pilot, "c")  # this conversation: the second call runs without asking
+        await done(pilot, chat)
+        replies = [m for m in chat.messages if m.role == "assistant"]
+        assert len(replies) == 2 and all(r.tool["calls"] for r in replies)  # two steps, then the limit
+        first_results = chat.messages[2:chat.messages.index(replies[1])]
+        assert [r.role for r in first_results] == ["tool"] * len(replies[0].tool["calls"])
+        for call, result in zip(replies[0].tool["calls"], first_results):
+            # the server ran each call with the arguments the model wrote
+            assert call["name"] == "clock" and result.tool["status"] == "ok"
+            assert result.content == f"12:34 {call['arguments']['zone']}"
+        # the continuation prefilled the result blocks and nothing else
+        tok = chat.client.loaded.tokenizer
+        blocks = tok.encode("".join(response_block("clock", r.content) for r in first_results), add_bos=False)
+        assert replies[1].stats["prefilled_tokens"] in (len(blocks), len(blocks) - 1)  # the opening marker
+        stored = app.store.messages(chat.conversation_id)  # may be the model's own end token
+        assert [(m.role, m.content) for m in stored] == [(m.role, m.content) for m in chat.messages]
+
+
+async def test_a_hung_call_times_out_and_a_dying_server_is_one_line(tmp_path):
+    tools = mcp_tools(tmp_path / "data", call_timeout=2.0)
+    client = ToolFakeClient(replies=[{"pieces": ["Slow."], "calls": [{"name": "slow", "arguments": {"seconds": 30}}]},
+                                     {"pieces": ["Crash."], "calls": [{"name": "crash", "arguments": {}}]},
+                                     {"pieces": ["Again."], "calls": [{"name": "echo", "arguments": {"text": "hi"}}]}])
+    tools.policy.yes_tools = True
+    app = make_app(tmp_path, FakeBackend(client), tools=tools)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await open_chat(pilot)
+        await ready(pilot, tools)
+        chat = await ask(pilot, "Go")
+        await done(pilot, chat)
+        results = [m for m in chat.messages if m.role == "tool"]
+        assert [r.tool["status"] for r in results] == ["error", "error", "error"]
+        assert results[0].content == "error: slow did not answer within 2 s"
+        assert results[1].content == "error: server 'test' exited during the call"
+        assert results[2].content == "error: echo: test: failed (exited during a call to crash)"  # the dead server
+        assert chat.messages[-1].content == "It is 12:34."  # the model answered after all
+        await pilot.press("ctrl+g")
+        await on_screen(pilot, ToolsScreen)
+        await until(pilot, lambda: any("failed" in str(w.render()) for w in pilot.app.screen.query(".server")))
