@@ -70,8 +70,10 @@ def duration(seconds: float) -> str:
 
 
 def chip_label(name: str, size: int, tokens: int, seconds: Optional[float] = None) -> str:
-    """One sent image or clip: "name · 12.3 KiB · 266 tok" / "name · 4.2 s · 105 tok"."""
-    return f"{name} · {human_bytes(size) if seconds is None else duration(seconds)} · {tokens} tok"
+    """One sent image or clip: "name · 12.3 KiB · 266 tok" / "name · 4.2 s · 105 tok"; a tool
+    result's image, which the model does not read, has no tokens: "name · 69 B"."""
+    label = f"{name} · {human_bytes(size) if seconds is None else duration(seconds)}"
+    return label + (f" · {tokens} tok" if tokens else "")
 
 
 def path_of(text: str) -> Optional[Path]:
@@ -137,6 +139,19 @@ def attachment_from_bytes(data: bytes, name: str, budget: int, kind: str = "imag
     except ValueError as e:  # models.*Error / engine MediaRequestError: one line already
         raise AttachError(str(e).splitlines()[0]) from None
     return Attachment(name, data, image.n_tokens, budget, _ext(data, Path("x" + suffix)), tuple(image.source_size))
+
+
+def shown_image(data: bytes) -> str:
+    """An image only shown (a tool's result): its copy's suffix; AttachError when Pillow cannot
+    read it. Not checked for encoding (size, budget): the model does not read it."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            im.verify()
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+        raise AttachError(f"not an image Pillow can read ({e.__class__.__name__})") from None
+    return _ext(data, Path("x"))
 
 
 def _audio_ext(data: bytes, suffix: str) -> str:

@@ -64,6 +64,7 @@ class Generation:
     view_done: bool = False  # `view` holds a finished reply with calls (UI thread)
     tool_views: dict = field(default_factory=dict)  # call id -> its "running" MessageView (UI thread)
     pending_calls: dict = field(default_factory=dict)  # call id -> the last reply's calls not yet answered
+    tool_images: dict = field(default_factory=dict)  # call id -> [(bytes, mime)] a result brought (worker)
     last_stats: Optional[dict] = None  # the worker's last finished step
     error_kind: object = None
 
@@ -283,7 +284,9 @@ class ChatScreen(ChatToolsMixin, MediaInputMixin, RecordMixin, ChatCommandsMixin
         # A user message's images and clips go with it on every turn (the copies in the data
         # folder): the prefix cache keys them by content, so earlier ones are not encoded again.
         # Tool calls and their results go back as the template's blocks (conversation_format).
-        msgs += [{**prompt_message(m), **self.message_media(m)} for m in self.messages
+        # A tool result's images are shown, not given back: the model reads the result's text (one
+        # line per image), the template's tool response has no place for images.
+        msgs += [{**prompt_message(m), **(self.message_media(m) if m.role != "tool" else {})} for m in self.messages
                  if m.role in ("user", "assistant", "tool") and m.status != "error"]
         return msgs
 

@@ -15,6 +15,7 @@ from typing import Optional
 
 from textual.containers import VerticalScroll
 
+from app.attachments import AttachError, shown_image
 from app.backend import DECLINED, run_tool_loop, split_thinking
 from app.messages import (GenerationDone, ToolApprovalNeeded, ToolCallFinished, ToolCallStarted, ToolStepDone,
                           ToolStepStarted)
@@ -112,7 +113,11 @@ class ChatToolsMixin:
 
         def call_tool(call: dict) -> tuple[str, bool]:
             self.post_message(ToolCallStarted(g.id, call))
-            return tools.box.call_for_loop(call)
+            fn = call.get("function", {})
+            r = tools.box.call(fn.get("name", ""), fn.get("arguments"))
+            if r.images:  # shown as chips with the result (the model reads the text's line for each)
+                g.tool_images[call.get("id")] = r.images
+            return r.text, r.is_error
 
         try:
             out = run_tool_loop(self.client, msgs, params, call_tool, approve,
@@ -173,7 +178,8 @@ class ChatToolsMixin:
     async def _keep_result(self, g, call: dict, text: str, status: str) -> None:
         c = stored_calls([call])[0]
         g.pending_calls.pop(c["id"], None)
-        m = self._saved(lambda: self.store.add_message(g.conversation_id, "tool", text, tool={
+        images = self._kept_images(c["name"], g.tool_images.pop(c["id"], ()))
+        m = self._saved(lambda: self.store.add_message(g.conversation_id, "tool", text, images=images, tool={
             "call_id": c["id"], "name": c["name"], "status": status}), "the tool result")
         if m is not None:
             self.messages.append(m)
@@ -181,8 +187,20 @@ class ChatToolsMixin:
         if view is None:  # denied: it never ran
             view = MessageView("tool", "", status="running", tool={"call_id": c["id"], "name": c["name"]})
             await self.query_one("#messages", VerticalScroll).mount(view)
-        view.set_result(text, status, m.id if m else None)
+        await view.set_result(text, status, m.id if m else None, images)
         self.query_one("#messages", VerticalScroll).scroll_end(animate=False)
+
+    def _kept_images(self, tool: str, images) -> list[dict]:
+        """A result's images, kept in the data folder like attachments (records for the store and
+        the chips); one that is not a readable image is left out (its line in the text says so)."""
+        out = []
+        for j, (data, mime) in enumerate(images):
+            name = f"{tool}-{j + 1}.{mime.split('/')[-1] or 'img'}"
+            try:
+                out.append(self.store.keep_image(data, name, 0, shown_image(data)))
+            except (AttachError, OSError) as e:
+                self.notify(f"{name}: {one_line(e)}", title="Tool image not shown", severity="warning")
+        return out
 
     async def on_tool_step_started(self, msg: ToolStepStarted) -> None:
         g = self.gen

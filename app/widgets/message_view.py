@@ -87,8 +87,12 @@ class MessageView(Vertical):
         self.tool = {"calls": list(calls)}
         await self.mount_all([call_block(c) for c in calls])
 
-    def set_result(self, text: str, status: str, message_id: Optional[int]) -> None:
-        """A tool message's result is in ("ok" | "error" | "denied"): text and title replace "running"."""
+    async def set_result(self, text: str, status: str, message_id: Optional[int], images: list = ()) -> None:
+        """A tool message's result is in ("ok" | "error" | "denied"): text and title replace
+        "running"; the images it brought (the store's records) as chips above it."""
+        if images:
+            self.images = list(images)
+            await self.mount(MediaChips(self.images), after=self.query_one(".role", Label))
         self.content, self.message_id = text, message_id
         self.tool = {**self.tool, "status": status}
         self.status = "done"

@@ -15,6 +15,8 @@ from app.screens.tools import ToolsScreen
 from app.tools.base import ServerState
 from app.tools.config import ToolsConfig, parse_servers
 from app.tools.session import AppTools, ToolOptions
+from app.widgets.attachments import MediaChips
+from app.widgets.message_view import MessageView
 from models.tool_format import response_block
 from tests.app.test_app import make_app, on_screen, open_chat, until
 from tests.app.test_app_tools import approve, ask, done
@@ -73,6 +75,7 @@ async def test_a_tiny_gemma4_calls_an_mcp_tool_and_each_step_prefills_only_the_r
 async def test_a_hung_call_times_out_and_a_dying_server_is_one_line(tmp_path):
     tools = mcp_tools(tmp_path / "data", call_timeout=2.0)
     client = ToolFakeClient(replies=[{"pieces": ["Slow."], "calls": [{"name": "slow", "arguments": {"seconds": 30}}]},
+                                     {"pieces": ["Look."], "calls": [{"name": "image", "arguments": {}}]},
                                      {"pieces": ["Crash."], "calls": [{"name": "crash", "arguments": {}}]},
                                      {"pieces": ["Again."], "calls": [{"name": "echo", "arguments": {"text": "hi"}}]}])
     tools.policy.yes_tools = True
@@ -83,8 +86,14 @@ async def test_a_hung_call_times_out_and_a_dying_server_is_one_line(tmp_path):
         chat = await ask(pilot, "Go")
         await done(pilot, chat)
         results = [m for m in chat.messages if m.role == "tool"]
-        assert [r.tool["status"] for r in results] == ["error", "error", "error"]
+        assert [r.tool["status"] for r in results] == ["error", "ok", "error", "error"]
         assert results[0].content == "error: slow did not answer within 2 s"
+        # an image result: a line for the model, a chip on screen, the copy in the data folder
+        assert results[1].content.startswith("[image 1: image/png,") and len(results[1].images) == 1
+        assert app.store.image_path(results[1].images[0]).read_bytes()[:4] == b"\x89PNG"
+        chips = [v for v in chat.query(MessageView) if v.role == "tool"][1].query(MediaChips)
+        assert "image-1.png" in str(chips.first().render())
+        results = results[:1] + results[2:]
         assert results[1].content == "error: server 'test' exited during the call"
         assert results[2].content == "error: echo: test: failed (exited during a call to crash)"  # the dead server
         assert chat.messages[-1].content == "It is 12:34."  # the model answered after all
