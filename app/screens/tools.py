@@ -37,7 +37,8 @@ class ApprovalScreen(ModalScreen[str]):
             yield Label(f"The model wants to run {s.name}, {where}", classes="heading", markup=False)
             if s.description:
                 yield Static(first_line(s.description, 200), classes="hint", markup=False)
-            yield Static(json.dumps(self.arguments, ensure_ascii=False, indent=1), id="arguments", markup=False)
+            with VerticalScroll(id="arguments-box"):
+                yield Static(json.dumps(self.arguments, ensure_ascii=False, indent=1), id="arguments", markup=False)
             if s.always_ask:
                 yield Static("This tool asks before every call.", classes="hint", markup=False)
             with Horizontal(classes="buttons"):

@@ -203,3 +203,16 @@ async def test_no_tools_go_to_a_model_without_the_gemma4_template(tmp_path):
         chat = await ask(pilot, "Time?")
         await done(pilot, chat)
         assert client.submitted[0][1].tools is None and source.calls == []
+
+
+async def test_long_arguments_scroll_and_the_answers_stay_on_screen(tmp_path):
+    long = {"text": "x" * 4000, "lines": [f"line {i}" for i in range(80)]}
+    app, client, source = tools_app(tmp_path, [{"pieces": ["Long."], "calls": [{"name": "clock", "arguments": long}]}])
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ask(pilot, "Go")
+        await on_screen(pilot, ApprovalScreen)
+        screen = pilot.app.screen
+        for answer in ("once", "conversation", "always", "deny"):
+            region = screen.query_one(f"#{answer}").region
+            assert region.height and region.bottom <= 30, (answer, region)
+        await approve(pilot, "n")
