@@ -216,3 +216,19 @@ async def test_long_arguments_scroll_and_the_answers_stay_on_screen(tmp_path):
             region = screen.query_one(f"#{answer}").region
             assert region.height and region.bottom <= 30, (answer, region)
         await approve(pilot, "n")
+
+
+async def test_thinking_stays_in_its_pane_around_tool_calls(tmp_path):
+    thought = ["<|channel>thought\n", "The user wants the time; ", "call the clock.", "<channel|>", "Checking."]
+    app, client, source = tools_app(tmp_path, [{"pieces": thought, "calls": [CLOCK_CALL]}], yes=True)
+    client.final = ["<|channel>thought\nIt said 12:34.<channel|>", "It is 12:34."]
+    async with app.run_test(size=(120, 36)) as pilot:
+        chat = await ask(pilot, "Time?")
+        await done(pilot, chat)
+        reply, result, answer = chat.messages[1:]
+        assert (reply.thinking, reply.content) == ("The user wants the time; call the clock.", "Checking.")
+        assert reply.tool["calls"][0]["arguments"] == {"zone": "utc"}  # the thought is not in the arguments
+        assert (answer.thinking, answer.content) == ("It said 12:34.", "It is 12:34.")
+        views = [v for v in chat.query(MessageView) if v.role == "assistant"]
+        assert [v.thinking for v in views] == [reply.thinking, answer.thinking]
+        assert all("<|channel>" not in v.content and "thought" not in v.content for v in views)
