@@ -24,6 +24,7 @@ from app.screens.tools import ApprovalScreen, ToolsScreen
 from app.widgets.message_view import MessageView
 
 STOPPED_RESULT = "the user stopped the tool loop before this call ran"
+STOPPED_RUNNING = "the user stopped the tool loop while this call ran; its result was not waited for"
 
 
 @dataclass
@@ -114,7 +115,14 @@ class ChatToolsMixin:
         def call_tool(call: dict) -> tuple[str, bool]:
             self.post_message(ToolCallStarted(g.id, call))
             fn = call.get("function", {})
-            r = tools.box.call(fn.get("name", ""), fn.get("arguments"))
+            done: list = []  # the call in a thread of its own: Escape does not wait for a slow tool
+            threading.Thread(target=lambda: done.append(tools.box.call(fn.get("name", ""), fn.get("arguments"))),
+                             name="edgegem-tool-call", daemon=True).start()
+            while not done:
+                if g.stop_requested or not self.is_attached:
+                    return STOPPED_RUNNING, True  # its server finishes it (or times it out) unwatched
+                threading.Event().wait(0.05)
+            r = done[0]
             if r.images:  # shown as chips with the result (the model reads the text's line for each)
                 g.tool_images[call.get("id")] = r.images
             return r.text, r.is_error
@@ -185,9 +193,11 @@ class ChatToolsMixin:
             self.messages.append(m)
         view = g.tool_views.pop(c["id"], None)
         if view is None:  # denied: it never ran
-            view = MessageView("tool", "", status="running", tool={"call_id": c["id"], "name": c["name"]})
-            await self.query_one("#messages", VerticalScroll).mount(view)
-        await view.set_result(text, status, m.id if m else None, images)
+            await self.query_one("#messages", VerticalScroll).mount(MessageView(
+                "tool", text, message_id=m.id if m else None, images=images,
+                tool={"call_id": c["id"], "name": c["name"], "status": status}))
+        else:
+            await view.set_result(text, status, m.id if m else None, images)
         self.query_one("#messages", VerticalScroll).scroll_end(animate=False)
 
     def _kept_images(self, tool: str, images) -> list[dict]:

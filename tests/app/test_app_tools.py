@@ -150,7 +150,7 @@ async def test_escape_in_the_dialog_stops_the_loop_and_keeps_what_was_done(tmp_p
         assert [m.role for m in app.store.messages(chat.conversation_id)] == ["user", "assistant"]
 
 
-async def test_escape_while_a_call_runs_stops_after_it(tmp_path):
+async def test_escape_while_a_call_runs_stops_at_once(tmp_path):
     app, client, source = tools_app(tmp_path, [{"pieces": ["Wait."], "calls": [{"name": "stall", "arguments": {}}]}],
                                     yes=True)
     async with app.run_test(size=(120, 36)) as pilot:
@@ -159,10 +159,11 @@ async def test_escape_while_a_call_runs_stops_after_it(tmp_path):
         view = [v for v in chat.query(MessageView) if v.role == "tool"][0]
         assert view.status == "running" and "running" in str(view.query_one(".role").render())
         await pilot.press("escape")
-        source.gate.set()
-        await done(pilot, chat)
-        assert client.continuations == [] and roles(chat)[-1] == ("tool", "done", "ok")
+        await done(pilot, chat)  # the tool is still running: the loop did not wait for it
+        assert not source.gate.is_set() and client.continuations == []
+        assert roles(chat)[-1] == ("tool", "done", "error") and "stopped" in chat.messages[-1].content
         assert view.status == "done"
+        source.gate.set()
 
 
 async def test_the_step_limit_stops_a_model_that_keeps_calling(tmp_path):
