@@ -392,6 +392,7 @@ class ChatScreen(ChatToolsMixin, MediaInputMixin, RecordMixin, ChatCommandsMixin
         return int(s.get("prompt_tokens", 0)) + int(s.get("output_tokens", 0))
 
     def refresh_status(self) -> None:
+        self.report_tool_failures()
         bar = self.attachments
         self.query_one(StatusPanel).refresh_from(self.session.info, self.client.status(),
                                                  self.context_tokens(), self.last_stats,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from textual.containers import VerticalScroll
+from textual.widgets import Static
 
 from app.attachments import AttachError, shown_image
 from app.backend import DECLINED, run_tool_loop, split_thinking
@@ -65,6 +66,15 @@ class ChatToolsMixin:
         t = self.app_tools
         return (t is not None and not self.continuation and self.session.info.get("arch") == "gemma4"
                 and bool(t.declarations()))
+
+    def report_tool_failures(self) -> None:
+        """A server that failed since the last look: one line in the conversation (not saved) and a
+        notice; the chat goes on without its tools."""
+        t = self.app_tools
+        for st in t.new_failures() if t is not None else ():
+            line = f"Tools: {st.line()}; the chat goes on without its tools (Ctrl+G lists them)."
+            self.query_one("#messages", VerticalScroll).mount(Static(line, classes="notice tool-failure", markup=False))
+            self.notify(st.line(), title="MCP server failed", severity="warning", timeout=8)
 
     def action_tools(self) -> None:
         if self.app_tools is None:

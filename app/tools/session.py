@@ -43,6 +43,7 @@ class AppTools:
                                   call_timeout=options.call_timeout, start_timeout=options.start_timeout,
                                   disabled=self._load_switches(),
                                   extra=options.extra_sources)
+        self._said: set[str] = set()  # failed sources already reported (new_failures)
         self.policy = ApprovalPolicy(Path(data_dir) / "tool-approvals.json", yes_tools=options.yes_tools)
 
     def start(self) -> None:
@@ -64,6 +65,13 @@ class AppTools:
         extra = [f"{states.count(st)} {st.value}" for st in (ServerState.STARTING, ServerState.FAILED)
                  if states.count(st)]
         return f"{on} of {len(tools)} on" + (f", {', '.join(extra)}" if extra else "")
+
+    def new_failures(self) -> list:
+        """Sources that failed (did not start, hung, died) since the last call: each is said once,
+        in the conversation, as it happens."""
+        failed = [s for s in self.box.statuses() if s.state is ServerState.FAILED and s.name not in self._said]
+        self._said.update(s.name for s in failed)
+        return failed
 
     def set_enabled(self, name: str, enabled: bool) -> None:
         self.box.set_enabled(name, enabled)

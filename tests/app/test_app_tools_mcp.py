@@ -100,3 +100,20 @@ async def test_a_hung_call_times_out_and_a_dying_server_is_one_line(tmp_path):
         await pilot.press("ctrl+g")
         await on_screen(pilot, ToolsScreen)
         await until(pilot, lambda: any("failed" in str(w.render()) for w in pilot.app.screen.query(".server")))
+
+
+async def test_a_server_that_fails_to_start_is_one_line_in_the_conversation(tmp_path):
+    config = ToolsConfig(Path("mcp.json"), parse_servers({"mcpServers": {
+        "gone": {"command": "edgegem-no-such-command"},
+        "test": {"command": sys.executable, "args": [SERVER]}}}, "test"))
+    tools = AppTools(ToolOptions(config, start_timeout=60.0), tmp_path / "data")
+    app = make_app(tmp_path, FakeBackend(ToolFakeClient()), tools=tools)
+    async with app.run_test(size=(120, 36)) as pilot:
+        chat = await open_chat(pilot)  # the chat opens while the servers start
+        await ready(pilot, tools)
+        await until(pilot, lambda: chat.query(".tool-failure"))
+        lines = [str(w.render()) for w in chat.query(".tool-failure")]
+        assert lines == ["Tools: gone: failed (cannot run 'edgegem-no-such-command': no such file or command); "
+                         "the chat goes on without its tools (Ctrl+G lists them)."]
+        names = [d["function"]["name"] for d in tools.declarations()]
+        assert "echo" in names and "date_time" in names  # the other server's tools and the built-ins are there
