@@ -146,7 +146,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--rows", action="store_true",
                    help="print each prefill and decode row as one JSON line the moment it is measured "
                         "(a run stopped part-way keeps the rows it finished)")
-    g = b.add_argument_group("static bench (--static --synthetic e2b|e4b: no GPU needed)")
+    g = b.add_argument_group("static bench (--static --synthetic e2b|e4b|26b-a4b: no GPU needed)")
     g.add_argument("--static", action="store_true",
                    help="count the kernels of one decode step and the weight bytes per token, and compile each "
                         "decode GEMV format for --arch: SASS instructions per weight byte, bandwidth cap")

@@ -43,6 +43,40 @@ def dry_model(variant: str, dtype=torch.bfloat16):
     return synthetic_model(variant, META, dtype=dtype, host_embeddings=True, quantized=True, fill="empty")
 
 
+def dry_host_expert_model(variant: str = "26b-a4b", cache_slots: int = 0, dtype=torch.bfloat16):
+    """The synthetic MoE `variant` on the meta device with every layer's expert banks in host RAM
+    (`--cpu-moe`: models/host_experts.py), and with `cache_slots` > 0 a hot-expert cache of that many
+    device slots per layer holding experts 0..cache_slots-1 (no admissions during a step: a steady
+    cache). The banks are the layout's GGUF bytes at full size, uninitialised: 26B-A4B's 30 layers
+    x (gate_up Q4_K 285 MB + down 282 MB) are 17 GB of address space, but a step touches only the
+    k picked experts' pages (fresh pages read as zeros), so RSS grows by about k/E of it."""
+    from gguf import GGMLQuantizationType as T
+
+    from models.expert_cache import ExpertCache
+    from models.formats import ExpertBank
+    from models.host_experts import cache_banks, check_host_banks
+    from models.synthetic import synthetic_specs
+
+    model = dry_model(variant, dtype)
+    banks = [s for s in synthetic_specs(variant) if s["name"].endswith("_exps.weight")]
+    if not banks:
+        raise ValueError(f"{variant}: no expert banks (an MoE variant has them: 26b-a4b)")
+    for s in banks:  # shape (E, out, in); n_bytes is the file's, 64-byte aligned by torch's allocator
+        raw = torch.empty(s["n_bytes"], dtype=torch.uint8)
+        model.w[s["name"]] = ExpertBank(raw, int(T[s["type"]]), s["shape"])
+    model.host_expert_layers = frozenset(int(s["name"].split(".")[1]) for s in banks)
+    check_host_banks(model)
+    if cache_slots:
+        cache = ExpertCache(cache_banks(model), cache_slots, device=META)
+        held = torch.arange(cache.slots).reshape(1, -1)
+        for i in cache.layers:
+            cache.admit(i, held, torch.zeros_like(held, dtype=torch.bool))
+        cache.admit_after = 2 ** 62
+        cache.stats = type(cache.stats)()
+        model.expert_cache = cache
+    return model
+
+
 def _pools(model, context: int, rows: int, batch: int, kv: str, swa_kv: Optional[str]):
     from ..kv.format import resolve_format
     from ..kv.pool import HybridKVPool

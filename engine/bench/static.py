@@ -43,6 +43,10 @@ EXACT_KV_FORMATS = ("bf16", "fp32", "int8_per_token_head")
 GEMV_TARGETS = {"Q4_K": 0.35, "Q6_K": 0.35}
 GEMV_TARGET_OTHER = 0.5
 KERNELS_PER_STEP_TARGETS = {"e2b": 450, "e4b": 520}
+# The MoE's device path runs its experts with ops that have no meta kernel (`unique`): its dry run
+# keeps the banks in host RAM, as `--cpu-moe` does beside a GPU.
+HOST_EXPERT_VARIANTS = ("26b-a4b",)
+STATIC_VARIANTS = ("e2b", "e4b", *HOST_EXPERT_VARIANTS)
 
 
 def _kernels_interpreted() -> bool:
@@ -274,18 +278,29 @@ def _static_report(variant: str, arch: str, kv: str, cache_dir) -> dict:
 
 
 def static_report(variant: str, arch: str = "sm_86", kv: str = "bf16", cache_dir="default") -> dict:
-    """The static decode report of the synthetic `variant` ("e2b"/"e4b") for `arch` with KV `kv`;
-    "table" holds the human-readable form."""
+    """The static decode report of the synthetic `variant` for `arch` with KV `kv`: "e2b"/"e4b", or
+    "26b-a4b" with its expert banks in host RAM (engine/bench/static_host.py); "table" holds the
+    human-readable form."""
     from kernels.triton.compile_check import ARCHS
 
     from ..kv.format import resolve_format
 
+    variant = variant.lower()
+    if variant not in STATIC_VARIANTS:
+        raise ValueError(f"--static needs --synthetic {', '.join(STATIC_VARIANTS[:-1])} or {STATIC_VARIANTS[-1]}, "
+                         f"not {variant!r}")
     kv = resolve_format(kv, "cuda").name
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r} (choose from {', '.join(ARCHS)})")
     if cache_dir not in (None, "default"):
         cache_dir = str(cache_dir)
-    out = _run_as_on_gpu(_static_report, variant.lower(), arch, kv, cache_dir)
+    if variant in HOST_EXPERT_VARIANTS:
+        from .static_host import _static_host_report, static_host_table
+
+        out = _run_as_on_gpu(_static_host_report, variant, arch, kv, cache_dir)
+        out["table"] = static_host_table(out)
+        return out
+    out = _run_as_on_gpu(_static_report, variant, arch, kv, cache_dir)
     out["table"] = static_table(out)
     return out
 
@@ -305,8 +320,13 @@ def static_table(o: dict) -> str:
              "  Triton: " + ", ".join(f"{k} {v}" for k, v in o["triton_breakdown"].items()),
              "  torch:  " + ", ".join(f"{k} {v}" for k, v in o["torch_breakdown"].items()),
              f"weight bytes per token: {o['weight_bytes_per_token'] / 1e6:.1f} MB (device weights, tied head "
-             "included, host lookup tables excluded)",
-             f"decode GEMV per format, the worst of the model's {len(o['gemv_shapes'])} matrix shapes:",
+             "included, host lookup tables excluded)"]
+    return "\n".join(lines + gemv_table_lines(o))
+
+
+def gemv_table_lines(o: dict) -> list[str]:
+    """The report's decode GEMV table: one line per format (o["gemv"]), the worst of its shapes."""
+    lines = [f"decode GEMV per format, the worst of the model's {len(o['gemv_shapes'])} matrix shapes:",
              header(GEMV_COLUMNS)]
     for r in o["gemv"]:
         used = "yes" if r["used_by_model"] else ""
@@ -319,7 +339,7 @@ def static_table(o: dict) -> str:
     lines.append("instr/B = SASS instructions of one K-loop iteration x warps per program / weight bytes the "
                  "program reads in it; bw cap = min(1, 4 warp-instr/clock/SM x SMs x clock / (instr/B x bandwidth)); "
                  "targets: issue 11 (sm_86)")
-    return "\n".join(lines)
+    return lines
 
 
 # ------------------------------------------------------------------------------ the compile check

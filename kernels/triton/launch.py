@@ -183,6 +183,18 @@ class LaunchRecord:
     triton: list[Launch] = field(default_factory=list)
     torch_ops: Counter = field(default_factory=Counter)
     host_copies: int = 0  # host -> device copies among torch_ops (each a sync point when pageable)
+    # every copy between host memory and the device, in order: ("to_host" | "to_device", bytes)
+    copies: list = field(default_factory=list)
+    # groups of device -> host copies with no other device op between them: on a GPU the host reads
+    # such a group after one wait on its event (models/host_experts.py `_send`/`_receive`)
+    host_waits: int = 0
+    _after_to_host: bool = False
+
+    def copy_bytes(self, direction: str) -> int:
+        return sum(n for d, n in self.copies if d == direction)
+
+    def copy_count(self, direction: str) -> int:
+        return sum(1 for d, _ in self.copies if d == direction)
 
     @property
     def n_triton(self) -> int:
@@ -213,6 +225,34 @@ def _host_to_device(func, args, out) -> bool:
     return isinstance(src, torch.Tensor) and src.device.type == "cpu" and _on_device(dst)
 
 
+def _meta_to_host(func, args, kwargs):
+    """A copy out of a meta tensor into CPU memory (`dst.copy_(src)` or `src.to("cpu")`), else None.
+    Meta holds no values, so the host gets stand-ins (`_host_values`) -> (dst, src)."""
+    name = func.overloadpacket.__name__
+    if name == "copy_":
+        dst, src = args[0], args[1]
+    elif name == "_to_copy" and kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu":
+        src = args[0]
+        dst = torch.empty(src.shape, dtype=kwargs.get("dtype") or src.dtype)
+    else:
+        return None
+    ok = isinstance(src, torch.Tensor) and src.device.type == "meta" and dst.device.type == "cpu"
+    return (dst, src) if ok else None
+
+
+def _host_values(dst: torch.Tensor) -> torch.Tensor:
+    """What a dry run's host reads from the device: integers 0, 1, ... k-1 along the last dim
+    (distinct top-k picks of a router: experts 0..k-1), floats 1 / last dim (equal top-k weights
+    summing to 1; a residual row of mean square 1/d^2)."""
+    if dst.dtype.is_floating_point:
+        return dst.fill_(1.0 / max(dst.shape[-1], 1) if dst.dim() else 1.0)
+    if dst.dtype == torch.bool:
+        return dst.fill_(True)
+    if dst.dim() == 0:
+        return dst.fill_(0)
+    return dst.copy_(torch.arange(dst.shape[-1]).expand(dst.shape))
+
+
 def _make_mode(rec: LaunchRecord):
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
@@ -220,15 +260,28 @@ def _make_mode(rec: LaunchRecord):
     class _Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            out = func(*args, **kwargs)
             name = func.overloadpacket.__name__
+            to_host = _meta_to_host(func, args, kwargs)
+            if to_host is not None:  # a device -> host copy (on meta: stand-in values)
+                dst, src = to_host
+                rec.torch_ops[name] += 1
+                # bytes in the destination's dtype: a copy off the GPU converts there first (ATen's
+                # copy_requires_temporaries branch), so bf16 r into a float32 buffer moves 4 B a value
+                rec.copies.append(("to_host", dst.numel() * dst.element_size()))
+                rec.host_waits += not rec._after_to_host
+                rec._after_to_host = True
+                return _host_values(dst)
+            out = func(*args, **kwargs)
             if name not in _FREE_OPS:
                 flat_in, _ = tree_flatten((args, kwargs))
                 flat_out, _ = tree_flatten(out)
                 if any(map(_on_device, flat_in)) or any(map(_on_device, flat_out)):
                     rec.torch_ops[name] += 1
+                    rec._after_to_host = False
                     if name in ("_to_copy", "copy_") and _host_to_device(func, args, out):
                         rec.host_copies += 1
+                        dst = args[0] if name == "copy_" else out
+                        rec.copies.append(("to_device", dst.numel() * dst.element_size()))
             return out
 
     return _Count()

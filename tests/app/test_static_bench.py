@@ -91,7 +91,7 @@ def test_human_table_lists_the_counts_and_every_format(e2b_report):
 
 
 @pytest.mark.parametrize("args,message", [
-    (("--static",), "--static needs --synthetic"),
+    (("--static",), "--static needs --synthetic e2b, e4b or 26b-a4b"),
     (("--static", "--synthetic", "e2b", "--arch", "sm_70"), "unknown arch 'sm_70'"),
 ])
 def test_static_bench_refuses_bad_arguments(capsys, args, message):
