@@ -69,8 +69,9 @@ async def approve(pilot, key: str) -> ApprovalScreen:
     return screen
 
 
-async def done(pilot, chat) -> None:
-    await until(pilot, lambda: chat.gen is None)
+async def done(pilot, chat, timeout: float = 90.0) -> None:
+    """The answer (every step of the loop) is in; the real engine on 2 busy cores takes its time."""
+    await until(pilot, lambda: chat.gen is None, timeout)
     await pilot.pause()
 
 

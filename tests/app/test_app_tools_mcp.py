@@ -10,9 +10,11 @@ from pathlib import Path
 
 from gguf import GGUFValueType
 
+from app.app import EdgegemApp
 from app.backend import EngineBackend, EngineOptions
+from app.store import Store
 from app.screens.tools import ToolsScreen
-from app.tools.base import ServerState
+from app.tools.base import ServerState, ServerStatus, ToolResult, ToolSource, ToolSpec
 from app.tools.config import ToolsConfig, parse_servers
 from app.tools.session import AppTools, ToolOptions
 from app.widgets.attachments import MediaChips
@@ -117,3 +119,70 @@ async def test_a_server_that_fails_to_start_is_one_line_in_the_conversation(tmp_
                          "the chat goes on without its tools (Ctrl+G lists them)."]
         names = [d["function"]["name"] for d in tools.declarations()]
         assert "echo" in names and "date_time" in names  # the other server's tools and the built-ins are there
+
+
+class EnumClock(ToolSource):
+    """`clock(zone: utc|cet)`: an enum argument, so a tiny random model forced to call it ends."""
+
+    name = "clock"
+
+    def status(self) -> ServerStatus:
+        return ServerStatus(self.name, ServerState.READY, "builtin", n_tools=1)
+
+    def tools(self) -> list[ToolSpec]:
+        zone = {"type": "object", "required": ["zone"], "properties": {"zone": {"type": "string",
+                                                                                  "enum": ["utc", "cet"]}}}
+        return [ToolSpec("clock", self.name, "clock", "The time in a zone.", zone)]
+
+    def call(self, tool: str, arguments: dict, timeout: float) -> ToolResult:
+        return ToolResult(f"12:34 {arguments['zone']}")
+
+
+async def test_a_conversation_with_a_tool_turn_reopens_from_its_kv_file(tmp_path):
+    """E2B/E4B's template form (its generation prompt ends at `<|turn>model\n`): the next turn's
+    prompt extends the saved tokens, so the file serves them. (The 26B/31B form's empty thought
+    channel is not in its history rendering: the next turn parts from the saved tokens where the
+    last answer began, which a KV file with sliding layers cannot serve: docs/kv-files.md.)"""
+    e_form = TEMPLATE.replace("{{- '<|channel>thought\\n<channel|>' -}}", "")
+    assert e_form != TEMPLATE
+    model = write_tiny_gemma4(tmp_path / "tools.gguf", TinySpec(tool_tokens=True, extra={
+        "tokenizer.chat_template": (e_form, GGUFValueType.STRING)}), seed=11)  # one that ends its call
+    data = tmp_path / "data"
+    (data).mkdir()
+    (data / "tool-switches.json").write_text(json.dumps({"off": ["builtin/date_time"]}))
+
+    def app_on(choice: str):
+        tools = AppTools(ToolOptions(ToolsConfig(None), yes_tools=True, extra_sources=[EnumClock()]), data)
+        opts = EngineOptions(kv_save="evict", kv_dir=str(data / "kv"))
+        app = EdgegemApp(EngineBackend(str(model), opts, device="cpu"), Store(data), plan_seconds=0.0, tools=tools,
+                         default_settings={"tool_choice": choice, "tool_steps": 1, "temperature": 0.0,
+                                           "max_tokens": 24})  # answers within the sliding window (below)
+        return app
+
+    app = app_on("required")
+    async with app.run_test(size=(120, 36)) as pilot:
+        chat = await ask(pilot, "What time is it?")
+        await done(pilot, chat)
+        conv = chat.conversation_id
+        assert [m.role for m in chat.messages] == ["user", "assistant", "tool"], chat.messages[-1].stats  # one step, then the limit
+        app.store.update_settings(conv, {"tool_choice": "none"})  # the next turn answers in text
+        chat.query_one("#input").text = "Thanks."
+        chat.query_one("#input").focus()
+        await pilot.press("enter")
+        await until(pilot, lambda: chat.gen is None and chat.messages[-1].role == "assistant", timeout=60)
+        second = chat.messages[-1].stats
+        assert chat.messages[-1].role == "assistant" and not second.get("kv_session_error")
+        assert second["cached_tokens"] > 0  # the tool turn's KV served the next one
+    assert (data / "kv" / f"{conv}.safetensors").exists()
+
+    app = app_on("none")  # a restart: a new engine with empty pools
+    async with app.run_test(size=(120, 36)) as pilot:
+        chat = await open_chat(pilot)
+        assert chat.conversation_id == conv
+        chat.query_one("#input").text = "And in Paris?"
+        chat.query_one("#input").focus()
+        await pilot.press("enter")
+        await until(pilot, lambda: chat.gen is None and chat.messages[-1].content != "" and
+                    chat.messages[-2].content == "And in Paris?")
+        got = chat.messages[-1].stats
+        assert got["restored_tokens"] > 0 and got["prefilled_tokens"] < got["prompt_tokens"] // 2, json.dumps(got)
