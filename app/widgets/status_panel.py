@@ -74,6 +74,13 @@ class StatusPanel(Static):
                          f"out, {size(experts.get('to_device', 0))} back")
             if "hit_rate" in experts:
                 lines.append(f"  hot   {100 * experts['hit_rate']:.0f}% on the GPU, {experts['cache_slots']} slots a layer")
+        layers = status.get("cpu_layers")
+        if layers:  # whole first layers in host RAM beside the GPU (llama.cpp's --n-gpu-layers)
+            per = layers["cpu_ms"] / layers["forwards"] if layers.get("forwards") else 0.0
+            lines.append(f"layers  {layers['layers']} on the CPU ({layers['runtime']}), "
+                         f"{size(layers.get('to_device', 0))} over")
+            if layers.get("forwards"):
+                lines.append(f"  cpu   {per:.1f} ms a forward")
         if tools is not None:
             lines.append(f"tools   {tools}")
         if status.get("running"):

@@ -14,6 +14,16 @@ def test_host_experts_show_their_traffic_and_the_caches_hit_rate():
     assert not any(line.startswith(("experts", "  hot")) for line in p.lines)
 
 
+def test_whole_layers_on_the_cpu_show_their_runtime_crossings_and_time():
+    p = StatusPanel()
+    layers = {"layers": 28, "runtime": "ggml", "forwards": 4, "rows": 40, "crossings": 4, "to_device": 3 << 20,
+              "cpu_ms": 1234.0}
+    p.refresh_from({"model": "31B"}, {"cpu_layers": layers}, 0, None)
+    assert "layers  28 on the CPU (ggml), 3 MiB over" in p.lines and "  cpu   308.5 ms a forward" in p.lines
+    p.refresh_from({"model": "31B"}, {"cpu_layers": None}, 0, None)
+    assert not any(line.startswith("layers") for line in p.lines)
+
+
 def test_a_reopened_tool_call_shows_its_calls_and_results_collapsed():
     import asyncio
 
