@@ -25,13 +25,13 @@ def _cli(*args: str) -> tuple[int, str]:
     return rc, out.getvalue()
 
 
-@pytest.fixture(scope="module")
-def e2b_report():
+def static_json(variant: str, arch: str = "sm_86") -> dict:
+    """`edgegem bench --static --synthetic VARIANT --json`, compiled into the suite's cache."""
     old = os.environ.get("EDGEGEM_COMPILE_CACHE")
     os.environ["EDGEGEM_COMPILE_CACHE"] = str(CACHE / "compile-check")
     reload()
     try:
-        rc, text = _cli("bench", "--static", "--synthetic", "e2b", "--arch", "sm_86", "--json")
+        rc, text = _cli("bench", "--static", "--synthetic", variant, "--arch", arch, "--json")
     finally:
         if old is None:
             del os.environ["EDGEGEM_COMPILE_CACHE"]
@@ -40,6 +40,11 @@ def e2b_report():
         reload()
     assert rc == 0, text
     return json.loads(text)
+
+
+@pytest.fixture(scope="module")
+def e2b_report():
+    return static_json("e2b")
 
 
 def test_kernels_per_step_is_the_dry_runs_count(e2b_report):

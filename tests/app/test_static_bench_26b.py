@@ -6,17 +6,12 @@ from __future__ import annotations
 
 import triton_env  # noqa: F401  (the report's dry run and compiles go to a spawned TRITON_INTERPRET=0 worker)
 
-import contextlib
-import io
-import json
 import math
-import os
 
 import pytest
 
 from app.cli import main
-from conftest import CACHE
-from kernels.env import reload
+from tests.app.test_static_bench import static_json
 
 pytestmark = pytest.mark.slow
 
@@ -26,28 +21,9 @@ D, K, E, LAYERS = 2816, 8, 128, 30  # 26B-A4B: hidden width, top-k, experts, lay
 OTHER_TO_DEVICE = 2
 
 
-def _cli(*args: str) -> tuple[int, str]:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        rc = main(list(args))
-    return rc, out.getvalue()
-
-
 @pytest.fixture(scope="module")
 def report():
-    old = os.environ.get("EDGEGEM_COMPILE_CACHE")
-    os.environ["EDGEGEM_COMPILE_CACHE"] = str(CACHE / "compile-check")
-    reload()
-    try:
-        rc, text = _cli("bench", "--static", "--synthetic", "26b-a4b", "--arch", "sm_86", "--json")
-    finally:
-        if old is None:
-            del os.environ["EDGEGEM_COMPILE_CACHE"]
-        else:
-            os.environ["EDGEGEM_COMPILE_CACHE"] = old
-        reload()
-    assert rc == 0, text
-    return json.loads(text)
+    return static_json("26b-a4b")
 
 
 def _rows(report) -> dict:
