@@ -56,9 +56,24 @@ class ExpertMatrix(_FileBytes):
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> x W^T [..., out] in x's dtype (float16/bfloat16 x: a float32 product):
-        this expert dequantized for the call (out*in values, ~1.5 M for a 26B-A4B expert)."""
+        this expert dequantized for the call (out*in values, ~1.5 M for a 26B-A4B expert). On the
+        kernel path (a hot-expert slot on the GPU) the dequantization is one Triton pass over the
+        GGUF bytes (kernels/triton/qdequant.py) instead of ~40 torch ops."""
         dt = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
-        return F.linear(x.to(dt), self.dense(dt)).to(x.dtype)
+        w = self._kernel_dense(x) if dt == torch.float32 else None
+        return F.linear(x.to(dt), self.dense(dt) if w is None else w).to(x.dtype)
+
+    def _kernel_dense(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """float32 W from the Triton dequantization where x takes the kernels and the type has one."""
+        from kernels.triton.qformats import Q4_0, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0
+
+        from ..ops import kernel_path
+
+        if self.ggml_type not in (Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, Q4_0) or not kernel_path(x):
+            return None
+        from kernels.triton.qdequant import qdequantize
+
+        return qdequantize(self.raw, self.ggml_type, *self.shape, dtype=torch.float32)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         from ..quant import dequantize_rows

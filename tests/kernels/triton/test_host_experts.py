@@ -221,3 +221,25 @@ def test_long_chunks_stream_the_banks_and_keep_the_answer(q4):
     with kernels_on_cpu():
         hybrid.forward(torch.tensor(PROMPT[:3]))  # 3 rows: the CPU's experts
     assert hybrid.host_traffic["crossings"] == 2
+
+
+def test_a_cached_experts_product_dequantizes_in_one_kernel(q4):
+    """A hot slot's expert on the device: its GGUF bytes dequantized by one Triton pass
+    (kernels/triton/qdequant.py), not ~40 torch ops; the product equals the torch path's to float32
+    rounding (same values, another summation order), on odd row counts."""
+    from kernels.triton.launch import record_launches
+    from models.formats.experts import ExpertBank
+
+    bank = load_model(q4, quantized=True, with_tokenizer=False, host_tensors=_banks((0,))).model.w[
+        "blk.0.ffn_gate_up_exps.weight"]
+    assert isinstance(bank, ExpertBank)
+    for rows in (1, 3):
+        x = torch.randn(rows, bank.shape[2], generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        want = bank[2].linear(x)  # the torch path (no kernels on the CPU outside kernels_on_cpu)
+        with kernels_on_cpu():
+            got = bank[2].linear(x)
+            with record_launches() as rec:  # records the launches (it does not run them)
+                bank[2].linear(x)
+        assert [launch.name for launch in rec.triton] == ["_qdequant_kernel"]
+        assert rec.n_torch <= 4, rec.torch_ops  # the casts and the product
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=2 ** -7 * float(want.abs().max()))
