@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from textual.containers import VerticalScroll
+from textual.css.query import NoMatches
 from textual.widgets import Static
 
 from app.attachments import AttachError, shown_image
@@ -23,6 +24,23 @@ from app.messages import (GenerationDone, ToolApprovalNeeded, ToolCallFinished, 
 from app.screens.chat_commands import one_line
 from app.screens.tools import ApprovalScreen, ToolsScreen
 from app.widgets.message_view import MessageView
+
+def while_shown(handler):
+    """A loop message's handler: the generation it is for still shown, else nothing to do. A
+    message handled while the app closes (the loop still posting) may find its widgets gone:
+    ignored then, raised otherwise."""
+    async def run(self, msg):
+        g = self.gen
+        if g is None or msg.gen_id != g.id:
+            return None
+        try:
+            return await handler(self, msg, g)
+        except NoMatches:
+            if self.is_attached and not (self.app._exit or self._closing):
+                raise
+    run.__doc__ = handler.__doc__
+    return run
+
 
 STOPPED_RESULT = "the user stopped the tool loop before this call ran"
 STOPPED_RUNNING = "the user stopped the tool loop while this call ran; its result was not waited for"
@@ -156,10 +174,17 @@ class ChatToolsMixin:
                                              None, stats))
 
     # --- the UI thread -------------------------------------------------------------------------
-    async def on_tool_step_done(self, msg: ToolStepDone) -> None:
-        g = self.gen
-        if g is None or msg.gen_id != g.id:
-            return
+    def on_unmount(self) -> None:
+        """Quitting mid-answer: the loop stops (no approval waits, no call waited for) and its
+        messages still queued find no generation to show."""
+        g, self.gen = self.gen, None
+        if g is not None:
+            g.stop_requested = True
+            if g.request_id is not None:
+                self.client.abort(g.request_id)
+
+    @while_shown
+    async def on_tool_step_done(self, msg: ToolStepDone, g) -> None:
         thought, answer = split_thinking(msg.text)
         calls = stored_calls(msg.calls)
         m = self._saved(lambda: self.store.add_message(g.conversation_id, "assistant", answer,
@@ -175,10 +200,8 @@ class ChatToolsMixin:
         self.last_stats = msg.stats
         self.refresh_status()
 
-    async def on_tool_call_started(self, msg: ToolCallStarted) -> None:
-        g = self.gen
-        if g is None or msg.gen_id != g.id:
-            return
+    @while_shown
+    async def on_tool_call_started(self, msg: ToolCallStarted, g) -> None:
         call = stored_calls([msg.call])[0]
         view = MessageView("tool", "", status="running", tool={"call_id": call["id"], "name": call["name"],
                                                              "status": "running"})
@@ -186,10 +209,8 @@ class ChatToolsMixin:
         await self.query_one("#messages", VerticalScroll).mount(view)
         self.query_one("#messages", VerticalScroll).scroll_end(animate=False)
 
-    async def on_tool_call_finished(self, msg: ToolCallFinished) -> None:
-        g = self.gen
-        if g is None or msg.gen_id != g.id:
-            return
+    @while_shown
+    async def on_tool_call_finished(self, msg: ToolCallFinished, g) -> None:
         await self._keep_result(g, msg.outcome.call, msg.outcome.result,
                                 "denied" if msg.outcome.denied else "error" if msg.outcome.error else "ok")
 
@@ -222,10 +243,8 @@ class ChatToolsMixin:
                 self.notify(f"{name}: {one_line(e)}", title="Tool image not shown", severity="warning")
         return out
 
-    async def on_tool_step_started(self, msg: ToolStepStarted) -> None:
-        g = self.gen
-        if g is None or msg.gen_id != g.id:
-            return
+    @while_shown
+    async def on_tool_step_started(self, msg: ToolStepStarted, g) -> None:
         view = MessageView("assistant", status="streaming")
         await self.query_one("#messages", VerticalScroll).mount(view)
         view.start_stream()

@@ -96,9 +96,12 @@ class MessageView(Vertical):
         self.content, self.message_id = text, message_id
         self.tool = {**self.tool, "status": status}
         self.status = "done"
-        self.query_one(".tool-text", Static).update(text)
-        self.query_one(".tool-result", Collapsible).title = self._result_title()
-        self.query_one(".role", Label).update(self._header())
+        for t in self.query(".tool-text").results(Static):  # none yet when the app is closing mid-compose
+            t.update(text)
+        for c in self.query(".tool-result").results(Collapsible):
+            c.title = self._result_title()
+        for role in self.query(".role").results(Label):
+            role.update(self._header())
 
     def _header(self) -> str:
         extra = {"stopped": "  (stopped)", "error": "  (error)", "streaming": "  …",

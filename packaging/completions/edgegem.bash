@@ -35,6 +35,10 @@ _edgegem() {
         app:--image-tokens) COMPREPLY=($(compgen -W "70 140 280 560 1120" -- "$cur")); return ;;
         app:--mmproj) COMPREPLY=(); return ;;
         app:--kv-disk-budget) COMPREPLY=(); return ;;
+        app:--mcp-config) COMPREPLY=(); return ;;
+        app:--allow-dir) COMPREPLY=(); return ;;
+        app:--max-tool-steps) COMPREPLY=(); return ;;
+        app:--tool-choice) COMPREPLY=($(compgen -W "auto required none" -- "$cur")); return ;;
         app:--serve) COMPREPLY=(); return ;;
         app:--host) COMPREPLY=(); return ;;
         app:--api-key) COMPREPLY=(); return ;;
@@ -250,7 +254,7 @@ _edgegem() {
         serve:--mmproj) COMPREPLY=(); return ;;
     esac
     case "$cmd" in
-        app) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --data-dir --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --cpu-moe -cmoe --n-cpu-moe -ncmoe --n-gpu-layers -ngl --override-tensor -ot --ctx-size -c --moe-cache --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min --threads --image-tokens --mmproj --kv-disk-budget --serve --host --api-key --api-key-file --insecure-no-key --allowed-hosts --cors-origin --max-body --max-image-pixels --max-queued-requests --default-max-tokens --access-log" -- "$cur")); else COMPREPLY=(); fi ;;
+        app) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --data-dir --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --cpu-moe -cmoe --n-cpu-moe -ncmoe --n-gpu-layers -ngl --override-tensor -ot --ctx-size -c --moe-cache --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min --threads --image-tokens --mmproj --kv-disk-budget --mcp-config --allow-dir --shell-tool --yes-tools --max-tool-steps --tool-choice --serve --host --api-key --api-key-file --insecure-no-key --allowed-hosts --cors-origin --max-body --max-image-pixels --max-queued-requests --default-max-tokens --access-log" -- "$cur")); else COMPREPLY=(); fi ;;
         score) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --tokens --out --image --image-tokens --mmproj --audio" -- "$cur")); else COMPREPLY=(); fi ;;
         tokenize) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --text --image --image-tokens --mmproj --audio" -- "$cur")); else COMPREPLY=(); fi ;;
         run) if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "-h --help --model --prompt --system --image --image-tokens --mmproj --audio --max-tokens --temperature --top-k --top-p --min-p --repetition-penalty --presence-penalty --seed --stop-at-blank-line --no-stop-at-blank-line --dry-multiplier --dry-base --dry-allowed-length --dry-penalty-last-n --dry-sequence-breaker --xtc-probability --xtc-threshold --raw --json-schema --grammar --json --exact --gpu-memory-budget --kv-cache-dtype --swa-kv-cache-dtype --embed-weights --max-running-requests --prefill-chunk --cpu-moe -cmoe --n-cpu-moe -ncmoe --n-gpu-layers -ngl --override-tensor -ot --ctx-size -c --moe-cache --fast-prefill --cache-type --context-overflow --device --attention-backend --spec-algo --spec-draft-model --spec-tokens --spec-p-min --threads --kv-session" -- "$cur")); else COMPREPLY=(); fi ;;

@@ -234,3 +234,17 @@ async def test_thinking_stays_in_its_pane_around_tool_calls(tmp_path):
         views = [v for v in chat.query(MessageView) if v.role == "assistant"]
         assert [v.thinking for v in views] == [reply.thinking, answer.thinking]
         assert all("<|channel>" not in v.content and "thought" not in v.content for v in views)
+
+
+async def test_quitting_while_the_dialog_waits_ends_the_loop_quietly(tmp_path):
+    app, client, source = tools_app(tmp_path, [{"pieces": ["Wait."], "calls": [CLOCK_CALL, CLOCK_CALL]}])
+    async with app.run_test(size=(120, 36)) as pilot:
+        chat = await ask(pilot, "Time?")
+        await on_screen(pilot, ApprovalScreen)
+        threads = {t.name for t in threading.enumerate()}
+        app.exit()  # Ctrl+Q: the dialog goes, the waiting worker sees it and stops
+    for _ in range(100):  # the worker's thread ends within its 0.1 s poll
+        if not [t for t in threading.enumerate() if t.name not in threads and t.is_alive()]:
+            break
+        threading.Event().wait(0.05)
+    assert source.calls == [] and client.continuations == [] and chat.gen is None
