@@ -8,10 +8,9 @@ or stopped answer is committed the moment it ends.
 """
 from __future__ import annotations
 
-import itertools
 import sqlite3
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Optional
 
 from textual import on
@@ -28,6 +27,7 @@ from app.screens.chat_commands import ChatCommandsMixin, one_line
 from app.screens.chat_media import MediaInputMixin
 from app.screens.chat_record import RecordMixin
 from app.screens.chat_tools import ChatToolsMixin
+from app.screens.generation import Generation
 from app.screens.settings import BASE_SETTINGS, DEFAULT_SETTINGS
 from app.store import DEFAULT_TITLE, Message
 from app.widgets.attachments import AttachmentBar
@@ -41,43 +41,6 @@ UI_SHARE = 0.1  # and at most ~10% of the time spent rendering them
 # the notice's title by the engine's ErrorKind: whether to change the message, the settings or nothing
 FAILED_TITLE = {ErrorKind.BAD_INPUT: "An attachment was refused", ErrorKind.CAPACITY: "Too long for the KV cache",
                 ErrorKind.OUT_OF_MEMORY: "Out of memory", ErrorKind.INTERNAL: "Generation failed"}
-_gen_ids = itertools.count(1)
-
-
-@dataclass
-class Generation:
-    """One answer being written: which conversation, which view, the engine's request id. With
-    tools, one answer is several replies (steps): each streams into a view of its own."""
-
-    conversation_id: int
-    view: MessageView
-    id: int = field(default_factory=lambda: next(_gen_ids))
-    request_id: Optional[int] = None
-    stop_requested: bool = False
-    prompt_tokens: int = 0
-    tokens: int = 0
-    # (step, raw text of that step so far, thought channel included): written by the worker only,
-    # replaced whole so the UI never pairs one step's text with another's view
-    live: tuple = (0, "")
-    shown: str = ""  # what the view shows; UI thread only
-    view_step: int = 0  # the step `view` streams (UI thread)
-    view_done: bool = False  # `view` holds a finished reply with calls (UI thread)
-    tool_views: dict = field(default_factory=dict)  # call id -> its "running" MessageView (UI thread)
-    pending_calls: dict = field(default_factory=dict)  # call id -> the last reply's calls not yet answered
-    tool_images: dict = field(default_factory=dict)  # call id -> [(bytes, mime)] a result brought (worker)
-    last_stats: Optional[dict] = None  # the worker's last finished step
-    error_kind: object = None
-
-    @property
-    def text(self) -> str:
-        return self.live[1]
-
-    def append(self, text: str, n_tokens: int = 0) -> None:
-        self.live = (self.live[0], self.live[1] + text)
-        self.tokens += n_tokens
-
-    def new_step(self, step: int) -> None:
-        self.live = (step, "")
 
 
 def sampling_params(s: dict, continue_text: bool = False) -> GenerationParams:
@@ -298,8 +261,9 @@ class ChatScreen(ChatToolsMixin, MediaInputMixin, RecordMixin, ChatCommandsMixin
         params = replace(sampling_params(self.settings, self.continuation),
                          kv_session=self._kv_session(self.conversation_id))
         msgs = self.prompt_messages()
-        work = self._work_tools if self.tools_on() else self._work
-        g = self.gen
+        g, work = self.gen, self._work
+        if self.tools_on():
+            work, params = self._work_tools, self.with_tools(g, params)
         self.run_worker(lambda: work(g, msgs, params), thread=True, group="generate")
 
     def _work(self, g: Generation, msgs: list[dict], params: GenerationParams) -> None:

@@ -102,10 +102,16 @@ class ChatToolsMixin:
             return
         self.app.push_screen(ToolsScreen(self.app_tools))
 
+    def with_tools(self, g, params):
+        """UI thread, before the worker starts: the request's tools and choice, the loop's step limit
+        (this conversation's settings: the worker never reads the store)."""
+        s = self.settings
+        g.tool_steps = max(1, int(s.get("tool_steps", 8)))
+        return replace(params, tools=self.app_tools.declarations(), tool_choice=s.get("tool_choice", "auto"))
+
     # --- the worker ----------------------------------------------------------------------------
     def _work_tools(self, g, msgs: list[dict], params) -> None:
         tools = self.app_tools
-        params = replace(params, tools=tools.declarations(), tool_choice=self.settings.get("tool_choice", "auto"))
         conversation = g.conversation_id
 
         def on_submit(step: int, rid: int) -> None:
@@ -157,7 +163,7 @@ class ChatToolsMixin:
 
         try:
             out = run_tool_loop(self.client, msgs, params, call_tool, approve,
-                                max_steps=max(1, int(self.settings.get("tool_steps", 8))),
+                                max_steps=g.tool_steps,
                                 should_stop=lambda: g.stop_requested, on_event=on_event, on_submit=on_submit,
                                 on_outcome=lambda o: self.post_message(ToolCallFinished(g.id, o)))
         except Exception as e:  # noqa: BLE001 - context overflow on a continuation...: shown, not raised
@@ -257,7 +263,7 @@ class ChatToolsMixin:
             await self._keep_result(g, {"id": c["id"], "function": {"name": c["name"], "arguments": c["arguments"]}},
                                     STOPPED_RESULT if msg.tool_end == "stopped" else DECLINED, "denied")
         if msg.tool_end == "step_limit":
-            self.notify(f"Stopped after {self.settings.get('tool_steps', 8)} replies with tool calls "
+            self.notify(f"Stopped after {g.tool_steps} replies with tool calls "
                         "(Settings: tool steps). Send a message to go on.", title="Tool loop", timeout=8)
 
     def on_tool_approval_needed(self, msg: ToolApprovalNeeded) -> None:
