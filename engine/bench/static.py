@@ -30,7 +30,7 @@ from collections import Counter
 
 import torch
 
-from .table import Column, header, row
+from .static_gemv import gemv_cost, gemv_formats, gemv_launch, gemv_table_lines, model_gemv_shapes
 
 KV_FORMATS = ("bf16", "fp16", "int8_per_token_head", "fp8_per_token_head", "fp32")
 # The float32 (--exact) model's KV: bf16 is what "auto" gives it on CUDA, fp32 the exact choice,
@@ -40,8 +40,6 @@ KV_FORMATS = ("bf16", "fp16", "int8_per_token_head", "fp8_per_token_head", "fp32
 EXACT_KV_FORMATS = ("bf16", "fp32", "int8_per_token_head")
 # Issue 11's targets, shown beside the figures (stated for sm_86): GEMV instructions per weight byte
 # (Q4_K and Q6_K 0.35, every other format 0.5) and kernels per B = 1 decode step.
-GEMV_TARGETS = {"Q4_K": 0.35, "Q6_K": 0.35}
-GEMV_TARGET_OTHER = 0.5
 KERNELS_PER_STEP_TARGETS = {"e2b": 450, "e4b": 520}
 # The MoE's device path runs its experts with ops that have no meta kernel (`unique`): its dry run
 # keeps the banks in host RAM, as `--cpu-moe` does beside a GPU.
@@ -159,96 +157,6 @@ def decode_path(labels) -> bool:
 
 # ------------------------------------------------------------------------------------ GEMV costs
 
-def gemv_formats(used=()) -> list[str]:
-    """The formats the model's decode GEMVs use first, then every other one QuantWeight reads."""
-    from models.formats import QuantWeight
-
-    order = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q4_0"]
-    rest = sorted(QuantWeight.TYPES - set(order))
-    return list(dict.fromkeys([*used, *[f for f in order if f in QuantWeight.TYPES], *rest]))
-
-
-def gemv_launch(fmt: str, shape, dtype=torch.bfloat16):
-    """The decode GEMV launch `QuantWeight.linear` makes for one token of x at `shape` (n_out, n_in)."""
-    from gguf import GGMLQuantizationType as T
-
-    from kernels.triton.launch import record_launches
-    from kernels.triton.qmatmul import gemv_launch_info
-    from models.quant import row_bytes
-    from models.formats import QuantWeight
-
-    n_out, n_in = shape
-    raw = torch.empty((n_out, row_bytes(int(T[fmt]), n_in)), dtype=torch.uint8, device="meta")
-    w = QuantWeight(raw, int(T[fmt]), shape)
-    with record_launches(torch_ops=False) as rec:
-        w.linear(torch.empty((1, n_in), dtype=dtype, device="meta"))
-    for launch in rec.triton:
-        info = gemv_launch_info(launch)
-        if info is not None:
-            return launch, info
-    raise RuntimeError(f"QuantWeight.linear on {fmt} launched no decode GEMV "
-                       f"({', '.join(l.name for l in rec.triton) or 'no Triton kernel'})")
-
-
-def model_gemv_shapes(model) -> list[tuple[int, int]]:
-    """Distinct (n_out, n_in) of the quantized matrices a decode step multiplies on the device."""
-    from models.formats import QuantWeight
-
-    return sorted({tuple(w.shape) for w in model.w.values()
-                   if isinstance(w, QuantWeight) and w.packed is not None and w.device.type == model.device.type})
-
-
-def _shape_cost(launch, info, res, arch) -> dict:
-    from kernels.triton.compile_check import ARCHS, bandwidth_cap
-    from kernels.triton.sass import loop_body, loop_loads
-
-    row = {"kernel": res.spec.label(), "num_warps": info["num_warps"], "loop_bytes": info["loop_bytes"],
-           "registers": res.registers, "spill_stores": res.spill_stores, "spill_loads": res.spill_loads,
-           "shared": res.shared, "error": res.error}
-    body = loop_body(res.sass) if not res.error else []
-    if not res.error and not body:
-        row["error"] = "no loop found in the SASS"
-    if row["error"]:
-        return row
-    ipb = len(body) * info["num_warps"] / info["loop_bytes"]
-    n_ldg, ldg_thread_bytes = loop_loads(body)
-    row.update(loop_instructions=len(body), ldg=n_ldg, ldg_bytes=ldg_thread_bytes * 32 * info["num_warps"],
-               instructions_per_byte=ipb, bandwidth_cap=bandwidth_cap(ipb, ARCHS[arch]))
-    return row
-
-
-def gemv_cost(fmt: str, shapes, arch: str = "sm_86", cache_dir="default", used: bool = False) -> dict:
-    """Instructions per weight byte and bandwidth cap of `fmt`'s decode GEMV on `arch`: the worst
-    over the matrix `shapes` (n_out, n_in) it is launched at (row lengths decide which pointers and
-    ints Triton sees as 16-byte aligned, and so which loads vectorize); `shapes` lists each."""
-    from kernels.triton.compile_check import compile_specs, spec_of
-
-    from models.quant import block_size
-    from gguf import GGMLQuantizationType as T
-
-    row = {"format": fmt, "used_by_model": used, "arch": arch, "instructions_per_byte": None,
-           "bandwidth_cap": None, "target": GEMV_TARGETS.get(fmt, GEMV_TARGET_OTHER), "error": None}
-    fit = [s for s in shapes if s[1] % block_size(int(T[fmt]))[0] == 0]
-    try:
-        launches = [(shape, *gemv_launch(fmt, shape)) for shape in fit]
-    except (RuntimeError, ValueError) as e:
-        return {**row, "error": str(e)}
-    if not launches:
-        return {**row, "error": f"no shape of {shapes} has rows that are whole {fmt} blocks"}
-    specs = [spec_of(launch) for _, launch, _ in launches]
-    results = compile_specs(specs, [arch], jobs=1, cache_dir=cache_dir)
-    per_shape = [{"shape": list(shape), **_shape_cost(launch, info, results[(spec, arch)], arch)}
-                 for (shape, launch, info), spec in zip(launches, specs)]
-    failed = [r for r in per_shape if r["error"]]
-    worst = failed[0] if failed else max(per_shape, key=lambda r: r["instructions_per_byte"])
-    row.update(worst)
-    row["shapes"] = [{k: r.get(k) for k in ("shape", "kernel", "loop_instructions", "instructions_per_byte",
-                                             "error")} for r in per_shape]
-    return row
-
-
-# ---------------------------------------------------------------------------------------- report
-
 def _static_report(variant: str, arch: str, kv: str, cache_dir) -> dict:
     from kernels.triton.compile_check import ARCHS
     from kernels.triton.qmatmul import gemv_launch_info
@@ -295,19 +203,14 @@ def static_report(variant: str, arch: str = "sm_86", kv: str = "bf16", cache_dir
     if cache_dir not in (None, "default"):
         cache_dir = str(cache_dir)
     if variant in HOST_EXPERT_VARIANTS:
-        from .static_host import _static_host_report, static_host_table
+        from .static_host import static_host_report, static_host_table
 
-        out = _run_as_on_gpu(_static_host_report, variant, arch, kv, cache_dir)
+        out = _run_as_on_gpu(static_host_report, variant, arch, kv, cache_dir)
         out["table"] = static_host_table(out)
         return out
     out = _run_as_on_gpu(_static_report, variant, arch, kv, cache_dir)
     out["table"] = static_table(out)
     return out
-
-
-GEMV_COLUMNS = (Column("format", 6, align="<"), Column("used", 4), Column("shape", 13), Column("warps", 5, "d"),
-                Column("loop instr", 10, "d"), Column("B/iter", 7, "d"), Column("LDG", 4, "d"), Column("regs", 4, "d"),
-                Column("instr/B", 8, ".3f"), Column("target", 6, ".2f"), Column("bw cap", 7))
 
 
 def static_table(o: dict) -> str:
@@ -323,26 +226,6 @@ def static_table(o: dict) -> str:
              "included, host lookup tables excluded)"]
     return "\n".join(lines + gemv_table_lines(o))
 
-
-def gemv_table_lines(o: dict) -> list[str]:
-    """The report's decode GEMV table: one line per format (o["gemv"]), the worst of its shapes."""
-    lines = [f"decode GEMV per format, the worst of the model's {len(o['gemv_shapes'])} matrix shapes:",
-             header(GEMV_COLUMNS)]
-    for r in o["gemv"]:
-        used = "yes" if r["used_by_model"] else ""
-        if r["error"]:
-            lines.append(row(GEMV_COLUMNS, (r["format"], used)) + f"  error: {r['error'].splitlines()[0]}")
-            continue
-        lines.append(row(GEMV_COLUMNS, (r["format"], used, "x".join(map(str, r["shape"])), r["num_warps"],
-                                        r["loop_instructions"], r["loop_bytes"], r["ldg"], r["registers"],
-                                        r["instructions_per_byte"], r["target"], f"{100 * r['bandwidth_cap']:.1f}%")))
-    lines.append("instr/B = SASS instructions of one K-loop iteration x warps per program / weight bytes the "
-                 "program reads in it; bw cap = min(1, 4 warp-instr/clock/SM x SMs x clock / (instr/B x bandwidth)); "
-                 "targets: issue 11 (sm_86)")
-    return lines
-
-
-# ------------------------------------------------------------------------------ the compile check
 
 COMPILE_ARCHS = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_120")
 

@@ -16,7 +16,7 @@ per layer holding experts 0..CACHE_SLOTS-1 (so CACHE_SLOTS of the k picks hit: 4
 per token: on the GPU every device tensor (`device_weight_bytes`: the banks are not there) plus the
 hit experts' slot bytes; on the CPU the missed experts' bytes (`expert_bytes` each: the layer's
 banks / E). The decode GEMV formats of the device matrices are compiled for `arch` as for E2B
-(`static.gemv_cost`).
+(`static_gemv.gemv_cost`).
 """
 from __future__ import annotations
 
@@ -60,12 +60,12 @@ def _placement(model, label: str, kv: str) -> dict:
     }
 
 
-def _static_host_report(variant: str, arch: str, kv: str, cache_dir) -> dict:
+def static_host_report(variant: str, arch: str, kv: str, cache_dir) -> dict:
     from kernels.triton.compile_check import ARCHS
     from kernels.triton.qmatmul import gemv_launch_info
 
     from .dry_run import dry_host_expert_model
-    from .static import gemv_cost, gemv_formats, model_gemv_shapes
+    from .static_gemv import gemv_cost, gemv_formats, model_gemv_shapes
 
     rows = [_placement(dry_host_expert_model(variant), "experts on host", kv),
             _placement(dry_host_expert_model(variant, cache_slots=CACHE_SLOTS), "hot-expert cache", kv)]
@@ -94,7 +94,7 @@ PLACEMENT_COLUMNS = (Column("placement", 16, align="<"), Column("hit", 4), Colum
 
 
 def static_host_table(o: dict) -> str:
-    from .static import gemv_table_lines
+    from .static_gemv import gemv_table_lines
 
     g = o["reference_gpu"]
     lines = [f"{o['model']}: one B = 1 decode step at context {o['context']}, KV {o['kv_cache_dtype']}, "

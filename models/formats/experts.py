@@ -64,12 +64,12 @@ class ExpertMatrix(_FileBytes):
         return F.linear(x.to(dt), self.dense(dt) if w is None else w).to(x.dtype)
 
     def _kernel_dense(self, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """float32 W from the Triton dequantization where x takes the kernels and the type has one."""
+        """float32 W from the Triton dequantization where x and the bytes take the kernels (a GPU, or
+        the interpreter's kernels_on_cpu) and the type has one."""
+        from kernels.triton.launch import use_kernels
         from kernels.triton.qformats import Q4_0, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0
 
-        from ..ops import kernel_path
-
-        if self.ggml_type not in (Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, Q4_0) or not kernel_path(x):
+        if self.ggml_type not in (Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, Q4_0) or not use_kernels(x, self.raw):
             return None
         from kernels.triton.qdequant import qdequantize
 
