@@ -30,7 +30,7 @@ from collections import Counter
 
 import torch
 
-from .static_gemv import gemv_cost, gemv_formats, gemv_launch, gemv_table_lines, model_gemv_shapes
+from .static_gemv import gemv_cost, gemv_formats, gemv_launch, gemv_table_lines, model_gemv_shapes, title_line
 
 KV_FORMATS = ("bf16", "fp16", "int8_per_token_head", "fp8_per_token_head", "fp32")
 # The float32 (--exact) model's KV: bf16 is what "auto" gives it on CUDA, fp32 the exact choice,
@@ -214,10 +214,7 @@ def static_report(variant: str, arch: str = "sm_86", kv: str = "bf16", cache_dir
 
 
 def static_table(o: dict) -> str:
-    g = o["reference_gpu"]
-    lines = [f"{o['model']}: one B = 1 decode step at context {o['context']}, KV {o['kv_cache_dtype']}, "
-             f"compiled for {o['arch']} (reference GPU {g['name']}: {g['sms']} SMs, {g['boost_ghz']:.2f} GHz, "
-             f"{g['bandwidth_gbps']:.0f} GB/s)",
+    lines = [title_line(o),
              f"kernels per step: {o['kernels_per_step']} ({o['triton_kernels']} Triton + {o['torch_ops']} torch)"
              + (f"; target <= {o['kernels_per_step_target']}" if o.get("kernels_per_step_target") else ""),
              "  Triton: " + ", ".join(f"{k} {v}" for k, v in o["triton_breakdown"].items()),

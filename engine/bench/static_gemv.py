@@ -103,6 +103,14 @@ def gemv_cost(fmt: str, shapes, arch: str = "sm_86", cache_dir="default", used: 
 # ---------------------------------------------------------------------------------------- report
 
 
+def title_line(o: dict, what: str = "") -> str:
+    """A static report's first line: the model (and `what` of it), the step, the target."""
+    g = o["reference_gpu"]
+    return (f"{o['model']}{what}: one B = 1 decode step at context {o['context']}, KV {o['kv_cache_dtype']}, "
+            f"compiled for {o['arch']} (reference GPU {g['name']}: {g['sms']} SMs, {g['boost_ghz']:.2f} GHz, "
+            f"{g['bandwidth_gbps']:.0f} GB/s)")
+
+
 GEMV_COLUMNS = (Column("format", 6, align="<"), Column("used", 4), Column("shape", 13), Column("warps", 5, "d"),
                 Column("loop instr", 10, "d"), Column("B/iter", 7, "d"), Column("LDG", 4, "d"), Column("regs", 4, "d"),
                 Column("instr/B", 8, ".3f"), Column("target", 6, ".2f"), Column("bw cap", 7))

@@ -94,12 +94,9 @@ PLACEMENT_COLUMNS = (Column("placement", 16, align="<"), Column("hit", 4), Colum
 
 
 def static_host_table(o: dict) -> str:
-    from .static_gemv import gemv_table_lines
+    from .static_gemv import gemv_table_lines, title_line
 
-    g = o["reference_gpu"]
-    lines = [f"{o['model']}: one B = 1 decode step at context {o['context']}, KV {o['kv_cache_dtype']}, "
-             f"compiled for {o['arch']} (reference GPU {g['name']}: {g['sms']} SMs, {g['boost_ghz']:.2f} GHz, "
-             f"{g['bandwidth_gbps']:.0f} GB/s)",
+    lines = [title_line(o),
              f"{o['n_layer']} layers, {o['n_expert']} experts of "
              f"{'-'.join(f'{b / 2**20:.2f}' for b in o['expert_bytes'][::max(len(o['expert_bytes']) - 1, 1)])} MiB, top "
              f"{o['n_expert_used']}; copies per step counted as intercepted (D->H: device to host, H->D: host "
