@@ -38,6 +38,7 @@ def add_command(sub) -> None:
 
 def cmd_mcp(a: argparse.Namespace) -> int:
     from .tools import ToolBox, load_config
+    from .tools.base import first_line
     from .tools.config import default_config_path
     config = load_config(a.mcp_config, a.data_dir)  # ConfigError: one line, exit status 2
     with ToolBox.create(config, a.allow_dir, shell=a.shell_tool, start_timeout=a.timeout) as box:
@@ -56,13 +57,8 @@ def cmd_mcp(a: argparse.Namespace) -> int:
             print(f"  ! {note}")
         for t in (t for t in tools if t.server == st.name):
             flags = ("on" if t.enabled else "off") + (", asks every call" if t.always_ask else "")
-            print(f"  {t.name} [{flags}]  {_first_line(t.description)}")
+            print(f"  {t.name} [{flags}]  {first_line(t.description)}")
     return 0
-
-
-def _first_line(text: str, limit: int = 100) -> str:
-    line = (text or "").strip().splitlines()[0] if (text or "").strip() else ""
-    return line if len(line) <= limit else line[:limit - 1] + "…"
 
 
 def _as_json(config, statuses, tools) -> dict:

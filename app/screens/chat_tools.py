@@ -148,10 +148,9 @@ class ChatToolsMixin:
 
         def call_tool(call: dict) -> tuple[str, bool]:
             self.post_message(ToolCallStarted(g.id, call))
-            fn = call.get("function", {})
             done: list = []  # the call in a thread of its own: Escape does not wait for a slow tool
-            threading.Thread(target=lambda: done.append(tools.box.call(fn.get("name", ""), fn.get("arguments"))),
-                             name="edgegem-tool-call", daemon=True).start()
+            threading.Thread(target=lambda: done.append(tools.box.call_parsed(call)), name="edgegem-tool-call",
+                             daemon=True).start()
             while not done:
                 if g.stop_requested or not self.is_attached:
                     return STOPPED_RUNNING, True  # its server finishes it (or times it out) unwatched

@@ -10,12 +10,9 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Label, Static, Switch
 
+from app.tools.base import first_line
+
 ANSWERS = {"once": "Allow once", "conversation": "This conversation", "always": "Always", "deny": "Deny"}
-
-
-def first_line(text: str, limit: int = 90) -> str:
-    line = (text or "").strip().splitlines()[0] if (text or "").strip() else ""
-    return line if len(line) <= limit else line[:limit - 1] + "…"
 
 
 class ApprovalScreen(ModalScreen[str]):
@@ -108,7 +105,7 @@ class ToolsScreen(ModalScreen[None]):
                 self._switch_tool[sid] = t.name
                 flags = " · asks every call" if t.always_ask else ""
                 rows.append(Horizontal(Switch(t.enabled, id=sid),
-                                       Static(f"{t.name}{flags}  {first_line(t.description)}", markup=False),
+                                       Static(f"{t.name}{flags}  {first_line(t.description, 90)}", markup=False),
                                        classes="tool-row"))
         if always:
             rows.append(Label("Allowed always", classes="server"))

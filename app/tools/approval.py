@@ -98,13 +98,18 @@ class ApprovalPolicy:
     def _save(self) -> None:
         if self.path is None:
             return
-        data = {"always": {s: sorted(t) for s, t in sorted(self._always.items()) if t}}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tool-approvals-", dir=self.path.parent)
-        try:  # written whole, then renamed over: a crash leaves the old file or the new one
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(data, f, indent=1)
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_json(self.path, {"always": {s: sorted(t) for s, t in sorted(self._always.items()) if t}})
+
+
+def write_json(path: Path, data) -> None:
+    """`data` as JSON at `path`, written whole to a temporary file, then renamed over: a crash
+    leaves the old file or the new one (the tools' saved choices)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

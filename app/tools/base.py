@@ -9,6 +9,12 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 
+def first_line(text: str, limit: int = 100) -> str:
+    """A description's first line, cut to `limit` characters with an ellipsis (listings)."""
+    line = (text or "").strip().splitlines()[0] if (text or "").strip() else ""
+    return line if len(line) <= limit else line[:limit - 1] + "…"
+
+
 class ServerState(enum.Enum):
     STARTING = "starting"
     READY = "ready"

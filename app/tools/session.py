@@ -5,13 +5,11 @@ the chat screen and the Tools screen read and drive it."""
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .approval import ApprovalPolicy
+from .approval import ApprovalPolicy, write_json
 from .base import ServerState
 from .config import ToolsConfig
 from .toolbox import DEFAULT_CALL_TIMEOUT, ToolBox
@@ -91,12 +89,4 @@ class AppTools:
             return set()
 
     def _save_switches(self) -> None:
-        self.switches_path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tool-switches-", dir=self.switches_path.parent)
-        try:  # written whole, then renamed over
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump({"off": self.box.disabled()}, f, indent=1)
-            os.replace(tmp, self.switches_path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_json(self.switches_path, {"off": self.box.disabled()})

@@ -142,8 +142,12 @@ class ToolBox:
         """The tool a call names (for the approval question), or None for an unknown one."""
         return self.find(call.get("function", {}).get("name", ""))
 
-    def call_for_loop(self, call: dict, timeout: Optional[float] = None) -> tuple[str, bool]:
-        """`run_tool_loop`'s `call_tool`: (result text, is_error). Images stay in `call()`'s result."""
+    def call_parsed(self, call: dict, timeout: Optional[float] = None) -> ToolResult:
+        """`call()` for a call as the engine parsed it (the app keeps the result's images)."""
         fn = call.get("function", {})
-        r = self.call(fn.get("name", ""), fn.get("arguments"), timeout)
+        return self.call(fn.get("name", ""), fn.get("arguments"), timeout)
+
+    def call_for_loop(self, call: dict, timeout: Optional[float] = None) -> tuple[str, bool]:
+        """`run_tool_loop`'s `call_tool`: (result text, is_error)."""
+        r = self.call_parsed(call, timeout)
         return r.text, r.is_error
