@@ -27,9 +27,12 @@ def _greedy(lm, prompt, n, backend, kv="auto"):
 
 @pytest.mark.parametrize("kv", ["bf16", "int8_per_token_head"])
 def test_tiny_gemma4_gpu_greedy_equals_cpu(tmp_path, kv):
+    """Against the CPU reference with the same KV format: on this model the first token's top two
+    logits are 0.04 apart and int8 KV moves them by up to 0.1 (fp32 KV: 120, int8: 190 first, on
+    the CPU as on the GPU), so the format, not the device, decides that token."""
     q4 = quantize_gguf(write_tiny_gemma4(tmp_path / "f.gguf", TinySpec(), seed=17), tmp_path / "q.gguf")
     prompt = [2] + np.random.default_rng(0).integers(11, 384, size=30).tolist()
-    cpu = _greedy(load_model(q4), prompt, 16, "torch", "fp32")
+    cpu = _greedy(load_model(q4), prompt, 16, "torch", "fp32" if kv == "bf16" else kv)
     gpu_lm = load_model(q4, dtype=torch.float32, device="cuda", quantized=True, host_embeddings=True)
     assert _greedy(gpu_lm, prompt, 16, "triton", kv) == cpu
     ref = load_model(q4).model.forward(torch.tensor(prompt)).double()
