@@ -131,12 +131,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="--device cpu (a GGUF or --synthetic): the model loop, the engine and the engine without "
                         "fast prefill, beside llama.cpp")
     b.add_argument("--keep-gguf", metavar="PATH",
-                   help="--device cpu --synthetic: write the synthetic GGUF here (reused when it exists)")
+                   help="--synthetic: write the synthetic GGUF here (reused when it exists); on cuda the bench "
+                        "opens that file as run does (so do placement flags, in a temporary one)")
     b.add_argument("--profile", action="store_true",
                    help="--device cpu: where one decode step's time goes, per op, at --prompt-tokens of context "
-                        "over --decode-tokens steps")
+                        "over --decode-tokens steps; cuda: the kernels of 8 more decode steps per context (device "
+                        "time beside wall time, the top kernels)")
     g = b.add_argument_group("engine bench (--device cuda or --synthetic)")
     _memory_args(g)
+    placement_args(g)
     g.add_argument("--fast-prefill", choices=["on", "off"], default="on")
     g.add_argument("--prompt-lengths", default="512,4096,16384", metavar="N,N,...", help="prefill prompt lengths")
     g.add_argument("--contexts", default="0,4096,32768", metavar="N,N,...", help="decode contexts")

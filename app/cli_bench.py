@@ -90,23 +90,39 @@ def cmd_bench(a) -> int:
             raise RuntimeError("--device cuda: torch sees no CUDA device")
         if a.threads:
             torch.set_num_threads(a.threads)
-        from engine.bench import gpu_bench
-        model = None
-        if not a.synthetic:
-            from engine import api
-            model = api.resolve_model(a.model)
-        out = gpu_bench(model, device=a.device, budget=a.gpu_memory_budget, kv_cache_dtype=a.kv_cache_dtype,
-                        on_row=_print_row if a.rows else None,
-                        swa_kv_cache_dtype=a.swa_kv_cache_dtype, embed_weights=a.embed_weights,
-                        fast_prefill=a.fast_prefill == "on",
-                        prompts=_int_list(a.prompt_lengths, "--prompt-lengths"),
-                        contexts=_int_list(a.contexts, "--contexts"), decode_steps=a.decode_steps,
-                        synthetic=a.synthetic, peak_bandwidth=a.peak_bandwidth)
+        from engine import api
+        from engine.bench import gpu_bench, synthetic_gguf
+        # On CUDA a synthetic layout with placement flags or --keep-gguf is written to a GGUF and
+        # opened as `run` opens a file (the plan keeps expert banks / first layers in host RAM);
+        # without them it is built in memory, every weight on the device.
+        on_file = a.device == "cuda" and a.synthetic and (a.keep_gguf or _placement_given(a))
+        with synthetic_gguf(a.synthetic if on_file else None, Path(a.keep_gguf) if a.keep_gguf else None) as written:
+            model = written if on_file else None if a.synthetic else api.resolve_model(a.model)
+            options = None
+            if model is not None and a.device == "cuda":
+                from .cli_options import placement_options
+                options = api.EngineOptions(gpu_memory_budget=a.gpu_memory_budget, kv_cache_dtype=a.kv_cache_dtype,
+                                            swa_kv_cache_dtype=a.swa_kv_cache_dtype, embed_weights=a.embed_weights,
+                                            **placement_options(a))
+            out = gpu_bench(model, device=a.device, budget=a.gpu_memory_budget, kv_cache_dtype=a.kv_cache_dtype,
+                            on_row=_print_row if a.rows else None,
+                            swa_kv_cache_dtype=a.swa_kv_cache_dtype, embed_weights=a.embed_weights,
+                            fast_prefill=a.fast_prefill == "on",
+                            prompts=_int_list(a.prompt_lengths, "--prompt-lengths"),
+                            contexts=_int_list(a.contexts, "--contexts"), decode_steps=a.decode_steps,
+                            synthetic=None if on_file else a.synthetic, peak_bandwidth=a.peak_bandwidth,
+                            options=options, profile=a.profile)
     if a.json:
         print(json.dumps(out, indent=1))
     else:
         print(out["table"])
     return 0
+
+
+def _placement_given(a) -> bool:
+    """Whether any of llama.cpp's offload flags was given (`cli_options.placement_args`)."""
+    return bool(a.cpu_moe or a.n_cpu_moe is not None or a.n_gpu_layers is not None or a.override_tensor
+                or a.ctx_size is not None or str(a.moe_cache).lower() != "auto")
 
 
 def _print_row(kind: str, row: dict) -> None:

@@ -7,7 +7,10 @@ numerically tame values). A matrix that fits in L2 (an H200 has 60 MB) would be 
 cache after the first call, so each measurement cycles through enough copies of the matrix to
 exceed `ROTATE_BYTES`: every timed call reads its weights from DRAM, as a decode step does (it
 reads 1.5 GB of weights per token). Timing: CUDA events around `iters` calls after `warmup` ones
-(on the CPU, under TRITON_INTERPRET=1, wall clock: a functional check only).
+(on the CPU, under TRITON_INTERPRET=1, wall clock: a functional check only). On a GPU two figures:
+`us_per_call` replays the `iters` calls captured in one CUDA graph (what a decode step's graph
+pays: the kernels alone), `host_us_per_call` launches them one by one from Python (what an eager
+caller pays; when it exceeds the kernel time the GPU waits on the host). GB/s is of the first.
 """
 from __future__ import annotations
 
@@ -67,12 +70,35 @@ def gemv_bandwidth(fmt: str, n_out: int, n_in: int, device="cuda", iters: int = 
     start()
     for i in range(iters):
         weights[i % copies].linear(x)
-    seconds = stop() / iters
+    host_seconds = stop() / iters
+    seconds = _graph_seconds(lambda: [weights[i % copies].linear(x) for i in range(iters)], device) / iters \
+        if device.type == "cuda" else host_seconds
     moved = first.numel() + x.numel() * x.element_size() + n_out * x.element_size()
     gbps = moved / seconds / 1e9
     return {"format": fmt, "n_out": n_out, "n_in": n_in, "weight_bytes": first.numel(), "copies": copies,
-            "iters": iters, "us_per_call": seconds * 1e6, "gbps": gbps,
+            "iters": iters, "us_per_call": seconds * 1e6, "host_us_per_call": host_seconds * 1e6, "gbps": gbps,
             "peak_share": gbps / peak_gbps if peak_gbps else None}
+
+
+def _graph_seconds(calls, device: torch.device, replays: int = 3) -> float:
+    """Seconds of one replay of `calls()` captured in a CUDA graph (the best of `replays`)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        calls()  # warm on a side stream, as a capture wants
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    graph.replay()
+    best = float("inf")
+    for _ in range(replays):
+        start, stop = _timer(device)
+        start()
+        graph.replay()
+        best = min(best, stop())
+    del graph
+    return best
 
 
 def gemv_sweep(variants=("e2b", "e4b"), formats=None, device="cuda", iters: int = 100,
@@ -107,13 +133,15 @@ def gemv_sweep(variants=("e2b", "e4b"), formats=None, device="cuda", iters: int 
 
 def sweep_table(rows: list[dict]) -> str:
     """Markdown table of `gemv_sweep` rows."""
-    lines = ["| model | matrix | format | shape | weight MB | µs/call | GB/s | of peak |",
-             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: |"]
+    lines = ["| model | matrix | format | shape | weight MB | µs/call (graph) | µs/call (eager) | GB/s | of peak |",
+             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         head = f"| {r['variant']} | {r['matrix']} | {r['format']} | {r['n_out']}x{r['n_in']} |"
         if "error" in r:
-            lines.append(f"{head} error: {r['error'].splitlines()[0]} | | | |")
+            lines.append(f"{head} error: {r['error'].splitlines()[0]} | | | | |")
             continue
         share = f"{100 * r['peak_share']:.1f}%" if r["peak_share"] is not None else "n/a"
-        lines.append(f"{head} {r['weight_bytes'] / 1e6:.1f} | {r['us_per_call']:.1f} | {r['gbps']:.0f} | {share} |")
+        eager = r.get("host_us_per_call", r["us_per_call"])
+        lines.append(f"{head} {r['weight_bytes'] / 1e6:.1f} | {r['us_per_call']:.1f} | {eager:.1f} | {r['gbps']:.0f} "
+                     f"| {share} |")
     return "\n".join(lines)

@@ -10,7 +10,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .gpu_profile import decode_profile, profile_lines
 from .table import Column, header, row
+
+PROFILE_STEPS = 8  # decode steps under the profiler per context (`profile`), after the timed ones
 
 # Peak memory bandwidth in GB/s (10^9 B/s) by device name, most specific first (vendor spec sheets).
 PEAK_BANDWIDTH_GBPS = (
@@ -87,7 +90,7 @@ def gpu_bench(model=None, device="cuda", budget=None, kv_cache_dtype: str = "aut
               fast_prefill: bool = True, prompts=(512, 4096, 16384), contexts=(0, 4096, 32768),
               decode_steps: int = 32, synthetic=None, swa_kv_cache_dtype: str = "auto",
               peak_bandwidth=None, quantized=None, attention_backend: str = "auto", seed: int = 0,
-              batched_decode=None, on_row=None) -> dict:
+              batched_decode=None, on_row=None, options=None, profile: bool = False) -> dict:
     """Prefill tok/s per prompt length and decode tok/s per context through the Engine.
 
     `model`: a GGUF path, a loaded `Gemma4Model`/`LoadedModel`, or None with `synthetic`
@@ -107,7 +110,11 @@ def gpu_bench(model=None, device="cuda", budget=None, kv_cache_dtype: str = "aut
     TRITON_INTERPRET=1), else dense weights on the plain torch path. `batched_decode`: the engine's
     setting (None: its default, on for CUDA). `on_row(kind, row)`: called once with "warmup" (load
     and warm-up seconds, the device), then with "prefill" or "decode" and each row as soon as it
-    is measured (`edgegem bench --rows` prints them), so a run stopped part-way keeps its rows."""
+    is measured (`edgegem bench --rows` prints them), so a run stopped part-way keeps its rows.
+    `options` (a GGUF path on CUDA): the `EngineOptions` whose budget and placement flags decide
+    which expert banks and layers stay in host RAM, as `run` and `chat` load it. `profile`: after
+    each decode row, `PROFILE_STEPS` more steps under torch's profiler (`gpu_profile.decode_profile`:
+    the kernels' device time per step beside the wall time, the top kernels) in the row's "profile"."""
     from kernels.triton.launch import interpreting
 
     from ..kv.format import resolve_format
@@ -129,7 +136,7 @@ def gpu_bench(model=None, device="cuda", budget=None, kv_cache_dtype: str = "aut
         label = f"synthetic {synthetic.upper()} (random weights, Q4_K_M mix)"
     elif isinstance(model, (str, Path)):
         from ..api import open_model
-        lm = open_model(Path(model), exact=False, device=dev.type, embed_weights=embed_weights)
+        lm = open_model(Path(model), exact=False, device=dev.type, embed_weights=embed_weights, options=options)
         layout, lm_model, label = lm.source, lm.model, Path(model).name
     else:
         lm_model = getattr(model, "model", model)
@@ -143,7 +150,15 @@ def gpu_bench(model=None, device="cuda", budget=None, kv_cache_dtype: str = "aut
     need = max(max(prompts, default=1), max(contexts, default=0) + 1) + decode_steps + 8
     full, window = need, None
     plan = None
-    if isinstance(getattr(layout, "tensors", None), dict):
+    if options is not None and isinstance(model, (str, Path)) and dev.type == "cuda":
+        # the plan of the placement the load made (host expert banks / layers off the budget)
+        from dataclasses import replace
+
+        from ..api import engine_plan
+        plan, kv, swa, chunk = engine_plan(lm, replace(options, max_running_requests=1, prefill_chunk=chunk,
+                                                       kv_cache_dtype=kv, swa_kv_cache_dtype=swa))
+        full, window = plan.kv["full"]["tokens"] or 1, plan.kv["window"]["tokens"] or None
+    elif isinstance(getattr(layout, "tensors", None), dict):
         plan = plan_memory(layout, PlanOptions(budget=parse_size(budget) if budget is not None else None,
                                                device=dev.type, kv_format=kv, swa_format=swa,
                                                embed_weights=embed_weights, prefill_chunk=chunk, max_running=1),
@@ -216,11 +231,12 @@ def gpu_bench(model=None, device="cuda", budget=None, kv_cache_dtype: str = "aut
             add_row("decode", {"context": c, "skipped": f"over the {limit}-token context"})
             continue
         # context 0: a 1-token prompt; its first token, one untimed step, then decode_steps timed ones
-        req, _ = prefill(max(c, 1), decode_steps + 2)
+        req, _ = prefill(max(c, 1), decode_steps + 2 + (PROFILE_STEPS if profile else 0))
         engine.step()  # untimed: the slot tables grow to this context here (a graph re-capture on CUDA)
         before, he0, cl0 = len(req.output_ids), engine.status().get("host_experts"), engine.status().get("cpu_layers")
         s = time_decode(engine, dev, decode_steps)
         n_done = len(req.output_ids) - before
+        prof = decode_profile(engine, dev, PROFILE_STEPS) if profile else None
         finish(req)
         tok_s = n_done / s if s > 0 else 0.0
         kv_b = kv_bytes_read(cfg, engine.pools, c)
@@ -232,6 +248,8 @@ def gpu_bench(model=None, device="cuda", budget=None, kv_cache_dtype: str = "aut
             row.update(host_expert_row(he0, engine.status()["host_experts"], n_done))
         if cl0:
             row.update(cpu_layer_row(cl0, engine.status()["cpu_layers"], n_done))
+        if prof is not None:
+            row["profile"] = prof
         add_row("decode", row)
     out["peak_memory_bytes"], out["peak_memory_source"] = _peak_memory(dev)
     out["table"] = _bench_table(out)
@@ -318,6 +336,9 @@ def _bench_table(o: dict) -> str:
             lines.append(f"  context {r['context']}: CPU layers {r['cpu_layer_ms_per_token']:.2f} ms, the residual "
                          f"{r['layer_pcie_bytes_per_token'] / 1e3:.1f} KB over PCIe, "
                          f"{r['crossings_per_token']:.0f} crossing a token")
+    for r in o["decode"]:
+        if "profile" in r:
+            lines += profile_lines(r)
     lines.append(f"bytes read per decode token = device weights {o['weight_bytes_per_token'] / 1e6:.1f} MB "
                  f"(lookup tables excluded) + KV of every attending layer at that context; peak bandwidth "
                  + (f"{peak:.0f} GB/s" if peak else "n/a (unknown device; --peak-bandwidth GBps)"))

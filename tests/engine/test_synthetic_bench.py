@@ -185,3 +185,44 @@ def test_the_timed_decode_starts_after_the_slot_tables_grew_to_the_context(monke
     assert [r["steps"] for r in out["decode"]] == [2, 2]
     assert [k for k, _ in rows] == ["warmup", "prefill", "decode", "decode"]
     assert [r for k, r in rows if k == "decode"] == out["decode"] and rows[1][1] is out["prefill"][0]
+
+
+def test_profile_rows_name_the_decode_steps_ops_per_context():
+    """`gpu_bench(profile=True)`: after each timed decode, 8 more steps under torch's profiler; on
+    the CPU the row lists the ops with the most host time per step (the same pass lists kernels on
+    CUDA), the table prints them under the decode rows."""
+    from engine.bench import gpu_bench
+    from engine.bench.throughput import PROFILE_STEPS
+
+    out = gpu_bench(synthetic="tiny", device="cpu", prompts=(8,), contexts=(0, 16), decode_steps=2,
+                    quantized=False, profile=True)
+    for r in out["decode"]:
+        p = r["profile"]
+        assert p["profiled_steps"] == PROFILE_STEPS and r["steps"] == 2
+        assert p["wall_ms_per_step"] > 0 and 0 < p["busy_ms_per_step"]
+        assert 0 < len(p["top"]) <= 12 and "kernels_per_step" not in p
+        times = [t["us_per_step"] for t in p["top"]]
+        assert times == sorted(times, reverse=True) and all(t["calls_per_step"] > 0 for t in p["top"])
+    assert "context 16:" in out["table"] and "CPU ops busy" in out["table"]
+
+
+def test_profile_row_counts_kernels_and_copies_of_the_device_only():
+    """The CUDA branch of `profile_row` on recorded events: device kernels and copies counted per
+    step apart, host events ignored, names cut to 80 characters, the top sorted by time."""
+    from types import SimpleNamespace as NS
+
+    from engine.bench.gpu_profile import profile_row
+
+    cuda, cpu = NS(name="CUDA"), NS(name="CPU")
+
+    def ev(name, us, dev=cuda):
+        return NS(name=name, device_type=dev, time_range=NS(elapsed_us=lambda: us), self_cpu_time_total=us)
+
+    long = "_qmatmul_kernel_" + "x" * 100
+    events = [ev(long, 30.0), ev(long, 34.0), ev("attention", 10.0), ev("Memcpy HtoD (Pageable -> Device)", 4.0),
+              ev("aten::mm", 500.0, cpu)]
+    row = profile_row(events, wall_s=0.002, steps=2, cuda=True)
+    assert row["kernels_per_step"] == 1.5 and row["copies_per_step"] == 0.5
+    assert row["busy_ms_per_step"] == pytest.approx(78.0 / 1e3 / 2) and row["wall_ms_per_step"] == pytest.approx(1.0)
+    assert [t["name"] for t in row["top"]] == [long[:80], "attention", "Memcpy HtoD (Pageable -> Device)"]
+    assert row["top"][0] == {"name": long[:80], "calls_per_step": 1.0, "us_per_step": 32.0}
