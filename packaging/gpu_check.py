@@ -6,10 +6,15 @@ does not stop the others):
                llama-cpp-python, diskcache on the workplace's GPU machine), into `.site/`
                (packaging/gpu_install.py says what and why);
   2. gemv      per-kernel bandwidth: each decode GEMV format at E2B (and E4B) shapes through
-               `QuantWeight.linear` (engine/bench/gemv.py), GB/s and share of the device's peak;
+               `QuantWeight.linear` (engine/bench/gemv.py), GB/s and share of the device's peak
+               (the kernels replayed in a CUDA graph, beside the eager per-call time);
   3. bench     `edgegem --debug bench --synthetic e2b|e4b --device cuda --gpu-memory-budget 8GiB
-               --rows`, KV bf16 (and int8_per_token_head): engine.bench.throughput.gpu_bench;
-  4. pytest    `pytest -m cuda tests/engine/test_cuda.py` with TRITON_INTERPRET=0.
+               --rows --profile`, KV bf16 (and int8_per_token_head): engine.bench.throughput.gpu_bench,
+               each decode context's top kernels and GPU busy time per step;
+  4. host      the 26B-A4B at real size beside a 10 GiB budget: the synthetic GGUF written to the
+               temporary folder, opened as `run` opens it (expert banks in host RAM, computed by
+               llama.cpp's CPU kernels; the hot-expert cache), prefill and decode rows;
+  5. pytest    `pytest -m cuda` on tests/engine/test_cuda.py and the host-layer tests, TRITON_INTERPRET=0.
 The figures come first: the tests compile kernels the bench has already compiled. Each part has
 planned seconds (PLAN); what one leaves unused rolls over to the next, and the whole run stays
 inside --budget. `--quick` (what `make gpu-check` runs): the GEMV table at E2B's shapes and one E2B
@@ -38,6 +43,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -56,11 +62,15 @@ QUICK_BENCH_RUNS = [("e2b", "bf16")]
 # Planned seconds per part, in run order (one "bench" per bench run). A part may run until the sum
 # of the plans up to it, so what earlier parts left unused rolls over. The first bench of a
 # process also JIT-compiles every kernel it launches (~1 s each); later runs reuse Triton's cache.
-PLAN = {"install": 30, "gemv": 150, "bench": 150, "pytest": 120}  # 900 s with four benches
-QUICK_PLAN = {"install": 30, "gemv": 90, "bench": 180, "pytest": 140}  # 440 s
+PLAN = {"install": 30, "gemv": 150, "bench": 150, "host": 300, "pytest": 120}  # 1,200 s with four benches
+QUICK_PLAN = {"install": 30, "gemv": 40, "bench": 90, "host": 180, "pytest": 100}  # 440 s
+FULL_BUDGET = 1200.0
 QUICK_BUDGET = 440.0
 NO_CUDA = "torch sees no CUDA device"  # app/cli_bench.py's error: where the dry run's bench stops
 TAIL_LINES = 25  # of a failing part, printed here
+# the CUDA tests: the compiled kernels against the CPU, graph replay, host expert banks and layers
+CUDA_TESTS = ("tests/engine/test_cuda.py", "tests/models/test_host_expert_layers.py",
+              "tests/kernels/triton/test_host_layers.py", "tests/kernels/triton/test_gpu_arch.py")
 
 
 @dataclass
@@ -164,7 +174,20 @@ def bench_cmd(variant: str, kv: str, quick: bool = False) -> list[str]:
     return [sys.executable, "-m", "app.cli", "--debug", "bench", "--synthetic", variant, "--device", "cuda",
             "--gpu-memory-budget", "8GiB", "--kv-cache-dtype", kv, "--swa-kv-cache-dtype", kv,
             "--prompt-lengths", "512,2048", "--contexts", "0,4096" if quick else "0,4096,32768",
-            "--decode-steps", "32", "--rows"]
+            "--decode-steps", "32", "--rows", "--profile"]
+
+
+HOST_BENCH = "bench 26b-a4b host experts"
+# 16.8 GB: never under $OUT (what a device run brings back); kept for a second run on a warm machine
+HOST_GGUF = Path(tempfile.gettempdir()) / "edgegem-gpu-check" / "synthetic-26b-a4b.gguf"
+
+
+def host_bench_cmd(quick: bool = False) -> list[str]:
+    """The 26B-A4B beside a 10 GiB budget: the plan keeps expert banks in host RAM (auto placement)."""
+    HOST_GGUF.parent.mkdir(parents=True, exist_ok=True)
+    return [sys.executable, "-m", "app.cli", "--debug", "bench", "--synthetic", "26b-a4b", "--device", "cuda",
+            "--gpu-memory-budget", "10GiB", "--keep-gguf", str(HOST_GGUF), "--prompt-lengths", "512",
+            "--contexts", "0,4096", "--decode-steps", "16" if quick else "32", "--rows", "--profile"]
 
 
 def _print_row(row: dict) -> None:
@@ -214,14 +237,15 @@ def plan_parts(args) -> list[tuple[str, list[str], str, bool]]:
     me = [sys.executable, str(Path(__file__).resolve())]
     runs = QUICK_BENCH_RUNS if args.quick else BENCH_RUNS
     pytest = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rA", "-p", "no:cacheprovider",
-              "--durations=5", "tests/engine/test_cuda.py"]
+              "--durations=5", *CUDA_TESTS]
     if not args.dry_run:
         return ([("gemv", me + ["_microbench", str(args.iters), "e2b" if args.quick else "e2b,e4b"], "gemv", False)]
                 + [(f"bench {v} {kv}", bench_cmd(v, kv, args.quick), "bench", False) for v, kv in runs]
-                + [("pytest", pytest, "pytest", False)])
+                + [(HOST_BENCH, host_bench_cmd(args.quick), "host", False), ("pytest", pytest, "pytest", False)])
     v, kv = runs[0]
     return [("gemv", me + ["_microbench", "1", "tiny", "--cpu"], "gemv", True),
             (f"bench {v} {kv}", bench_cmd(v, kv, args.quick), "bench", False),
+            (HOST_BENCH, host_bench_cmd(args.quick), "host", False),
             ("bench tiny cpu", me + ["_cpu_bench"], "bench", True),
             ("pytest", pytest + ["--collect-only"], "pytest", False),
             ("quantizer", [sys.executable, "-c", "import llama_cpp; print('llama_cpp', llama_cpp.__version__)"],
@@ -299,8 +323,8 @@ def _tail(text: str, n: int = 40) -> str:
 def _bench_rows(parts: list[Part]) -> list[str]:
     """The decode summary: one line per bench part from the rows it streamed (a part killed
     half-way shows what it finished)."""
-    rows = ["| run | prefill tok/s (prompt) | decode tok/s (context) | GB/s | of peak | load + warm-up s |",
-            "| --- | --- | --- | --- | --- | --- |"]
+    rows = ["| run | prefill tok/s (prompt) | decode tok/s (context) | GB/s | of peak | load + warm-up s "
+            "| GPU busy / wall ms a step |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for p in parts:
         if not p.name.startswith("bench") or not p.rows:
             continue
@@ -311,7 +335,9 @@ def _bench_rows(parts: list[Part]) -> list[str]:
         rows.append(f"| {p.name[6:]} | {pre} | " + ", ".join(f"{r['tok_s']:.1f} ({r['context']})" for r in dec)
                     + " | " + ", ".join(f"{r['achieved_gbps']:.0f}" for r in dec) + " | "
                     + ", ".join(f"{100 * r['bandwidth_share']:.1f}%" if r.get("bandwidth_share") is not None
-                                else "n/a" for r in dec) + f" | {''.join(warm)} |")
+                                else "n/a" for r in dec) + f" | {''.join(warm)} | "
+                    + ", ".join(f"{r['profile']['busy_ms_per_step']:.2f} / {r['profile']['wall_ms_per_step']:.2f}"
+                                for r in dec if "profile" in r) + " |")
     return rows
 
 
@@ -359,17 +385,18 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="GPU checks and benchmarks, one Markdown report")
     p.add_argument("--out", type=Path, help="report path (default: $OUT/gpu-check.md, else ./gpu-check.md)")
     p.add_argument("--quick", action="store_true",
-                   help=f"the E2B GEMV table, one E2B bench and the CUDA tests, inside {QUICK_BUDGET:.0f} s")
+                   help=f"the E2B GEMV table, one E2B bench, the 26B-A4B host-experts bench and the CUDA tests, "
+                        f"inside {QUICK_BUDGET:.0f} s")
     p.add_argument("--dry-run", action="store_true", help="every part as far as it gets without a GPU")
     p.add_argument("--budget", type=float, default=None,
-                   help=f"seconds for all parts together (default 900, {QUICK_BUDGET:.0f} with --quick)")
+                   help=f"seconds for all parts together (default {FULL_BUDGET:.0f}, {QUICK_BUDGET:.0f} with --quick)")
     p.add_argument("--iters", type=int, default=100, help="timed calls per GEMV measurement")
     p.add_argument("--skip-install", action="store_true")
     p.add_argument("--site", type=Path, default=gpu_install.SITE_DIR,
                    help="where the install puts the carried wheels (default .site/ in the repository)")
     p.add_argument("--work-dir", default=None, help="folder of the part logs (default: the report's)")
     a = p.parse_args(argv)
-    a.budget = a.budget if a.budget is not None else QUICK_BUDGET if a.quick else 900.0
+    a.budget = a.budget if a.budget is not None else QUICK_BUDGET if a.quick else FULL_BUDGET
     a.out = a.out or default_out()
     a.work_dir = a.work_dir or str(Path(a.out).resolve().parent)
     a.site = a.site.resolve()

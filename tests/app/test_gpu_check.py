@@ -159,10 +159,12 @@ class _Clock:
 
 
 def test_figures_come_first_and_unused_seconds_roll_over_to_the_next_part(monkeypatch, tmp_path):
-    """--quick: gemv, the E2B bench, then pytest; each may run until the sum of the plans so far, so
-    the seconds the install and gemv leave unused go to the bench, and the bench's to pytest."""
+    """--quick: gemv, the E2B bench, the 26B host-experts bench, then pytest; each may run until the
+    sum of the plans so far, so the seconds the install and gemv leave unused go to the bench, and
+    so on."""
     clock, caps = _Clock(), []
-    used = {"gemv": 20.0, "bench e2b bf16": 250.0, "pytest": 10.0}
+    host = gpu_check.HOST_BENCH
+    used = {"gemv": 20.0, "bench e2b bf16": 100.0, host: 150.0, "pytest": 10.0}
 
     def fake_run_part(name, cmd, timeout, env=None, log=None, echo=None):
         caps.append((name, round(timeout, 6)))
@@ -176,18 +178,19 @@ def test_figures_come_first_and_unused_seconds_roll_over_to_the_next_part(monkey
     assert gpu_check.main(["--quick", "--out", str(tmp_path / "r.md")]) == 0
     q = gpu_check.QUICK_PLAN
     assert caps == [("gemv", q["install"] + q["gemv"]), ("bench e2b bf16", q["install"] + q["gemv"] + q["bench"] - 20),
-                    ("pytest", gpu_check.QUICK_BUDGET - 270)]
+                    (host, gpu_check.QUICK_BUDGET - q["pytest"] - 120), ("pytest", gpu_check.QUICK_BUDGET - 270)]
     caps.clear()
     clock.now = 0.0
     gpu_check.main(["--quick", "--budget", "200", "--out", str(tmp_path / "r.md")])  # the budget's end caps
-    assert caps == [("gemv", 120), ("bench e2b bf16", 180), ("pytest", 0)]
+    assert caps == [("gemv", 70), ("bench e2b bf16", 140), (host, 80), ("pytest", 0)]
 
 
 def test_the_report_has_every_part_its_figures_and_the_failures(tmp_path):
     rows = gemv_sweep(["tiny"], ["Q4_0"], device="cpu", iters=1, shapes={"tiny": (("up", 8, 64),)})
     bench = [{"row": "warmup", "load_s": 12.0, "warmup_s": 40.0}, {"row": "prefill", "prompt_tokens": 512,
              "tok_s": 4000.0}, {"row": "decode", "context": 0, "tok_s": 80.0, "achieved_gbps": 118.0,
-                                "bandwidth_share": 0.33}]
+                                "bandwidth_share": 0.33,
+                                "profile": {"busy_ms_per_step": 2.5, "wall_ms_per_step": 12.5}}]
     parts = [gpu_check.Part("install", [], skipped="nothing to install", note="missing before: nothing"),
              gpu_check.Part("gemv", ["gpu_check.py", "_microbench"], rc=0, seconds=5.0,
                             rows=[{"row": "device", "name": "NVIDIA H200"}] + [{"row": "gemv", **r} for r in rows]),
@@ -201,8 +204,8 @@ def test_the_report_has_every_part_its_figures_and_the_failures(tmp_path):
     for line in ("| install | skipped (nothing to install) | 0.0 | 0 |", "| pytest | failed (exit 1) | 12.0 | 0 |",
                  "| gemv | ok | 5.0 | 2 |", "| bench e4b bf16 | timed out after 120 s | 120.0 | 2 |",
                  "missing before: nothing", "1 failed, 3 passed", "device: NVIDIA H200", "| tiny | up | Q4_0 | 8x64 |",
-                 "synthetic E2B on cuda: ...", "| e2b bf16 | 4000 (512) | 80.0 (0) | 118 | 33.0% | 12 + 40 |",
-                 "| e4b bf16 | 4000 (512) |  |  |  | 12 + 40 |"):
+                 "synthetic E2B on cuda: ...", "| e2b bf16 | 4000 (512) | 80.0 (0) | 118 | 33.0% | 12 + 40 | 2.50 / 12.50 |",
+                 "| e4b bf16 | 4000 (512) |  |  |  | 12 + 40 |  |"):
         assert line in text, line
 
 
@@ -214,8 +217,8 @@ def test_without_a_gpu_every_part_fails_on_its_own_logs_it_and_prints_its_last_l
     assert "| install | skipped (--skip-install) |" in text and "## gemv" in text and "## pytest" in text
     assert text.count("| bench e") >= 4
     logs = sorted(p.name for p in tmp_path.glob("*.log"))
-    assert logs == ["bench-e2b-bf16.log", "bench-e2b-int8_per_token_head.log", "bench-e4b-bf16.log",
-                    "bench-e4b-int8_per_token_head.log", "gemv.log", "pytest.log"]
+    assert logs == ["bench-26b-a4b-host-experts.log", "bench-e2b-bf16.log", "bench-e2b-int8_per_token_head.log",
+                    "bench-e4b-bf16.log", "bench-e4b-int8_per_token_head.log", "gemv.log", "pytest.log"]
     assert len(logs) + 1 <= 8  # what a device run brings back
     bench_log = (tmp_path / "bench-e2b-bf16.log").read_text()
     assert "Traceback" in bench_log and "RuntimeError: --device cuda: torch sees no CUDA device" in bench_log  # --debug
@@ -226,10 +229,15 @@ def test_quick_mode_runs_the_e2b_gemv_table_one_e2b_bench_and_the_cuda_tests():
     a = gpu_check.parse_args(["--quick"])
     assert a.quick and a.budget == gpu_check.QUICK_BUDGET <= 450  # + python start and report: < 8 min
     assert sum(gpu_check.QUICK_PLAN.values()) == a.budget
-    assert gpu_check.parse_args([]).budget == 900.0 and gpu_check.parse_args(["--quick", "--budget", "99"]).budget == 99
-    assert [name for name, *_ in gpu_check.plan_parts(a)] == ["gemv", "bench e2b bf16", "pytest"]
+    assert gpu_check.parse_args([]).budget == 1200.0 == sum(gpu_check.PLAN.values()) + 3 * gpu_check.PLAN["bench"] and gpu_check.parse_args(["--quick", "--budget", "99"]).budget == 99
+    assert [name for name, *_ in gpu_check.plan_parts(a)] == ["gemv", "bench e2b bf16", gpu_check.HOST_BENCH, "pytest"]
     cmd = gpu_check.bench_cmd("e2b", "bf16", quick=True)
     assert cmd[cmd.index("--contexts") + 1] == "0,4096" and "--synthetic" in cmd and "--rows" in cmd
+    assert "--profile" in cmd
+    host = gpu_check.host_bench_cmd(quick=True)
+    assert host[host.index("--synthetic") + 1] == "26b-a4b" and host[host.index("--gpu-memory-budget") + 1] == "10GiB"
+    # the 16.8 GB file goes to the temporary folder, never under the report's folder ($OUT comes back)
+    assert not Path(host[host.index("--keep-gguf") + 1]).is_relative_to(Path(a.out).resolve().parent)
     assert cmd.index("--debug") < cmd.index("bench")  # the CLI's --debug is a top-level flag: tracebacks
 
 
@@ -259,7 +267,7 @@ def test_the_report_is_written_after_every_part(monkeypatch, tmp_path):
     monkeypatch.setattr(gpu_install, "missing", lambda site: ["gguf"])
     monkeypatch.setattr(gpu_check, "_MACHINE", ["- GPU: test"])
     assert gpu_check.main(["--quick", "--out", str(out)]) == 0
-    assert [name for name, _ in seen] == ["install", "gemv", "bench e2b bf16", "pytest"]
+    assert [name for name, _ in seen] == ["install", "gemv", "bench e2b bf16", gpu_check.HOST_BENCH, "pytest"]
     for i, (name, report) in enumerate(seen[1:], 1):
         for earlier, _ in seen[:i]:
             assert f"| {earlier} | ok |" in report, (name, earlier)
@@ -279,6 +287,7 @@ def test_dry_run_reaches_every_gpu_part_and_stops_where_cuda_is_needed(tmp_path)
     assert rc == 0, text
     assert "| install | skipped (nothing to install) |" in text  # this venv has every GPU import
     assert "| bench e2b bf16 | skipped (dry run: stopped where it needs CUDA) |" in text and "bench e4b" not in text
+    assert f"| {gpu_check.HOST_BENCH} | skipped (dry run: stopped where it needs CUDA) |" in text
     for line in ("| gemv | ok |", "| bench tiny cpu | ok |", "| pytest | ok |", "| quantizer | ok |"):
         assert line in text, line
     assert "test_cuda.py::" in text and "llama_cpp 0.3.36" in text and "| tiny | ffn_up | Q4_K | 16x256 |" in text
