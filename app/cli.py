@@ -132,7 +132,8 @@ def _parser() -> argparse.ArgumentParser:
                         "fast prefill, beside llama.cpp")
     b.add_argument("--keep-gguf", metavar="PATH",
                    help="--synthetic: write the synthetic GGUF here (reused when it exists); on cuda the bench "
-                        "opens that file as run does (so do placement flags, in a temporary one)")
+                        "opens that file as run does (without it an MoE layout is built in memory, its placed "
+                        "expert banks in host RAM)")
     b.add_argument("--profile", action="store_true",
                    help="--device cpu: where one decode step's time goes, per op, at --prompt-tokens of context "
                         "over --decode-tokens steps; cuda: the kernels of 8 more decode steps per context (device "

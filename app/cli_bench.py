@@ -91,15 +91,18 @@ def cmd_bench(a) -> int:
         if a.threads:
             torch.set_num_threads(a.threads)
         from engine import api
-        from engine.bench import gpu_bench, synthetic_gguf
-        # On CUDA a synthetic layout with placement flags or --keep-gguf is written to a GGUF and
-        # opened as `run` opens a file (the plan keeps expert banks / first layers in host RAM);
-        # without them it is built in memory, every weight on the device.
-        on_file = a.device == "cuda" and a.synthetic and (a.keep_gguf or _placement_given(a))
+        from engine.bench import gpu_bench, has_experts, synthetic_gguf
+        # On CUDA a synthetic layout with --keep-gguf is written to a GGUF and opened as `run` opens
+        # a file (the plan keeps expert banks / first layers in host RAM); an MoE layout, or one with
+        # placement flags, is built in memory with the plan's expert banks in host RAM; the others
+        # are built in memory on the device.
+        on_file = a.device == "cuda" and bool(a.synthetic) and bool(a.keep_gguf)
+        placed = a.device == "cuda" and bool(a.synthetic) and (
+            _placement_given(a) or has_experts(a.synthetic))
         with synthetic_gguf(a.synthetic if on_file else None, Path(a.keep_gguf) if a.keep_gguf else None) as written:
             model = written if on_file else None if a.synthetic else api.resolve_model(a.model)
             options = None
-            if model is not None and a.device == "cuda":
+            if a.device == "cuda" and (model is not None or placed):
                 from .cli_options import placement_options
                 options = api.EngineOptions(gpu_memory_budget=a.gpu_memory_budget, kv_cache_dtype=a.kv_cache_dtype,
                                             swa_kv_cache_dtype=a.swa_kv_cache_dtype, embed_weights=a.embed_weights,

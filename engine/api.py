@@ -92,17 +92,25 @@ def open_model(path: Path, exact: bool = True, device: str = "cpu", embed_weight
         and not Path(path).is_dir() else {}
     lm = load_model(path, device=device, host_embeddings=host, progress=progress, mmproj=mmproj, runtime=runtime,
                     host_tensors=frozenset(placed.get("host_tensors", ())), **runtime.load_flags(exact))
-    if placed.get("host_expert_layers"):
-        from models.expert_cache import ExpertCache
-        from models.expert_stream import ExpertStream
-        from models.host_experts import cache_banks
-
-        banks = cache_banks(lm.model)
-        lm.model.expert_stream = ExpertStream(banks, device)  # long prefill chunks: the banks to the GPU
-        if placed.get("expert_cache_bytes"):  # the GPU memory the plan left: hot experts
-            slots = ExpertCache.slots_for(placed["expert_cache_bytes"], placed["expert_slot_bytes"], len(banks))
-            lm.model.expert_cache = ExpertCache(banks, slots, device)
+    attach_host_experts(lm.model, placed, device)
     return lm
+
+
+def attach_host_experts(model, placed: dict, device: str) -> None:
+    """A model loaded with the placement's host expert banks gets what runs beside them: the stream
+    that takes the banks to the GPU for long prefill chunks, and the hot-expert cache in the GPU
+    memory the plan left (`placed`: MemoryPlan.placement)."""
+    if not placed.get("host_expert_layers"):
+        return
+    from models.expert_cache import ExpertCache
+    from models.expert_stream import ExpertStream
+    from models.host_experts import cache_banks
+
+    banks = cache_banks(model)
+    model.expert_stream = ExpertStream(banks, device)
+    if placed.get("expert_cache_bytes"):
+        slots = ExpertCache.slots_for(placed["expert_cache_bytes"], placed["expert_slot_bytes"], len(banks))
+        model.expert_cache = ExpertCache(banks, slots, device)
 
 
 def plan_options(opts: "EngineOptions", device: str, budget: Optional[int] = None, **kw):

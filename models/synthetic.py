@@ -315,7 +315,8 @@ def synthetic_specs(variant: str) -> list[dict]:
 
 
 def synthetic_weights(variant: str, device="cpu", seed: int = 0, dtype=None,
-                      host_embeddings: bool = True, quantized: bool = True, fill: str = "random") -> dict:
+                      host_embeddings: bool = True, quantized: bool = True, fill: str = "random",
+                      host_tensors: frozenset = frozenset()) -> dict:
     """Random but numerically tame weights for every tensor of the synthetic layout the model reads,
     in the runtime form `load_weights(..., quantized=True)` gives a GGUF: K-quant (and fallback)
     matrices as `QuantWeight` of random blocks made on `device` (std ~ 1/sqrt(n_in), mean ~0),
@@ -326,7 +327,11 @@ def synthetic_weights(variant: str, device="cpu", seed: int = 0, dtype=None,
     `quantized=False`: the same random matrices dequantized to dense `dtype` tensors (the plain
     torch path, e.g. a CPU without the Triton interpreter). `fill="empty"`: uninitialised tensors
     of the same shapes and types (dry runs on the meta device, `engine/bench/dry_run.py`: nothing is
-    computed, and the multi-gigabyte host tables cost no RAM until read)."""
+    computed, and the multi-gigabyte host tables cost no RAM until read). `host_tensors`: expert
+    banks built in host RAM as the loader keeps a placed bank (`ExpertBank` over GGUF bytes, for
+    llama.cpp's `mul_mat_id`): the first bank of each type and shape random, the others copies of
+    it (26B-A4B: 60 banks, 15 GB, in seconds rather than minutes; the bytes a step reads are as
+    many and as scattered, only not different)."""
     import torch
 
     from models.formats import QuantWeight
@@ -342,9 +347,13 @@ def synthetic_weights(variant: str, device="cpu", seed: int = 0, dtype=None,
     host = host_embeddings and device.type != "cpu"
     out: dict = {}
     token_raw = None
+    banks: dict = {}  # (type, shape) -> the first host bank's bytes
     for s in synthetic_specs(variant.lower()):
         name, shape, kind = s["name"], s["shape"], s["kind"]
         where = torch.device("cpu") if host and name == "per_layer_token_embd.weight" else device
+        if name in host_tensors:
+            out[name] = _host_bank(s, banks, seed, fill)
+            continue
         if fill == "empty":
             if kind == "quant":
                 from models.quant import row_bytes
@@ -387,10 +396,33 @@ def synthetic_weights(variant: str, device="cpu", seed: int = 0, dtype=None,
     return out
 
 
+def _host_bank(spec: dict, made: dict, seed: int, fill: str):
+    """An expert bank [E, out, in] of the spec's type in host RAM (`synthetic_weights`)."""
+    import torch
+
+    from models.formats import ExpertBank
+    from models.quant import row_bytes
+
+    if not spec["name"].endswith("_exps.weight") or len(spec["shape"]) != 3:
+        raise ValueError(f"{spec['name']}: only MoE expert banks stay in host RAM in a synthetic model")
+    E, n, k = spec["shape"]
+    key = (spec["type"], spec["shape"])
+    if fill == "empty":
+        raw = torch.empty((E, n, row_bytes(int(T[spec["type"]]), k)), dtype=torch.uint8)
+    elif key in made:
+        raw = made[key].clone()
+    else:
+        gen = torch.Generator().manual_seed(seed + 2)
+        raw = made[key] = _random_quant_bytes(spec["type"], E * n, k, 1.0 / math.sqrt(k), gen, torch.device("cpu"))
+    return ExpertBank(raw, int(T[spec["type"]]), spec["shape"])
+
+
 def synthetic_model(variant: str, device="cpu", seed: int = 0, dtype=None, host_embeddings: bool = True,
-                    quantized: bool = True, fill: str = "random"):
+                    quantized: bool = True, fill: str = "random", host_tensors: frozenset = frozenset()):
     """A `Gemma4Model` of the synthetic layout with `synthetic_weights` (bf16 activations on CUDA,
-    float32 elsewhere unless `dtype` says otherwise)."""
+    float32 elsewhere unless `dtype` says otherwise). `host_tensors`: expert banks in host RAM,
+    computed by the CPU beside the device (`Gemma4Model.host_expert_layers`; a layer's banks
+    together, as the memory plan places them)."""
     import torch
 
     from models.gemma4 import Gemma4Config, Gemma4Model
@@ -400,9 +432,17 @@ def synthetic_model(variant: str, device="cpu", seed: int = 0, dtype=None, host_
     cfg = Gemma4Config.from_gguf(synthetic_layout(variant))
     from models.runtime import runtime_of_flags
 
-    w = synthetic_weights(variant, device, seed, dtype, host_embeddings, quantized, fill)
+    if host_tensors:  # refused before any bank is built
+        from models.weights import check_host_tensors
+        check_host_tensors(host_tensors, {s["name"] for s in synthetic_specs(variant.lower())})
+    w = synthetic_weights(variant, device, seed, dtype, host_embeddings, quantized, fill, frozenset(host_tensors))
     model = Gemma4Model(cfg, w, dtype=dtype, device=device)
     model.runtime = runtime_of_flags(device, quantized=quantized)
+    if host_tensors:
+        from models.host_experts import check_host_banks
+
+        model.host_expert_layers = frozenset(int(t.split(".")[1]) for t in host_tensors)
+        check_host_banks(model)
     return model
 
 

@@ -28,6 +28,7 @@ from importlib import import_module
 
 _EXPORTS = {
     "gpu_bench": "throughput", "peak_bandwidth_gbps": "throughput", "device_weight_bytes": "throughput",
+    "has_experts": "throughput",
     "kv_bytes_read": "throughput",
     "spec_bench": "spec",
     "cpu_side_by_side": "cpu", "synthetic_gguf": "cpu", "bench_prompt": "cpu",

@@ -111,8 +111,9 @@ def gpu_bench(model=None, device="cuda", budget=None, kv_cache_dtype: str = "aut
     setting (None: its default, on for CUDA). `on_row(kind, row)`: called once with "warmup" (load
     and warm-up seconds, the device), then with "prefill" or "decode" and each row as soon as it
     is measured (`edgegem bench --rows` prints them), so a run stopped part-way keeps its rows.
-    `options` (a GGUF path on CUDA): the `EngineOptions` whose budget and placement flags decide
-    which expert banks and layers stay in host RAM, as `run` and `chat` load it. `profile`: after
+    `options`: the `EngineOptions` whose budget and placement flags decide which expert banks (and,
+    of a GGUF path, layers) stay in host RAM, as `run` and `chat` load a file; a synthetic MoE then
+    keeps its placed banks in host RAM (`synthetic_model(host_tensors=)`), beside the device. `profile`: after
     each decode row, `PROFILE_STEPS` more steps under torch's profiler (`gpu_profile.decode_profile`:
     the kernels' device time per step beside the wall time, the top kernels) in the row's "profile"."""
     from kernels.triton.launch import interpreting
@@ -126,14 +127,22 @@ def gpu_bench(model=None, device="cuda", budget=None, kv_cache_dtype: str = "aut
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     t0 = time.perf_counter()
+    lm = None
     if synthetic:
         from models.synthetic import synthetic_layout, synthetic_model
         if quantized is None:
             quantized = dev.type == "cuda" or interpreting()
         layout = synthetic_layout(synthetic)
+        placed = _synthetic_placement(synthetic, layout, options)
         lm_model = synthetic_model(synthetic, dev, seed=seed, host_embeddings=embed_weights == "host",
-                                   quantized=quantized)
+                                   quantized=quantized, host_tensors=frozenset(placed.get("host_tensors", ())))
         label = f"synthetic {synthetic.upper()} (random weights, Q4_K_M mix)"
+        if options is not None:
+            from models.loader import LoadedModel
+
+            from ..api import attach_host_experts
+            attach_host_experts(lm_model, placed, dev.type)
+            lm = LoadedModel(model=lm_model, arch="gemma4", path=Path(f"synthetic-{synthetic}.gguf"), source=layout)
     elif isinstance(model, (str, Path)):
         from ..api import open_model
         lm = open_model(Path(model), exact=False, device=dev.type, embed_weights=embed_weights, options=options)
@@ -150,7 +159,7 @@ def gpu_bench(model=None, device="cuda", budget=None, kv_cache_dtype: str = "aut
     need = max(max(prompts, default=1), max(contexts, default=0) + 1) + decode_steps + 8
     full, window = need, None
     plan = None
-    if options is not None and isinstance(model, (str, Path)) and dev.type == "cuda":
+    if options is not None and lm is not None and dev.type == "cuda":
         # the plan of the placement the load made (host expert banks / layers off the budget)
         from dataclasses import replace
 
@@ -254,6 +263,29 @@ def gpu_bench(model=None, device="cuda", budget=None, kv_cache_dtype: str = "aut
     out["peak_memory_bytes"], out["peak_memory_source"] = _peak_memory(dev)
     out["table"] = _bench_table(out)
     return out
+
+
+def has_experts(variant: str) -> bool:
+    """Whether a synthetic layout is an MoE (its banks are what a placement keeps in host RAM)."""
+    from models.synthetic import VARIANTS
+
+    return bool(VARIANTS[variant.lower()].get("n_expert"))
+
+
+def _synthetic_placement(variant: str, layout, options) -> dict:
+    """The memory plan's placement of a synthetic layout built in memory (`options`: the budget and
+    placement flags; None: every weight on the device): expert banks only, whole layers need the
+    file (`bench --keep-gguf`, opened as `run` opens it)."""
+    if options is None:
+        return {}
+    from ..api import plan_placement
+
+    placed = plan_placement(layout, options)
+    if placed.get("cpu_layers"):
+        raise ValueError(f"the plan keeps whole layers of the synthetic {variant} on the CPU "
+                         f"({placed['summary'].split(';')[0]}); built in memory it places expert banks only: "
+                         "--keep-gguf PATH writes the file and opens it as run does")
+    return placed
 
 
 def host_expert_row(before: dict, after: dict, tokens: int) -> dict:
