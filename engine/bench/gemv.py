@@ -11,6 +11,12 @@ reads 1.5 GB of weights per token). Timing: CUDA events around `iters` calls aft
 `us_per_call` replays the `iters` calls captured in one CUDA graph (what a decode step's graph
 pays: the kernels alone), `host_us_per_call` launches them one by one from Python (what an eager
 caller pays; when it exceeds the kernel time the GPU waits on the host). GB/s is of the first.
+
+Occupancy variants (`BLOCKS`, the FFN shapes and the formats E2B's matrices mostly take): the same
+one-row GEMV at other BLOCK_N x warps tiles (`kernels.triton.qmatmul.gemv_blocks`), timed the same
+way. The default gives an N = 1,536 matrix 96 programs of 2 warps, so an SM of an H200 holds at
+most 2 warps and few loads are in flight; 4 rows of 1 warp give 384 programs. Which tile reads the
+bytes fastest is measured, not assumed: the row's `blocks_us`.
 """
 from __future__ import annotations
 
@@ -20,6 +26,9 @@ from typing import Optional
 
 import torch
 
+BLOCKS = ((4, 1), (8, 1), (8, 2), (16, 4))  # (BLOCK_N, warps) variants of the one-row GEMV
+BLOCK_FORMATS = ("Q4_K", "Q6_K", "Q8_0")
+BLOCK_MATRICES = ("ffn_up", "ffn_down")
 ROTATE_BYTES = 512 << 20  # > 8x the largest L2 of the GPUs in PEAK_BANDWIDTH_GBPS (H100/H200: 50-60 MB)
 
 # (name, n_out, n_in): per variant the FFN up/gate, FFN down and the tied LM head.
@@ -49,9 +58,10 @@ def _timer(device: torch.device):
 @torch.inference_mode()
 def gemv_bandwidth(fmt: str, n_out: int, n_in: int, device="cuda", iters: int = 100, warmup: int = 5,
                    dtype=torch.bfloat16, rotate_bytes: int = ROTATE_BYTES, peak_gbps: Optional[float] = None,
-                   seed: int = 0) -> dict:
+                   seed: int = 0, blocks=()) -> dict:
     """GB/s of `QuantWeight.linear` for one token on an [n_out, n_in] `fmt` matrix (weight bytes
-    plus x and y, per call), its time per call and its share of `peak_gbps` (None: unknown)."""
+    plus x and y, per call), its time per call and its share of `peak_gbps` (None: unknown);
+    `blocks`: (BLOCK_N, warps) tiles also timed (µs a call in "blocks_us", keyed "NxW")."""
     from gguf import GGMLQuantizationType as T
 
     from models.formats import QuantWeight
@@ -71,13 +81,33 @@ def gemv_bandwidth(fmt: str, n_out: int, n_in: int, device="cuda", iters: int = 
     for i in range(iters):
         weights[i % copies].linear(x)
     host_seconds = stop() / iters
-    seconds = _graph_seconds(lambda: [weights[i % copies].linear(x) for i in range(iters)], device) / iters \
-        if device.type == "cuda" else host_seconds
+
+    def calls():
+        for i in range(iters):
+            weights[i % copies].linear(x)
+
+    seconds = _graph_seconds(calls, device) / iters if device.type == "cuda" else host_seconds
     moved = first.numel() + x.numel() * x.element_size() + n_out * x.element_size()
     gbps = moved / seconds / 1e9
-    return {"format": fmt, "n_out": n_out, "n_in": n_in, "weight_bytes": first.numel(), "copies": copies,
-            "iters": iters, "us_per_call": seconds * 1e6, "host_us_per_call": host_seconds * 1e6, "gbps": gbps,
-            "peak_share": gbps / peak_gbps if peak_gbps else None}
+    row = {"format": fmt, "n_out": n_out, "n_in": n_in, "weight_bytes": first.numel(), "copies": copies,
+           "iters": iters, "us_per_call": seconds * 1e6, "host_us_per_call": host_seconds * 1e6, "gbps": gbps,
+           "peak_share": gbps / peak_gbps if peak_gbps else None}
+    if blocks:
+        from kernels.triton.qmatmul import gemv_blocks
+
+        row["blocks_us"] = {}
+        for block_n, warps in blocks:
+            with gemv_blocks(block_n, warps):
+                calls()  # compiles this tile outside the timing (and the graph's capture)
+                if device.type == "cuda":
+                    t = _graph_seconds(calls, device)
+                else:
+                    start, stop = _timer(device)
+                    start()
+                    calls()
+                    t = stop()
+            row["blocks_us"][f"{block_n}x{warps}"] = t / iters * 1e6
+    return row
 
 
 def _graph_seconds(calls, device: torch.device, replays: int = 3) -> float:
@@ -119,8 +149,10 @@ def gemv_sweep(variants=("e2b", "e4b"), formats=None, device="cuda", iters: int 
         for name, n_out, n_in in shapes[variant]:
             for fmt in formats:
                 row = {"variant": variant, "matrix": name}
+                tiles = BLOCKS if fmt in BLOCK_FORMATS and name in BLOCK_MATRICES else ()
                 try:
-                    row.update(gemv_bandwidth(fmt, n_out, n_in, device, iters=iters, peak_gbps=peak_gbps))
+                    row.update(gemv_bandwidth(fmt, n_out, n_in, device, iters=iters, peak_gbps=peak_gbps,
+                                              blocks=tiles))
                 except Exception as e:  # noqa: BLE001 - one format failing must not hide the others' figures
                     row.update(format=fmt, n_out=n_out, n_in=n_in, error=f"{type(e).__name__}: {e}")
                 rows.append(row)
@@ -133,15 +165,18 @@ def gemv_sweep(variants=("e2b", "e4b"), formats=None, device="cuda", iters: int 
 
 def sweep_table(rows: list[dict]) -> str:
     """Markdown table of `gemv_sweep` rows."""
-    lines = ["| model | matrix | format | shape | weight MB | µs/call (graph) | µs/call (eager) | GB/s | of peak |",
-             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    tiles = " / ".join(f"{n}x{w}" for n, w in BLOCKS)
+    lines = ["| model | matrix | format | shape | weight MB | µs/call (graph) | µs/call (eager) | GB/s | of peak "
+             f"| µs at BLOCK_N x warps {tiles} |",
+             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
         head = f"| {r['variant']} | {r['matrix']} | {r['format']} | {r['n_out']}x{r['n_in']} |"
         if "error" in r:
-            lines.append(f"{head} error: {r['error'].splitlines()[0]} | | | | |")
+            lines.append(f"{head} error: {r['error'].splitlines()[0]} | | | | | |")
             continue
         share = f"{100 * r['peak_share']:.1f}%" if r["peak_share"] is not None else "n/a"
         eager = r.get("host_us_per_call", r["us_per_call"])
+        alt = " / ".join(f"{us:.1f}" for us in r.get("blocks_us", {}).values())
         lines.append(f"{head} {r['weight_bytes'] / 1e6:.1f} | {r['us_per_call']:.1f} | {eager:.1f} | {r['gbps']:.0f} "
-                     f"| {share} |")
+                     f"| {share} | {alt} |")
     return "\n".join(lines)

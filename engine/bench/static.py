@@ -126,12 +126,14 @@ def gpu_check_specs(variant: str = "e2b", kv: str = "bf16", arch: str = "sm_90",
     """{KernelSpec: [labels]} of what the quick GPU check (packaging/gpu_check.py --quick) launches,
     as built for `arch`: the engine bench's B = 1 decode step and `prefills`-token chunks with KV
     `kv`, and the GEMV table's `QuantWeight.linear` launches (every decode GEMV format at the
-    variant's matrix shapes, engine.bench.gemv.SHAPES; a shape that is no whole number of a
-    format's blocks is left out, as the table reports it)."""
+    variant's matrix shapes, engine.bench.gemv.SHAPES, and its BLOCK_N x warps variants; a shape
+    that is no whole number of a format's blocks is left out, as the table reports it)."""
     from kernels.arch import assume_gpu
     from kernels.triton.compile_check import spec_of
 
-    from .gemv import SHAPES
+    from kernels.triton.qmatmul import gemv_blocks
+
+    from .gemv import BLOCK_FORMATS, BLOCK_MATRICES, BLOCKS, SHAPES
 
     specs: dict = {}
     for i, prefill in enumerate(prefills):
@@ -147,6 +149,12 @@ def gpu_check_specs(variant: str = "e2b", kv: str = "bf16", arch: str = "sm_90",
                 except (RuntimeError, ValueError):
                     continue
                 specs.setdefault(spec_of(launch), []).append(f"{variant} gemv {fmt} {name}")
+                if fmt not in BLOCK_FORMATS or name not in BLOCK_MATRICES:
+                    continue
+                for block_n, warps in BLOCKS:  # the table's occupancy variants
+                    with gemv_blocks(block_n, warps):
+                        launch, _ = gemv_launch(fmt, (n_out, n_in))
+                    specs.setdefault(spec_of(launch), []).append(f"{variant} gemv {fmt} {name} {block_n}x{warps}")
     return specs
 
 

@@ -28,6 +28,8 @@ most PREFILL_SCRATCH_VALUES values, so a 262k-row vocab matrix goes in row chunk
 ``qmatmul_ref`` is the plain-torch version (float32 W from ``qpack.dequantize_packed_ref``, float32
 product). Triton is optional: without it this module imports and the ref works; launchers raise.
 """
+import contextlib
+
 import torch
 
 from .launch import check_device, interpreting
@@ -41,7 +43,7 @@ try:  # CPU-only installs have no triton: the refs below still work.
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-__all__ = ["DECODE_MAX_M", "SUPPORTED_TYPES", "gemv_launch_info", "gemv_config", "qdequantize",
+__all__ = ["DECODE_MAX_M", "SUPPORTED_TYPES", "gemv_blocks", "gemv_launch_info", "gemv_config", "qdequantize",
            "qdequantize_packed", "qdequantize_ref", "qmatmul", "qmatmul_ref"]
 
 SUPPORTED_TYPES = frozenset(LAYOUT)
@@ -404,6 +406,8 @@ def gemv_config(m: int, n_out: int, device: torch.device) -> tuple[int, int, int
     warps; N = 256: 32 of 1). Under the interpreter (which pays per program and per op, not per
     element) the blocks are wide."""
     block_m = 1 if m == 1 else min(GEMV_MAX_M, triton.next_power_of_2(m))
+    if m == 1 and _BLOCKS:
+        return 1, *_BLOCKS[-1]
     if device.type == "cpu" and interpreting():
         return block_m, 512, 4
     if block_m > 2:
@@ -411,6 +415,24 @@ def gemv_config(m: int, n_out: int, device: torch.device) -> tuple[int, int, int
     warps = 4 if n_out >= 2048 else 2 if n_out >= 1024 else 1
     rows = 4 if m == 1 and n_out >= 65536 else 2
     return block_m, 4 * warps * rows, warps
+
+
+_BLOCKS: list[tuple[int, int]] = []  # gemv_blocks' overrides, innermost last
+
+
+@contextlib.contextmanager
+def gemv_blocks(block_n: int, warps: int):
+    """One-row GEMVs launched inside take BLOCK_N = block_n rows a program and `warps` warps (the
+    GEMV table's occupancy variants, engine/bench/gemv.py): block_n = 4 x warps x R, R rows a
+    thread in {1, 2, 4}. The engine never sets it."""
+    if warps not in (1, 2, 4, 8) or block_n % (4 * warps) or block_n // (4 * warps) not in (1, 2, 4):
+        raise ValueError(f"gemv_blocks: block_n must be 4 x warps x (1, 2 or 4) rows a thread, warps 1-8; "
+                         f"got block_n={block_n}, warps={warps}")
+    _BLOCKS.append((block_n, warps))
+    try:
+        yield
+    finally:
+        _BLOCKS.pop()
 
 
 def _check_gelu_mul(fn: str, e, x: torch.Tensor, n_out: int) -> None:

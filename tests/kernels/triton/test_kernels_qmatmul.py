@@ -17,6 +17,7 @@ import torch
 from kernels.triton.qmatmul import (
     DECODE_MAX_M,
     GEMV_MAX_M,
+    gemv_blocks,
     gemv_config,
     qdequantize,
     qdequantize_packed,
@@ -301,3 +302,34 @@ def test_glu_epilogue(t, m):
     assert got.shape == (m, f)
     assert_close_bound(qmatmul_ref(x, p, glu=True), want, bound, 1e-5, "glu ref")
     assert_close_bound(got, want, bound, 1e-5, "glu kernel")
+
+
+BLOCKS = [(4, 1), (8, 1), (8, 2), (16, 4)]  # the GEMV table's occupancy variants (engine/bench/gemv.py)
+
+
+@pytest.mark.parametrize("blocks", BLOCKS, ids=lambda b: f"{b[0]}x{b[1]}")
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_one_row_gemv_at_other_blocks_matches_ref(t, blocks):
+    """`gemv_blocks(block_n, warps)`: BLOCK_N rows a program at one, two or four rows a thread, on
+    37 rows (a tail program) of two K steps; the GLU epilogue too (interleaved rows per program)."""
+    n_out, n_in = _shapes(t)[1]
+    w, p = packed_weight(t, n_out, n_in, seed=int(t) + 3)
+    x = random_x((1, n_in), torch.float32, seed=2)
+    bound = x.abs() @ dequantize(w, t, (n_out, n_in)).abs().T
+    with gemv_blocks(*blocks):
+        assert gemv_config(1, n_out, torch.device("cuda")) == (1, *blocks)
+        assert gemv_config(2, n_out, torch.device("cuda")) != (1, *blocks)  # one x row only
+        got = qmatmul(x.to(DEVICE), p.to(DEVICE)).cpu()
+        glu = qmatmul(x.to(DEVICE), PackedQuant.cat([p, p]).interleave_rows().to(DEVICE), glu=True).cpu()
+    assert_close_bound(got, qmatmul_ref(x, p), bound, RTOL[torch.float32], f"{t.name} at {blocks}")
+    y = qmatmul_ref(x, p)
+    assert_close_bound(glu, torch.nn.functional.gelu(y, approximate="tanh") * y, bound * (bound + 1) * 1.2 + 1e-6,
+                       1e-5, f"{t.name} glu at {blocks}")
+
+
+def test_gemv_blocks_refuses_a_tile_the_kernel_has_no_layout_for():
+    for block_n, warps in ((6, 1), (4, 3), (64, 2), (2, 1)):
+        with pytest.raises(ValueError, match="block_n must be 4 x warps"):
+            with gemv_blocks(block_n, warps):
+                pass
+    assert gemv_config(1, 1536, torch.device("cuda")) == (1, 16, 2)  # nothing left set
