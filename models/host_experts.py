@@ -204,6 +204,17 @@ def expert_ffn(mats, x: torch.Tensor, I: int) -> torch.Tensor:
     return linear(gelu_tanh(gate) * up, mats[-1])
 
 
+def grouped_expert_ffn(banks, x: torch.Tensor, experts: torch.Tensor, I: int) -> torch.Tensor:
+    """`expert_ffn` for P pairs at once: row p of x [P, d] float32 through expert experts[p] of
+    `banks` ([gate_up, down] or [gate, up, down] ExpertBanks), one grouped product a bank."""
+    if len(banks) == 3:
+        gate, up = banks[0].grouped(x, experts), banks[1].grouped(x, experts)
+    else:
+        gu = banks[0].grouped(x, experts)
+        gate, up = gu[:, :I], gu[:, I:]
+    return banks[-1].grouped((gelu_tanh(gate) * up).contiguous(), experts)
+
+
 def _dense(model, i: int, r: torch.Tensor) -> torch.Tensor:
     """The block's dense branch h1 on r's device."""
     w, b, eps = model.w, f"blk.{i}.", model.cfg.rms_eps
@@ -234,16 +245,14 @@ def _cached_moe_ffn(model, i: int, r: torch.Tensor, ids: torch.Tensor, wts: torc
     if bool(hit.any()):  # the device's share, enqueued before the CPU starts its own
         z = rms_norm(r, w[b + "pre_ffw_norm_2.weight"], eps).float()
         scale = w.get(b + "ffn_down_exps.scale")
-        banks, I = cache.layers[i].banks, cfg.expert_ffn_width
-        for s in slot[hit].unique().tolist():
-            rows, cols = (hit & (slot == s)).nonzero(as_tuple=True)
-            e = int(st.ids[rows[0], cols[0]])
-            rows_d = rows.to(r.device, non_blocking=True)
-            y = expert_ffn([bank[s] for bank in banks], z[rows_d], I)
-            k_w = st.wts[rows, cols].to(r.device, non_blocking=True)
-            if scale is not None:
-                k_w = k_w * scale.to(r.device).float()[e]
-            h2.index_add_(0, rows_d, y * k_w[:, None])
+        rows, cols = hit.nonzero(as_tuple=True)  # the P hit pairs, on the host: two copies over
+        rows_d, slots_d, ids_d = torch.stack([rows, slot[rows, cols], st.ids[rows, cols].long()]).to(
+            r.device, non_blocking=True)
+        k_w = st.wts[rows, cols].to(r.device, non_blocking=True)
+        if scale is not None:
+            k_w = k_w * scale.float()[ids_d]
+        y = grouped_expert_ffn(cache.layers[i].banks, z[rows_d], slots_d, cfg.expert_ffn_width)
+        h2.index_add_(0, rows_d, y * k_w[:, None])
     miss = ~hit
     kk = int(miss.sum(-1).max())
     t0, back = time.perf_counter(), 0

@@ -72,6 +72,8 @@ def static_host_report(variant: str, arch: str, kv: str, cache_dir) -> dict:
     model = dry_host_expert_model(variant)  # the device matrices (the cache's slots are no GEMV's)
     launches = [launch for r in rows for launch in r.pop("record").triton]
     used = list(dict.fromkeys(info["format"] for info in map(gemv_launch_info, launches) if info))
+    grouped = _grouped_costs([launch for launch in launches if launch.name == "_grouped_gemv_kernel"], arch,
+                             cache_dir)
     shapes = model_gemv_shapes(model)
     ref = ARCHS[arch]
     return {
@@ -84,7 +86,24 @@ def static_host_report(variant: str, arch: str, kv: str, cache_dir) -> dict:
         "expert_bytes": sorted({expert_bytes(model, i) for i in model.host_expert_layers}), "placements": rows,
         "gemv_formats_used": used, "gemv_shapes": [list(s) for s in shapes],
         "gemv": [gemv_cost(f, shapes, arch, cache_dir, used=f in used) for f in gemv_formats(used)],
+        "grouped_gemv": grouped,
     }
+
+
+def _grouped_costs(launches, arch: str, cache_dir) -> list[dict]:
+    """The hot cache's grouped GEMV launches compiled for `arch`: per distinct specialization its
+    format, registers, spills and error (kernels/triton/qgrouped.py)."""
+    from kernels.triton.compile_check import compile_specs, spec_of
+    from kernels.triton.qformats import LAYOUT
+
+    specs = list(dict.fromkeys(spec_of(launch) for launch in launches))
+    results = compile_specs(specs, [arch], jobs=1, cache_dir=cache_dir)
+    out = []
+    for spec in specs:
+        r = results[(spec, arch)]
+        out.append({"format": LAYOUT[dict(spec.constexprs)["GGML"]][0], "registers": r.registers,
+                    "spill_bytes": r.spill_stores + r.spill_loads, "error": r.error})
+    return out
 
 
 PLACEMENT_COLUMNS = (Column("placement", 16, align="<"), Column("hit", 4), Column("kernels", 7, "d"),
@@ -112,4 +131,8 @@ def static_host_table(o: dict) -> str:
         lines += [f"{p['placement']}:",
                   "  Triton: " + ", ".join(f"{k} {v}" for k, v in p["triton_breakdown"].items()),
                   "  torch:  " + ", ".join(f"{k} {v}" for k, v in p["torch_breakdown"].items())]
+    for g in o.get("grouped_gemv", ()):
+        lines.append(f"hot cache grouped GEMV {g['format']} on {o['arch']}: "
+                     + (f"error {g['error'].splitlines()[0]}" if g["error"] else
+                        f"{g['registers']} registers, {g['spill_bytes']} B spilled"))
     return "\n".join(lines + gemv_table_lines(o))

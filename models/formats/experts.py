@@ -105,6 +105,22 @@ class ExpertBank(_FileBytes):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         raise TypeError("an expert bank has no rows to look up: bank[e].rows(ids)")
 
+    def grouped(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """y [P, out] float32, y[p] = x[p] W[experts[p]]^T for x float32 [P, in]: every pair in one
+        Triton launch over the bytes (kernels/triton/qgrouped.py) where x and the bank take the
+        kernels (a hot-expert cache on the GPU, or the interpreter's kernels_on_cpu), else each
+        expert used multiplied as `bank[e].linear` does it."""
+        from kernels.triton.launch import use_kernels
+        from kernels.triton.qgrouped import SUPPORTED_TYPES, grouped_gemv
+
+        if self.ggml_type in SUPPORTED_TYPES and use_kernels(x, self.raw, experts):
+            return grouped_gemv(x.contiguous(), self.raw.contiguous(), self.ggml_type, experts, self.shape[2])
+        y = torch.empty((x.shape[0], self.shape[1]), dtype=torch.float32, device=x.device)
+        for e in experts.unique().tolist():
+            at = (experts == e).nonzero(as_tuple=True)[0]
+            y[at] = self[e].linear(x[at].float())
+        return y
+
     def ggml_bank(self):
         """kernels.ggml.Bank over these bytes (made on first use, zero copy; the ggml runtime only)."""
         if self._ggml is None:

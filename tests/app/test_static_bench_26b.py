@@ -42,10 +42,12 @@ def test_each_layer_crosses_twice_and_the_host_waits_once(report):
     # host -> device: the expert sum [1, d] float32 per layer, plus the step's own inputs
     assert host["copies_to_device"] == LAYERS + OTHER_TO_DEVICE
     assert host["bytes_to_device"] == LAYERS * 4 * D + 2310 + 166936
-    # with 4 of the 8 picks in device slots: the rest still comes back as one [1, d] sum, and each
-    # hit slot's row index and weight go over (2 small copies per slot)
+    # with 4 of the 8 picks in device slots: the rest still comes back as one [1, d] sum, and the
+    # hits' rows, slots and experts (one int64 [3, P]) and weights (float32 [P]) go over: 2 copies a
+    # layer however many picks hit
     assert cached["hit_rate"] == pytest.approx(4 / 8)
-    assert cached["copies_to_device"] == host["copies_to_device"] + LAYERS * 4 * 2
+    assert cached["copies_to_device"] == host["copies_to_device"] + LAYERS * 2
+    assert cached["bytes_to_device"] == host["bytes_to_device"] + LAYERS * 4 * (3 * 8 + 4)
 
 
 def test_kernels_and_breakdown(report):
@@ -61,6 +63,13 @@ def test_kernels_and_breakdown(report):
     # the router runs on the device, one softmax and top-k per layer; the experts do not
     assert host["torch_breakdown"]["topk"] == LAYERS
     assert cached["kernels_per_step"] > host["kernels_per_step"]  # the hits' products on the device
+    # ... one grouped GEMV a bank and layer (kernels/triton/qgrouped.py), not a pass per hit
+    assert cached["triton_breakdown"]["_grouped_gemv_kernel"] == 2 * LAYERS
+    assert "_qdequant_kernel" not in host["triton_breakdown"] or \
+        cached["triton_breakdown"]["_qdequant_kernel"] == host["triton_breakdown"]["_qdequant_kernel"]
+    # compiled for the report's arch (sm_86) without an error or a spill, each bank type of the model
+    assert {g["format"] for g in report["grouped_gemv"]} == {"Q4_K", "Q5_0", "Q8_0"}
+    assert all(g["error"] is None and g["spill_bytes"] == 0 for g in report["grouped_gemv"])
 
 
 def test_weight_bytes_split_between_gpu_and_cpu(report):
