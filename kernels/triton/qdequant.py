@@ -23,14 +23,14 @@ try:  # CPU-only installs have no triton: the refs below still work.
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-__all__ = ["SUPPORTED_TYPES", "qdequantize", "qdequantize_ref"]
+__all__ = ["PARTS_SHAPE", "SUPPORTED_TYPES", "dequant_parts", "qdequantize", "qdequantize_ref"]
 
 SUPPORTED_TYPES = frozenset(LAYOUT)
 
 # Each K step covers 256 values as two parts of [G, L] = 128 values: one K-quant block, or 8
 # blocks of 32.  (G, L) per type: L is the run of bytes whose nibbles form one scale group.
 _VALUES_PER_STEP = 256
-_PARTS_SHAPE = {Q4_K: (4, 32), Q5_K: (4, 32), Q6_K: (8, 16), Q8_0: (8, 16), Q5_0: (8, 16), Q4_0: (8, 16)}
+PARTS_SHAPE = {Q4_K: (4, 32), Q5_K: (4, 32), Q6_K: (8, 16), Q8_0: (8, 16), Q5_0: (8, 16), Q4_0: (8, 16)}
 _X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -63,7 +63,7 @@ if triton is not None:
         return sc.to(tl.float32), mn.to(tl.float32)
 
     @triton.jit
-    def _dequant_parts(w_ptr, rows, row_mask, k0, K, row_bytes,
+    def dequant_parts(w_ptr, rows, row_mask, k0, K, row_bytes,
                        GGML: tl.constexpr, G: tl.constexpr, L: tl.constexpr):
         """Values k0 .. k0+255 of rows ``rows`` [BN] as two parts in storage order:
         ``wa``, ``wb``: fp32 [BN, G, L]; ``ka``, ``kb``: int32 [1, G, L], their columns in W
@@ -164,7 +164,7 @@ if triton is not None:
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask = rows < N
         k0 = tl.program_id(1) * (2 * G * L)
-        wa, ka, wb, kb = _dequant_parts(w_ptr, rows, row_mask, k0, K, row_bytes, GGML, G, L)
+        wa, ka, wb, kb = dequant_parts(w_ptr, rows, row_mask, k0, K, row_bytes, GGML, G, L)
         out_rows = out_ptr + rows.to(tl.int64)[:, None, None] * K
         mask = row_mask[:, None, None]
         tl.store(out_rows + ka, wa.to(out_ptr.dtype.element_ty), mask=mask & (ka < K))
@@ -203,7 +203,7 @@ def _check_triton(fn: str, device: torch.device) -> None:
 
 def _dequant_into(out: torch.Tensor, w_raw: torch.Tensor, t: int, n_in: int) -> torch.Tensor:
     n_rows = out.shape[0]
-    g, l = _PARTS_SHAPE[t]
+    g, l = PARTS_SHAPE[t]
     block_n = 64 if interpreting() else 16  # the interpreter pays per program: wide row blocks make the tests fast
     grid = (triton.cdiv(n_rows, block_n), triton.cdiv(n_in, _VALUES_PER_STEP))
     _qdequant_kernel[grid](w_raw, out, n_rows, n_in, w_raw.shape[1],

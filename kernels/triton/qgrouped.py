@@ -4,7 +4,7 @@ hot-expert cache's products (models/expert_cache.py), every hit of a layer in on
 ``w_raw`` is uint8 ``[S, N, row_bytes]``: S matrices (a layer's expert slots) in the GGUF layout
 (Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, Q4_0), ``slots`` [P] picks one for each row of ``x`` [P, K].
 ``_grouped_gemv_kernel``: program (i, p) owns rows i*BLOCK_N.. of pair p's matrix and walks K in
-steps of 256 values, dequantizing in registers with qdequant's ``_dequant_parts`` (the float ops
+steps of 256 values, dequantizing in registers with qdequant's ``dequant_parts`` (the float ops
 of models/quant.py) and multiplying by x's values; fp32 throughout, y fp32. It reads each pair's
 rows once: P GEMVs in one launch, no dense copy of any matrix (the path it replaces dequantized
 each hit's experts to memory and took ~15 torch ops a hit).
@@ -15,14 +15,14 @@ products). Triton is optional: without it this module imports and the ref works.
 import torch
 
 from .launch import check_device, interpreting
-from .qdequant import _PARTS_SHAPE, SUPPORTED_TYPES, qdequantize_ref
+from .qdequant import PARTS_SHAPE, SUPPORTED_TYPES, qdequantize_ref
 from .qformats import LAYOUT
 
 try:  # CPU-only installs have no triton: the ref below still works.
     import triton
     import triton.language as tl
 
-    from .qdequant import _dequant_parts
+    from .qdequant import dequant_parts
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
@@ -43,7 +43,7 @@ if triton is not None:
         xp = x_ptr + p.to(tl.int64) * stride_x
         acc = tl.zeros([BLOCK_N, G, L], dtype=tl.float32)
         for k0 in range(0, K, 2 * G * L):
-            wa, ka, wb, kb = _dequant_parts(w, rows, row_mask, k0, K, row_bytes, GGML, G, L)
+            wa, ka, wb, kb = dequant_parts(w, rows, row_mask, k0, K, row_bytes, GGML, G, L)
             xa = tl.load(xp + ka, mask=ka < K, other=0.0).to(tl.float32)
             xb = tl.load(xp + kb, mask=kb < K, other=0.0).to(tl.float32)
             acc += wa * xa + wb * xb
@@ -57,14 +57,12 @@ def _fail(msg: str):
 
 def _check(x: torch.Tensor, w_raw: torch.Tensor, ggml_type: int, slots: torch.Tensor, n_in: int) -> int:
     """The matrices' row bytes, after checking shapes, types and devices (one line each)."""
-    from models.quant import row_bytes
-
     if ggml_type not in SUPPORTED_TYPES:
         _fail(f"grouped_gemv: GGML type {ggml_type} has no kernel (Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, Q4_0 do)")
-    name, bv, _ = LAYOUT[ggml_type]
+    name, bv, bb = LAYOUT[ggml_type]
     if n_in <= 0 or n_in % bv:
         _fail(f"grouped_gemv: n_in={n_in} must be a positive multiple of the {name} block ({bv})")
-    rb = row_bytes(ggml_type, n_in)
+    rb = n_in // bv * bb
     if w_raw.dtype != torch.uint8 or w_raw.dim() != 3 or w_raw.shape[2] != rb or not w_raw.is_contiguous():
         _fail(f"grouped_gemv: w_raw must be contiguous uint8 [S, N, {rb}] for {n_in} values a row, "
               f"got {w_raw.dtype} {tuple(w_raw.shape)}")
@@ -88,7 +86,7 @@ def grouped_gemv(x: torch.Tensor, w_raw: torch.Tensor, ggml_type: int, slots: to
     y = torch.empty((P, N), dtype=torch.float32, device=x.device)
     if P == 0:
         return y
-    G, L = _PARTS_SHAPE[int(ggml_type)]
+    G, L = PARTS_SHAPE[int(ggml_type)]
     block_n = 256 if interpreting() else BLOCK_N  # the interpreter pays per program, not per element
     _grouped_gemv_kernel[(triton.cdiv(N, block_n), P)](
         x, w_raw, slots, y, N, n_in, rb, N * rb, x.stride(0), y.stride(0),
@@ -108,4 +106,4 @@ def grouped_gemv_ref(x: torch.Tensor, w_raw: torch.Tensor, ggml_type: int, slots
     return y
 
 
-assert set(_PARTS_SHAPE) == set(LAYOUT)  # every type the dequantizer reads has its parts' shape
+assert set(PARTS_SHAPE) == set(LAYOUT)  # every type the dequantizer reads has its parts' shape
