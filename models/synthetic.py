@@ -260,7 +260,7 @@ _VALUE_VAR = {"Q6_K": 341.25 * 5461.5, "Q4_K": 21.25 * 1333.5, "Q5_K": 85.25 * 1
               "Q8_0": 5461.5, "Q5_0": 85.25 + 0.25, "Q4_0": 21.25 + 0.25}
 
 
-def _random_quant_bytes(type_name: str, n_rows: int, n_in: int, std: float, gen, device):
+def random_quant_bytes(type_name: str, n_rows: int, n_in: int, std: float, gen, device):
     """uint8 [n_rows, row_bytes] of random blocks whose dequantized values have std ~`std`.
     Built with a few whole-tensor torch ops on `device` (no per-block loops)."""
     import torch
@@ -287,7 +287,7 @@ def _random_quant_bytes(type_name: str, n_rows: int, n_in: int, std: float, gen,
     return raw.reshape(n_rows, -1)
 
 
-def _matrix_std(name: str, shape, ple: int) -> float:
+def matrix_std(name: str, shape, ple: int) -> float:
     """std of a random matrix: 1/sqrt(n_in); the PLE table 1/sqrt(P) (its rows are scaled by √P)."""
     return 1.0 / math.sqrt(ple if name == "per_layer_token_embd.weight" else shape[-1])
 
@@ -363,7 +363,7 @@ def synthetic_weights(variant: str, device="cpu", seed: int = 0, dtype=None,
                 w = torch.empty(shape, dtype=dtype if kind == "dense" else torch.float32, device=where)
         elif kind == "quant":
             g = gen if where == device else torch.Generator().manual_seed(seed + 1)
-            raw = _random_quant_bytes(s["type"], shape[0], shape[1], _matrix_std(name, shape, v["ple"]), g, where)
+            raw = random_quant_bytes(s["type"], shape[0], shape[1], matrix_std(name, shape, v["ple"]), g, where)
             w = QuantWeight(raw, int(T[s["type"]]), shape, lookup=name == "per_layer_token_embd.weight")
             if name == "token_embd.weight":
                 token_raw = raw  # GGUF rows for the host lookup copy
@@ -413,7 +413,7 @@ def _host_bank(spec: dict, made: dict, seed: int, fill: str):
         raw = made[key].clone()
     else:
         gen = torch.Generator().manual_seed(seed + 2)
-        raw = made[key] = _random_quant_bytes(spec["type"], E * n, k, 1.0 / math.sqrt(k), gen, torch.device("cpu"))
+        raw = made[key] = random_quant_bytes(spec["type"], E * n, k, 1.0 / math.sqrt(k), gen, torch.device("cpu"))
     return ExpertBank(raw, int(T[spec["type"]]), spec["shape"])
 
 
@@ -461,97 +461,3 @@ def weight_bytes(weights: dict, device=None) -> dict[str, int]:
         kind = "quant" if isinstance(w, QuantWeight) else "vector" if ts[0].dim() == 1 else "dense"
         out[kind] += sum(t.numel() * t.element_size() for t in ts)
     return out
-
-
-# --- a synthetic GGUF on disk (llama.cpp runs the same file: `edgegem bench --device cpu --synthetic`) ---
-def _vocab(n_vocab: int) -> tuple[list[str], list[int]]:
-    """A `gemma4` BPE vocabulary of n_vocab entries: specials, the 256 byte tokens, letters, then
-    unused fillers (llama.cpp and models/tokenizer.py both need one to load a file)."""
-    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>", "<|think|>"]
-    types = [3] * len(tokens)
-    tokens += [f"<0x{b:02X}>" for b in range(256)]
-    types += [6] * 256
-    for c in "▁abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'-:;()\n":
-        tokens.append(c)
-        types.append(1)
-    tokens += [f"<unused{i}>" for i in range(n_vocab - len(tokens))]
-    types += [1] * (n_vocab - len(types))
-    return tokens, types
-
-
-def _vector(name: str, n: int, rng: np.random.Generator, hd_full: int) -> np.ndarray:
-    """A 1-D tensor as `synthetic_weights` makes it: norms ~1 (q/k norms ~hd^-1/4), scale 0.8, RoPE."""
-    if name == "rope_freqs.weight":
-        return np.array(rope_freqs(hd_full), dtype=np.float32)
-    if name.endswith("layer_output_scale.weight"):
-        return np.full(n, 0.8, dtype=np.float32)
-    w = 1.0 + 0.1 * rng.standard_normal(n)
-    if name.endswith(("attn_q_norm.weight", "attn_k_norm.weight")):
-        w = w * n ** -0.25
-    return w.astype(np.float32)
-
-
-def write_synthetic_gguf(variant: str, path, seed: int = 0, f32: bool = False) -> Path:
-    """The synthetic layout as a real GGUF file (every tensor of `layout_tensors`, random blocks of
-    its Q4_K_M type as `_random_quant_bytes` makes them, BF16/F32 as `synthetic_weights` does, the
-    metadata of `synthetic_metadata` and a filler vocabulary), written tensor by tensor (RAM stays
-    at one tensor). llama.cpp and `load_model` both read it. `f32`: every tensor in F32 instead
-    (what llama.cpp's quantizer takes: quantized to Q4_K_M it gives the layout's type mix)."""
-    import torch
-    from gguf import GGUFWriter
-
-    variant, path = variant.lower(), Path(path)
-    v, meta = VARIANTS[variant], synthetic_metadata(variant)
-    w = GGUFWriter(str(path), arch="gemma4")
-    for key, value in meta.items():
-        if key == "general.architecture":
-            continue
-        if isinstance(value, str):
-            w.add_string(key, value)
-        elif isinstance(value, np.ndarray):
-            w.add_array(key, [bool(x) for x in value] if value.dtype == bool else [int(x) for x in value])
-        elif isinstance(value, float):
-            w.add_float32(key, value)
-        else:
-            w.add_uint32(key, int(value))
-    tokens, types = _vocab(v["vocab"])
-    w.add_array("tokenizer.ggml.tokens", tokens)
-    w.add_array("tokenizer.ggml.scores", [-1000.0] * len(tokens))
-    w.add_array("tokenizer.ggml.token_type", types)
-    w.add_array("tokenizer.ggml.merges", ["▁ a"])
-    w.add_uint32("tokenizer.ggml.unknown_token_id", 3)
-    w.add_uint32("tokenizer.ggml.padding_token_id", 0)
-    w.add_bool("tokenizer.ggml.add_bos_token", True)
-    w.add_bool("tokenizer.ggml.add_space_prefix", False)
-    layout = layout_tensors(variant)
-    if f32:
-        layout = [SyntheticTensor(t.name, int(T.F32), t.ne) for t in layout]
-    for t in layout:
-        block, size = GGML_QUANT_SIZES[T(t.ggml_type)]
-        if t.ggml_type == T.F32:
-            w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.n_bytes)
-        else:  # bytes of each row of 256-value blocks: (..., rows, row bytes)
-            lead = t.shape[:-1] or (1,)
-            w.add_tensor_info(t.name, (*lead, t.n_bytes // math.prod(lead)), np.dtype(np.uint8), t.n_bytes,
-                              raw_dtype=T(t.ggml_type))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    gen, rng = torch.Generator().manual_seed(seed), np.random.default_rng(seed)
-    for t in layout:
-        name, tn = t.name, T(t.ggml_type).name
-        if t.ggml_type == T.F32 and len(t.shape) >= 2:  # the MoE router (kept in F32), or every matrix (f32)
-            std = _matrix_std(name, t.shape, v["ple"])
-            data = (rng.standard_normal(t.shape, dtype=np.float32) * np.float32(std))
-        elif t.ggml_type == T.F32:
-            data = _vector(name, t.shape[0], rng, v["hd_full"])
-        elif t.ggml_type == T.BF16:
-            m = torch.randn(t.shape, generator=gen) / math.sqrt(t.shape[1])
-            data = m.to(torch.bfloat16).view(torch.uint8).numpy()
-        else:
-            rows = math.prod(t.shape[:-1])  # an expert bank [E, rows, n_in]: E x rows rows
-            data = _random_quant_bytes(tn, rows, t.shape[-1], _matrix_std(name, t.shape, v["ple"]), gen,
-                                       "cpu").numpy()
-        w.write_tensor_data(data)
-    w.close()
-    return path

@@ -179,7 +179,8 @@ def synthetic_gguf(variant: Optional[str], keep: Optional[Path] = None) -> Itera
     if not variant:
         yield None
         return
-    from models.synthetic import synthetic_layout, write_synthetic_gguf
+    from models.synthetic import synthetic_layout
+    from models.synthetic_gguf import write_synthetic_gguf
 
     from ..ram_check import check_layout_ram
     check_layout_ram(synthetic_layout(variant), "ggml")  # both runs hold about the file's bytes

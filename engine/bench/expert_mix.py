@@ -45,9 +45,9 @@ def _bank(type_name: str, E: int, n: int, k: int, gen):
     from gguf import GGMLQuantizationType as T
 
     from kernels.ggml import Bank
-    from models.synthetic import _random_quant_bytes
+    from models.synthetic import random_quant_bytes
 
-    raw = _random_quant_bytes(type_name, E * n, k, 1 / math.sqrt(k), gen, "cpu")
+    raw = random_quant_bytes(type_name, E * n, k, 1 / math.sqrt(k), gen, "cpu")
     return Bank(raw.reshape(-1), int(T[type_name]), (E, n, k))
 
 

@@ -2,7 +2,7 @@
 matrix shapes of E2B and E4B, in GB/s and as a share of the device's peak memory bandwidth.
 
 A GEMV for one token reads every weight byte once, so its speed is weight bytes / time. The
-weights are random blocks of the format (`models.synthetic._random_quant_bytes`: real scales,
+weights are random blocks of the format (`models.synthetic.random_quant_bytes`: real scales,
 numerically tame values). A matrix that fits in L2 (an H200 has 60 MB) would be served from the
 cache after the first call, so each measurement cycles through enough copies of the matrix to
 exceed `ROTATE_BYTES`: every timed call reads its weights from DRAM, as a decode step does (it
@@ -66,11 +66,11 @@ def gemv_bandwidth(fmt: str, n_out: int, n_in: int, device="cuda", iters: int = 
 
     from models.formats import QuantWeight
 
-    from models.synthetic import _random_quant_bytes
+    from models.synthetic import random_quant_bytes
 
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    first = _random_quant_bytes(fmt, n_out, n_in, 1 / math.sqrt(n_in), gen, device)
+    first = random_quant_bytes(fmt, n_out, n_in, 1 / math.sqrt(n_in), gen, device)
     copies = max(1, min(64, -(-rotate_bytes // first.numel())))
     weights = [QuantWeight(first if i == 0 else first.clone(), int(T[fmt]), (n_out, n_in)) for i in range(copies)]
     x = torch.randn((1, n_in), generator=gen, device=device).to(dtype)

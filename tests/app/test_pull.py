@@ -396,7 +396,7 @@ def test_big_repo_listing_picks_the_q4_k_m_file_and_f16_encoder(size):
 def test_pull_by_short_name_fetches_the_26b_and_names_find_it(fake_hub, tmp_path, capsys):
     """`edgegem pull 26b-a4b` against a hub serving the 26B-A4B repo (its Q4_K_M file: the synthetic
     MoE layout scaled down, models/synthetic.py), then the names a user types find the file."""
-    from models.synthetic import write_synthetic_gguf
+    from models.synthetic_gguf import write_synthetic_gguf
 
     for p in fake_hub.remote.iterdir():
         p.unlink()

@@ -16,7 +16,8 @@ from engine.memory_plan import PlanOptions, parse_size, plan_memory
 from engine.ram_check import RamTooSmall, check_host_ram, gguf_ram_bytes
 from models.gemma4 import Gemma4Config
 from models.gguf import GGUFFile
-from models.synthetic import PUBLIC_VARIANTS, layout_tensors, synthetic_layout, write_synthetic_gguf
+from models.synthetic import PUBLIC_VARIANTS, layout_tensors, synthetic_layout
+from models.synthetic_gguf import write_synthetic_gguf
 
 BIG = ("26b-a4b", "31b")
 

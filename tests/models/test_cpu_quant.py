@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType as T
 
 import models.cpu_quant as cq
 import models.formats.int4 as i4
-from models.synthetic import _random_quant_bytes
+from models.synthetic import random_quant_bytes
 from models.formats import Int4Weight
 from models.quant import dequantize
 
@@ -45,7 +45,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _matrix(tn: str, seed: int = 0):
     n, k = SHAPES[tn]
     g = torch.Generator().manual_seed(seed)
-    raw = _random_quant_bytes(tn, n, k, 0.05, g, "cpu")
+    raw = random_quant_bytes(tn, n, k, 0.05, g, "cpu")
     if tn in ("Q4_K", "Q5_K"):  # arbitrary 6-bit scales and mins, not the synthetic m == sc
         per_row = raw.view(n * k // 256, -1)
         per_row[:, 4:16] = torch.randint(0, 256, (per_row.shape[0], 12), dtype=torch.uint8, generator=g)

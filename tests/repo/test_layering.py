@@ -38,10 +38,6 @@ PRIVATE_IMPORTS: dict = {
         "_constraint", "_device", "_emit", "_engine_options", "_kv_note", "_kv_path", "_start_client")},
     **{("app.cli_serve", "app.cli_options", n): "the command line's shared option handling" for n in (
         "_device", "_engine_options", "_start_client")},
-    ("engine.bench.gemv", "models.synthetic", "_random_quant_bytes"):
-        "the GEMV bench's random blocks are the synthetic model's; to be made public with models/ changes",
-    ("engine.bench.expert_mix", "models.synthetic", "_random_quant_bytes"):
-        "the expert-mix bench's random banks are the synthetic model's, as the GEMV bench's",
     ("engine.bench.spec", "engine.bench.throughput", "_sync"):
         "the benches' device sync, inside one package; public when the benches print the runtime",
     ("models.gemma4_assistant", "models.gemma4", "_per_layer"):
