@@ -183,9 +183,12 @@ HOST_BENCH = "bench 26b-a4b host experts"
 def host_bench_cmd(quick: bool = False) -> list[str]:
     """The 26B-A4B beside a 10 GiB budget, built in memory: the plan keeps expert banks in host RAM
     (auto placement) and, room kept for a 32K context (at the model's 262K none would be left), the
-    GPU memory it leaves holds 2.4 GiB of hot experts."""
+    GPU memory it leaves holds 2.4 GiB of hot experts. Prompts of 16 rows (experts on the CPU) and
+    64 and 512 (banks streamed to the GPU, models/expert_stream.py STREAM_ROWS = 32) put the two
+    prefill paths side by side: where they cross is the threshold to set."""
     return [sys.executable, "-m", "app.cli", "--debug", "bench", "--synthetic", "26b-a4b", "--device", "cuda",
-            "--gpu-memory-budget", "10GiB", "--ctx-size", "32768", "--prompt-lengths", "512", "--contexts", "0,4096",
+            "--gpu-memory-budget", "10GiB", "--ctx-size", "32768", "--prompt-lengths", "16,64,512",
+            "--contexts", "0,4096",
             "--decode-steps", "16" if quick else "32", "--rows", "--profile"]
 
 
