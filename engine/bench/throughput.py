@@ -99,7 +99,7 @@ def gpu_bench(model=None, device="cuda", budget=None, kv_cache_dtype: str = "aut
     full pool is capped to what the runs need. Each prefill is timed from `add` to its first token
     (CUDA synchronized around it); each decode figure is prefill to `context` tokens and one decode
     step (untimed), then `decode_steps` timed steps (`time_decode`). One warm-up (the shortest
-    prompt plus 2 decode steps) runs first. The untimed step keeps the CUDA graph's re-capture out
+    prompt plus 2 decode steps, then the longest prompt) runs first. The untimed step keeps the CUDA graph's re-capture out
     of the figure: the warm-up's slot tables hold 1,024 tokens, a step at context 4,096 needs 8,192
     (batch_decode.capacity_of), so the first step at a longer context reallocates them and captures
     again (a warm-up run and a capture of the whole step, many times a replay's cost).
@@ -204,6 +204,10 @@ def gpu_bench(model=None, device="cuda", budget=None, kv_cache_dtype: str = "aut
         engine.step()
     _sync(dev)
     finish(warm)
+    if len(set(prompts)) > 1 and max(prompts) < engine.context_limit:
+        # the longest prompt too: a path only long chunks take (host expert banks streamed to the
+        # GPU from 32 rows) compiles here, not inside the first row that takes it
+        finish(prefill(max(prompts), 1)[0])
     warmup_s = time.perf_counter() - t_warm
 
     out = {"model": label, "device": str(dev), "device_name": _device_name(dev), "load_s": load_s,
