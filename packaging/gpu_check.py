@@ -8,7 +8,8 @@ does not stop the others):
   2. gemv      per-kernel bandwidth: each decode GEMV format at E2B (and E4B) shapes through
                `QuantWeight.linear` (engine/bench/gemv.py), GB/s and share of the device's peak
                (the kernels replayed in a CUDA graph, beside the eager per-call time; the FFN
-               shapes also at other BLOCK_N x warps tiles: is the default grid too thin?);
+               shapes also at other BLOCK_N x warps tiles and split over K 2, 4, 8 ways: is the
+               default grid too thin for a big GPU?);
   3. bench     `edgegem --debug bench --synthetic e2b|e4b --device cuda --gpu-memory-budget 8GiB
                --rows --profile`, KV bf16 (and int8_per_token_head): engine.bench.throughput.gpu_bench,
                each decode context's top kernels and GPU busy time per step;
@@ -63,7 +64,7 @@ QUICK_BENCH_RUNS = [("e2b", "bf16")]
 # of the plans up to it, so what earlier parts left unused rolls over. The first bench of a
 # process also JIT-compiles every kernel it launches (~1 s each); later runs reuse Triton's cache.
 PLAN = {"install": 30, "gemv": 150, "bench": 150, "host": 300, "pytest": 120}  # 1,200 s with four benches
-QUICK_PLAN = {"install": 30, "gemv": 60, "bench": 80, "host": 170, "pytest": 100}  # 440 s
+QUICK_PLAN = {"install": 30, "gemv": 80, "bench": 80, "host": 150, "pytest": 100}  # 440 s
 FULL_BUDGET = 1200.0
 QUICK_BUDGET = 440.0
 NO_CUDA = "torch sees no CUDA device"  # app/cli_bench.py's error: where the dry run's bench stops

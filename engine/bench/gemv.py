@@ -12,21 +12,26 @@ reads 1.5 GB of weights per token). Timing: CUDA events around `iters` calls aft
 pays: the kernels alone), `host_us_per_call` launches them one by one from Python (what an eager
 caller pays; when it exceeds the kernel time the GPU waits on the host). GB/s is of the first.
 
-Occupancy variants (`BLOCKS`, the FFN shapes and the formats E2B's matrices mostly take): the same
-one-row GEMV at other BLOCK_N x warps tiles (`kernels.triton.qmatmul.gemv_blocks`), timed the same
-way. The default gives an N = 1,536 matrix 96 programs of 2 warps, so an SM of an H200 holds at
-most 2 warps and few loads are in flight; 4 rows of 1 warp give 384 programs. Which tile reads the
-bytes fastest is measured, not assumed: the row's `blocks_us`.
+Variants (`VARIANTS`, on the FFN shapes and the formats E2B's matrices mostly take), timed the same
+way: the one-row GEMV at other BLOCK_N x warps tiles (`kernels.triton.qmatmul.gemv_blocks`: more,
+thinner programs cover more SMs; an N = 1,536 matrix gets 96 programs of 2 warps by default, fewer
+than an H200's 132 SMs) and split over K (`gemv_split`: 2, 4, 8 times the loads in flight, which a
+tile alone does not change, plus one reduction launch). Which reads the bytes fastest is measured,
+not assumed: the row's `variants_us`.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from typing import Optional
 
 import torch
 
-BLOCKS = ((4, 1), (8, 1), (8, 2), (16, 4))  # (BLOCK_N, warps) variants of the one-row GEMV
+BLOCKS = ((4, 1), (8, 1), (8, 2), (16, 4))  # (BLOCK_N, warps) tiles of the one-row GEMV
+SPLITS = (2, 4, 8)  # K splits at the default tile
+# name -> (tile or None: the default, splits)
+VARIANTS = {**{f"{n}x{w}": ((n, w), 1) for n, w in BLOCKS}, **{f"split{k}": (None, k) for k in SPLITS}}
 BLOCK_FORMATS = ("Q4_K", "Q6_K", "Q8_0")
 BLOCK_MATRICES = ("ffn_up", "ffn_down")
 ROTATE_BYTES = 512 << 20  # > 8x the largest L2 of the GPUs in PEAK_BANDWIDTH_GBPS (H100/H200: 50-60 MB)
@@ -58,10 +63,10 @@ def _timer(device: torch.device):
 @torch.inference_mode()
 def gemv_bandwidth(fmt: str, n_out: int, n_in: int, device="cuda", iters: int = 100, warmup: int = 5,
                    dtype=torch.bfloat16, rotate_bytes: int = ROTATE_BYTES, peak_gbps: Optional[float] = None,
-                   seed: int = 0, blocks=()) -> dict:
+                   seed: int = 0, variants=()) -> dict:
     """GB/s of `QuantWeight.linear` for one token on an [n_out, n_in] `fmt` matrix (weight bytes
     plus x and y, per call), its time per call and its share of `peak_gbps` (None: unknown);
-    `blocks`: (BLOCK_N, warps) tiles also timed (µs a call in "blocks_us", keyed "NxW")."""
+    `variants`: names of VARIANTS also timed (µs a call in "variants_us")."""
     from gguf import GGMLQuantizationType as T
 
     from models.formats import QuantWeight
@@ -92,13 +97,11 @@ def gemv_bandwidth(fmt: str, n_out: int, n_in: int, device="cuda", iters: int = 
     row = {"format": fmt, "n_out": n_out, "n_in": n_in, "weight_bytes": first.numel(), "copies": copies,
            "iters": iters, "us_per_call": seconds * 1e6, "host_us_per_call": host_seconds * 1e6, "gbps": gbps,
            "peak_share": gbps / peak_gbps if peak_gbps else None}
-    if blocks:
-        from kernels.triton.qmatmul import gemv_blocks
-
-        row["blocks_us"] = {}
-        for block_n, warps in blocks:
-            with gemv_blocks(block_n, warps):
-                calls()  # compiles this tile outside the timing (and the graph's capture)
+    if variants:
+        row["variants_us"] = {}
+        for name in variants:
+            with variant(name):
+                calls()  # compiles this variant outside the timing (and the graph's capture)
                 if device.type == "cuda":
                     t = _graph_seconds(calls, device)
                 else:
@@ -106,8 +109,18 @@ def gemv_bandwidth(fmt: str, n_out: int, n_in: int, device="cuda", iters: int = 
                     start()
                     calls()
                     t = stop()
-            row["blocks_us"][f"{block_n}x{warps}"] = t / iters * 1e6
+            row["variants_us"][name] = t / iters * 1e6
     return row
+
+
+@contextlib.contextmanager
+def variant(name: str):
+    """One-row GEMVs inside run as VARIANTS[name] says (a tile, a K split)."""
+    from kernels.triton.qmatmul import gemv_blocks, gemv_split
+
+    tile, splits = VARIANTS[name]
+    with gemv_blocks(*tile) if tile else contextlib.nullcontext(), gemv_split(splits):
+        yield
 
 
 def _graph_seconds(calls, device: torch.device, replays: int = 3) -> float:
@@ -149,10 +162,10 @@ def gemv_sweep(variants=("e2b", "e4b"), formats=None, device="cuda", iters: int 
         for name, n_out, n_in in shapes[variant]:
             for fmt in formats:
                 row = {"variant": variant, "matrix": name}
-                tiles = BLOCKS if fmt in BLOCK_FORMATS and name in BLOCK_MATRICES else ()
+                named = tuple(VARIANTS) if fmt in BLOCK_FORMATS and name in BLOCK_MATRICES else ()
                 try:
                     row.update(gemv_bandwidth(fmt, n_out, n_in, device, iters=iters, peak_gbps=peak_gbps,
-                                              blocks=tiles))
+                                              variants=named))
                 except Exception as e:  # noqa: BLE001 - one format failing must not hide the others' figures
                     row.update(format=fmt, n_out=n_out, n_in=n_in, error=f"{type(e).__name__}: {e}")
                 rows.append(row)
@@ -165,9 +178,8 @@ def gemv_sweep(variants=("e2b", "e4b"), formats=None, device="cuda", iters: int 
 
 def sweep_table(rows: list[dict]) -> str:
     """Markdown table of `gemv_sweep` rows."""
-    tiles = " / ".join(f"{n}x{w}" for n, w in BLOCKS)
     lines = ["| model | matrix | format | shape | weight MB | µs/call (graph) | µs/call (eager) | GB/s | of peak "
-             f"| µs at BLOCK_N x warps {tiles} |",
+             f"| µs as {' / '.join(VARIANTS)} |",
              "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
         head = f"| {r['variant']} | {r['matrix']} | {r['format']} | {r['n_out']}x{r['n_in']} |"
@@ -176,7 +188,7 @@ def sweep_table(rows: list[dict]) -> str:
             continue
         share = f"{100 * r['peak_share']:.1f}%" if r["peak_share"] is not None else "n/a"
         eager = r.get("host_us_per_call", r["us_per_call"])
-        alt = " / ".join(f"{us:.1f}" for us in r.get("blocks_us", {}).values())
+        alt = " / ".join(f"{us:.1f}" for us in r.get("variants_us", {}).values())
         lines.append(f"{head} {r['weight_bytes'] / 1e6:.1f} | {r['us_per_call']:.1f} | {eager:.1f} | {r['gbps']:.0f} "
                      f"| {share} | {alt} |")
     return "\n".join(lines)

@@ -30,7 +30,8 @@ from collections import Counter
 
 import torch
 
-from .static_gemv import gemv_cost, gemv_formats, gemv_launch, gemv_table_lines, model_gemv_shapes, title_line
+from .static_gemv import (gemv_cost, gemv_formats, gemv_launch, gemv_launches, gemv_table_lines, model_gemv_shapes,
+                          title_line)
 
 KV_FORMATS = ("bf16", "fp16", "int8_per_token_head", "fp8_per_token_head", "fp32")
 # The float32 (--exact) model's KV: bf16 is what "auto" gives it on CUDA, fp32 the exact choice,
@@ -126,14 +127,13 @@ def gpu_check_specs(variant: str = "e2b", kv: str = "bf16", arch: str = "sm_90",
     """{KernelSpec: [labels]} of what the quick GPU check (packaging/gpu_check.py --quick) launches,
     as built for `arch`: the engine bench's B = 1 decode step and `prefills`-token chunks with KV
     `kv`, and the GEMV table's `QuantWeight.linear` launches (every decode GEMV format at the
-    variant's matrix shapes, engine.bench.gemv.SHAPES, and its BLOCK_N x warps variants; a shape
+    variant's matrix shapes, engine.bench.gemv.SHAPES, and its tile and K-split variants; a shape
     that is no whole number of a format's blocks is left out, as the table reports it)."""
     from kernels.arch import assume_gpu
     from kernels.triton.compile_check import spec_of
 
-    from kernels.triton.qmatmul import gemv_blocks
-
-    from .gemv import BLOCK_FORMATS, BLOCK_MATRICES, BLOCKS, SHAPES
+    from .gemv import BLOCK_FORMATS, BLOCK_MATRICES, SHAPES, VARIANTS
+    from .gemv import variant as gemv_variant
 
     specs: dict = {}
     for i, prefill in enumerate(prefills):
@@ -151,10 +151,10 @@ def gpu_check_specs(variant: str = "e2b", kv: str = "bf16", arch: str = "sm_90",
                 specs.setdefault(spec_of(launch), []).append(f"{variant} gemv {fmt} {name}")
                 if fmt not in BLOCK_FORMATS or name not in BLOCK_MATRICES:
                     continue
-                for block_n, warps in BLOCKS:  # the table's occupancy variants
-                    with gemv_blocks(block_n, warps):
-                        launch, _ = gemv_launch(fmt, (n_out, n_in))
-                    specs.setdefault(spec_of(launch), []).append(f"{variant} gemv {fmt} {name} {block_n}x{warps}")
+                for v in VARIANTS:  # the table's tiles and K splits (a split adds its reduction launch)
+                    with gemv_variant(v):
+                        for launch in gemv_launches(fmt, (n_out, n_in)):
+                            specs.setdefault(spec_of(launch), []).append(f"{variant} gemv {fmt} {name} {v}")
     return specs
 
 

@@ -21,12 +21,11 @@ def gemv_formats(used=()) -> list[str]:
     return list(dict.fromkeys([*used, *[f for f in order if f in QuantWeight.TYPES], *rest]))
 
 
-def gemv_launch(fmt: str, shape, dtype=torch.bfloat16):
-    """The decode GEMV launch `QuantWeight.linear` makes for one token of x at `shape` (n_out, n_in)."""
+def gemv_launches(fmt: str, shape, dtype=torch.bfloat16) -> list:
+    """Every Triton launch `QuantWeight.linear` makes for one token of x at `shape` (n_out, n_in)."""
     from gguf import GGMLQuantizationType as T
 
     from kernels.triton.launch import record_launches
-    from kernels.triton.qmatmul import gemv_launch_info
     from models.quant import row_bytes
     from models.formats import QuantWeight
 
@@ -35,12 +34,20 @@ def gemv_launch(fmt: str, shape, dtype=torch.bfloat16):
     w = QuantWeight(raw, int(T[fmt]), shape)
     with record_launches(torch_ops=False) as rec:
         w.linear(torch.empty((1, n_in), dtype=dtype, device="meta"))
-    for launch in rec.triton:
+    return list(rec.triton)
+
+
+def gemv_launch(fmt: str, shape, dtype=torch.bfloat16):
+    """The decode GEMV launch `QuantWeight.linear` makes for one token of x at `shape` (n_out, n_in)."""
+    from kernels.triton.qmatmul import gemv_launch_info
+
+    launches = gemv_launches(fmt, shape, dtype)
+    for launch in launches:
         info = gemv_launch_info(launch)
         if info is not None:
             return launch, info
     raise RuntimeError(f"QuantWeight.linear on {fmt} launched no decode GEMV "
-                       f"({', '.join(l.name for l in rec.triton) or 'no Triton kernel'})")
+                       f"({', '.join(l.name for l in launches) or 'no Triton kernel'})")
 
 
 def model_gemv_shapes(model) -> list[tuple[int, int]]:

@@ -236,42 +236,15 @@ if triton is not None:
                 return (32.0 * d) * (t - 1.5 * xsum)
 
     @triton.jit
-    def _gemv_kernel(x_ptr, q_ptr, h_ptr, s_ptr, d_ptr, y_ptr, e_ptr, M, N, K, one, stride_xm, stride_ym,
-                     stride_em, q_stride, h_stride, s_stride, d_stride,
-                     FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr,
-                     GELU_MUL: tl.constexpr, GLU: tl.constexpr):
-        """y[M, N] = x[M, K] @ W^T, M <= BLOCK_M; program i owns W rows i*BLOCK_N .. (module doc).
-        Plane pointers are typed for their loads: q int32 (Q8_0: int8), h int32, s int32 (Q6_K:
-        int16), d int32 (Q4_K/Q5_K: d|dmin) or fp16; strides in those elements."""
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows_c = tl.minimum(rows, N - 1)       # tail rows re-read the last row: no load masks
-        r3 = rows_c[None, :, None]
-        r4 = r3[:, :, :, None]
-        m4 = tl.arange(0, BLOCK_M)[:, None, None, None]
-        n_blk = K // 32
-        one = (one | N) & -8388608   # = one (N < 2**23): a register value, so ptxas fuses the LOP3s
-        acc = tl.zeros([BLOCK_M, BLOCK_N, 8], dtype=tl.float32)
-        for kb in range(0, K // 256):
-            if FMT == 8:
-                acc += _step_q8(x_ptr, q_ptr, d_ptr, r3, r4, m4, M, kb, n_blk, stride_xm, q_stride, d_stride,
-                                BLOCK_M, False)
-            else:
-                acc += _step(x_ptr, q_ptr, h_ptr, s_ptr, d_ptr, r3, r4, m4, M, kb, n_blk, one, stride_xm,
-                             q_stride, h_stride, s_stride, d_stride, FMT, BLOCK_M, BLOCK_N, False)
-        if not EVEN_K:
-            if FMT == 8:
-                acc += _step_q8(x_ptr, q_ptr, d_ptr, r3, r4, m4, M, K // 256, n_blk, stride_xm, q_stride,
-                                d_stride, BLOCK_M, True)
-            else:
-                acc += _step(x_ptr, q_ptr, h_ptr, s_ptr, d_ptr, r3, r4, m4, M, K // 256, n_blk, one, stride_xm,
-                             q_stride, h_stride, s_stride, d_stride, FMT, BLOCK_M, BLOCK_N, True)
-        y = tl.sum(acc, axis=2)                                 # [BM, BN]: the one cross-lane reduction
-        ms = tl.arange(0, BLOCK_M)[:, None]
+    def _epilogue(y, row0, ms, M, N, y_ptr, e_ptr, stride_ym, stride_em,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GELU_MUL: tl.constexpr, GLU: tl.constexpr):
+        """Store y [BM, BN] (fp32, W rows row0..) in y's dtype, through the GLU or GELU_MUL epilogue."""
+        rows = row0 + tl.arange(0, BLOCK_N)
         if GLU:
             # epilogue: W's rows interleave gate and up (2i, 2i + 1): out[i] = gelu_tanh(g_i) * u_i,
             # N / 2 outputs (Gemma's MLP activation without a round trip through memory).
             g, u = tl.split(tl.reshape(y, [BLOCK_M, BLOCK_N // 2, 2]))
-            half = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            half = row0 // 2 + tl.arange(0, BLOCK_N // 2)
             omask = (ms < M) & (half[None, :] < N // 2)
             tl.store(y_ptr + ms * stride_ym + half[None, :], (_gelu_tanh(g) * u).to(y_ptr.dtype.element_ty),
                      mask=omask)
@@ -282,6 +255,76 @@ if triton is not None:
                 e = tl.load(e_ptr + ms * stride_em + rows[None, :], mask=ymask, other=0.0).to(tl.float32)
                 y = _gelu_tanh(y) * e
             tl.store(y_ptr + ms * stride_ym + rows[None, :], y.to(y_ptr.dtype.element_ty), mask=ymask)
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, q_ptr, h_ptr, s_ptr, d_ptr, y_ptr, e_ptr, p_ptr, M, N, K, one, k_steps, stride_xm,
+                     stride_ym, stride_em, q_stride, h_stride, s_stride, d_stride,
+                     FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr,
+                     GELU_MUL: tl.constexpr, GLU: tl.constexpr, SPLIT_K: tl.constexpr):
+        """y[M, N] = x[M, K] @ W^T, M <= BLOCK_M; program i owns W rows i*BLOCK_N .. (module doc).
+        Plane pointers are typed for their loads: q int32 (Q8_0: int8), h int32, s int32 (Q6_K:
+        int16), d int32 (Q4_K/Q5_K: d|dmin) or fp16; strides in those elements. SPLIT_K > 1:
+        program (i, s) takes K steps s*k_steps.. (the last split the partial step too) and stores
+        its fp32 sum to p[s, M, N]; `_gemv_reduce_kernel` adds the splits in order."""
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows_c = tl.minimum(rows, N - 1)       # tail rows re-read the last row: no load masks
+        r3 = rows_c[None, :, None]
+        r4 = r3[:, :, :, None]
+        m4 = tl.arange(0, BLOCK_M)[:, None, None, None]
+        n_blk = K // 32
+        one = (one | N) & -8388608   # = one (N < 2**23): a register value, so ptxas fuses the LOP3s
+        acc = tl.zeros([BLOCK_M, BLOCK_N, 8], dtype=tl.float32)
+        if SPLIT_K == 1:
+            for kb in range(0, K // 256):
+                acc += _k_step(x_ptr, q_ptr, h_ptr, s_ptr, d_ptr, r3, r4, m4, M, kb, n_blk, one, stride_xm,
+                               q_stride, h_stride, s_stride, d_stride, FMT, BLOCK_M, BLOCK_N, False)
+            if not EVEN_K:
+                acc += _k_step(x_ptr, q_ptr, h_ptr, s_ptr, d_ptr, r3, r4, m4, M, K // 256, n_blk, one, stride_xm,
+                               q_stride, h_stride, s_stride, d_stride, FMT, BLOCK_M, BLOCK_N, True)
+        else:
+            split = tl.program_id(1)
+            kb0 = split * k_steps
+            for kb in range(kb0, tl.minimum(kb0 + k_steps, K // 256)):
+                acc += _k_step(x_ptr, q_ptr, h_ptr, s_ptr, d_ptr, r3, r4, m4, M, kb, n_blk, one, stride_xm,
+                               q_stride, h_stride, s_stride, d_stride, FMT, BLOCK_M, BLOCK_N, False)
+            if not EVEN_K:
+                if split == SPLIT_K - 1:
+                    acc += _k_step(x_ptr, q_ptr, h_ptr, s_ptr, d_ptr, r3, r4, m4, M, K // 256, n_blk, one,
+                                   stride_xm, q_stride, h_stride, s_stride, d_stride, FMT, BLOCK_M, BLOCK_N, True)
+        y = tl.sum(acc, axis=2)                                 # [BM, BN]: the one cross-lane reduction
+        ms = tl.arange(0, BLOCK_M)[:, None]
+        if SPLIT_K == 1:
+            _epilogue(y, tl.program_id(0) * BLOCK_N, ms, M, N, y_ptr, e_ptr, stride_ym, stride_em,
+                      BLOCK_M, BLOCK_N, GELU_MUL, GLU)
+        else:
+            pmask = (ms < M) & (rows[None, :] < N)
+            tl.store(p_ptr + tl.program_id(1) * M * N + ms * N + rows[None, :], y, mask=pmask)
+
+    @triton.jit
+    def _k_step(x_ptr, q_ptr, h_ptr, s_ptr, d_ptr, r3, r4, m4, M, kb, n_blk, one, stride_xm,
+                q_stride, h_stride, s_stride, d_stride,
+                FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+        """K step kb's contribution [BM, BN, 8] for any format (`_step_q8` or `_step`)."""
+        if FMT == 8:
+            return _step_q8(x_ptr, q_ptr, d_ptr, r3, r4, m4, M, kb, n_blk, stride_xm, q_stride, d_stride,
+                            BLOCK_M, MASKED)
+        else:
+            return _step(x_ptr, q_ptr, h_ptr, s_ptr, d_ptr, r3, r4, m4, M, kb, n_blk, one, stride_xm,
+                         q_stride, h_stride, s_stride, d_stride, FMT, BLOCK_M, BLOCK_N, MASKED)
+
+    @triton.jit
+    def _gemv_reduce_kernel(p_ptr, y_ptr, e_ptr, M, N, stride_ym, stride_em, SPLIT_K: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GELU_MUL: tl.constexpr,
+                            GLU: tl.constexpr):
+        """y = the epilogue of sum_s p[s] (s = 0, 1, .. in order: the same bits every run)."""
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ms = tl.arange(0, BLOCK_M)[:, None]
+        mask = (ms < M) & (rows[None, :] < N)
+        y = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for split in tl.static_range(SPLIT_K):
+            y += tl.load(p_ptr + split * M * N + ms * N + rows[None, :], mask=mask, other=0.0)
+        _epilogue(y, tl.program_id(0) * BLOCK_N, ms, M, N, y_ptr, e_ptr, stride_ym, stride_em,
+                  BLOCK_M, BLOCK_N, GELU_MUL, GLU)
 
 
     @triton.jit
@@ -418,6 +461,35 @@ def gemv_config(m: int, n_out: int, device: torch.device) -> tuple[int, int, int
 
 
 _BLOCKS: list[tuple[int, int]] = []  # gemv_blocks' overrides, innermost last
+_SPLITS: list[int] = []  # gemv_split's
+REDUCE_N = 256  # rows a program of the split-K reduction (even: GLU pairs stay in one program)
+
+
+@contextlib.contextmanager
+def gemv_split(splits: int):
+    """One-row GEMVs launched inside split K over `splits` programs a row block (each a run of whole
+    256-value steps, fp32 partial sums, then one reduction launch adding them in split order, so
+    a result has the same bits every run): `splits` times the loads in flight, for a GPU whose
+    row blocks alone are too few to keep its memory busy. The GEMV table's variants; the engine
+    never sets it."""
+    if not 1 <= splits <= 64:
+        raise ValueError(f"gemv_split: splits must be 1..64, got {splits}")
+    _SPLITS.append(int(splits))
+    try:
+        yield
+    finally:
+        _SPLITS.pop()
+
+
+def _splits(m: int, n_in: int) -> tuple[int, int]:
+    """(splits, K steps a split) of a GEMV: 1 unless `gemv_split` asks more for one x row; never an
+    empty split (K steps: whole 256-value steps; the partial one goes to the last split)."""
+    steps = n_in // 256
+    want = _SPLITS[-1] if _SPLITS and m == 1 else 1
+    if want <= 1 or steps < 2:
+        return 1, steps
+    per = -(-steps // min(want, steps))
+    return -(-steps // per), per
 
 
 @contextlib.contextmanager
@@ -491,11 +563,19 @@ def qmatmul(x: torch.Tensor, w: PackedQuant, out_dtype: torch.dtype | None = Non
         for m0 in range(0, m, step):
             mc = min(step, m - m0)
             block_m, block_n, warps = gemv_config(mc, n_out, x.device)
-            _gemv_kernel[(triton.cdiv(n_out, block_n),)](
-                x2[m0:], q, h, s, d, y[m0:], y if e2 is None else e2[m0:], mc, n_out, n_in, _ONE,
+            splits, k_steps = _splits(mc, n_in)
+            part = torch.empty((splits, mc, n_out), dtype=torch.float32, device=x.device) if splits > 1 else y
+            e_m = y if e2 is None else e2[m0:]
+            _gemv_kernel[(triton.cdiv(n_out, block_n), splits)](
+                x2[m0:], q, h, s, d, y[m0:], e_m, part, mc, n_out, n_in, _ONE, k_steps,
                 x2.stride(0), y.stride(0), 0 if e2 is None else e2.stride(0), *strides,
                 FMT=w.ggml_type, BLOCK_M=block_m, BLOCK_N=block_n, EVEN_K=n_in % 256 == 0,
-                GELU_MUL=e2 is not None, GLU=glu, num_warps=warps)
+                GELU_MUL=e2 is not None, GLU=glu, SPLIT_K=splits, num_warps=warps)
+            if splits > 1:
+                _gemv_reduce_kernel[(triton.cdiv(n_out, REDUCE_N),)](
+                    part, y[m0:], e_m, mc, n_out, y.stride(0), 0 if e2 is None else e2.stride(0),
+                    SPLIT_K=splits, BLOCK_M=block_m, BLOCK_N=REDUCE_N, GELU_MUL=e2 is not None, GLU=glu,
+                    num_warps=4)
         return y.reshape(*lead, n_y)
     # Prefill: dequantize row chunks to scratch in x's dtype, the dense GEMM does the product. A
     # float32 output (the LM head's logits) gets a float32 product, as the GEMV gives it: a bf16

@@ -36,20 +36,20 @@ def test_gemv_bandwidth_counts_the_weight_bytes_and_rotates_copies_past_the_cach
     assert r["peak_share"] == pytest.approx(r["gbps"] / 50.0)
 
 
-def test_the_ffn_rows_of_the_main_formats_time_every_occupancy_variant():
-    """The table's BLOCK_N x warps variants: on the FFN shapes for Q4_K/Q6_K/Q8_0 only (the head
-    fills the GPU as it is; the other formats are fallbacks), one figure per tile in the row and
-    the table's last column."""
-    from engine.bench.gemv import BLOCKS
+def test_the_ffn_rows_of_the_main_formats_time_every_variant():
+    """The table's variants (BLOCK_N x warps tiles, K splits): on the FFN shapes for Q4_K/Q6_K/Q8_0
+    only (the head fills the GPU as it is; the other formats are fallbacks), one figure per variant
+    in the row and the table's last column."""
+    from engine.bench.gemv import VARIANTS
 
-    shapes = {"tiny": (("ffn_up", 24, 256), ("head", 16, 256))}
+    shapes = {"tiny": (("ffn_up", 24, 512), ("head", 16, 512))}
     rows = gemv_sweep(["tiny"], ["Q8_0", "Q4_0"], device="cpu", iters=1, shapes=shapes)
     by = {(r["matrix"], r["format"]): r for r in rows}
-    assert list(by["ffn_up", "Q8_0"]["blocks_us"]) == [f"{n}x{w}" for n, w in BLOCKS]
-    assert all(us > 0 for us in by["ffn_up", "Q8_0"]["blocks_us"].values())
-    assert "blocks_us" not in by["ffn_up", "Q4_0"] and "blocks_us" not in by["head", "Q8_0"]
+    assert list(by["ffn_up", "Q8_0"]["variants_us"]) == list(VARIANTS) and len(VARIANTS) == 7
+    assert all(us > 0 for us in by["ffn_up", "Q8_0"]["variants_us"].values())
+    assert "variants_us" not in by["ffn_up", "Q4_0"] and "variants_us" not in by["head", "Q8_0"]
     line = next(ln for ln in sweep_table(rows).splitlines() if "| ffn_up | Q8_0 |" in ln)
-    assert line.endswith(" / ".join(f"{us:.1f}" for us in by["ffn_up", "Q8_0"]["blocks_us"].values()) + " |")
+    assert line.endswith(" / ".join(f"{us:.1f}" for us in by["ffn_up", "Q8_0"]["variants_us"].values()) + " |")
 
 
 def test_gemv_sweep_reports_a_failing_shape_and_goes_on():
@@ -198,7 +198,7 @@ def test_figures_come_first_and_unused_seconds_roll_over_to_the_next_part(monkey
     caps.clear()
     clock.now = 0.0
     gpu_check.main(["--quick", "--budget", "200", "--out", str(tmp_path / "r.md")])  # the budget's end caps
-    assert caps == [("gemv", 90), ("bench e2b bf16", 150), (host, 80), ("pytest", 0)]
+    assert caps == [("gemv", 110), ("bench e2b bf16", 170), (host, 80), ("pytest", 0)]
 
 
 def test_the_report_has_every_part_its_figures_and_the_failures(tmp_path):

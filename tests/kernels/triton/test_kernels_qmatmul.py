@@ -19,6 +19,7 @@ from kernels.triton.qmatmul import (
     GEMV_MAX_M,
     gemv_blocks,
     gemv_config,
+    gemv_split,
     qdequantize,
     qdequantize_packed,
     qdequantize_ref,
@@ -333,3 +334,38 @@ def test_gemv_blocks_refuses_a_tile_the_kernel_has_no_layout_for():
             with gemv_blocks(block_n, warps):
                 pass
     assert gemv_config(1, 1536, torch.device("cuda")) == (1, 16, 2)  # nothing left set
+
+
+@pytest.mark.parametrize("splits", [2, 3, 8], ids=lambda n: f"split{n}")
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_one_row_gemv_split_over_k_matches_ref_with_every_epilogue(t, splits):
+    """`gemv_split(n)`: K in runs of whole 256-value steps over n programs a row block (8 asks more
+    than the 5 steps there are: 5 splits), the partial step of a 32-value type in the last one,
+    fp32 partial sums added in split order by one reduction launch, which also runs the GLU and
+    GELU_MUL epilogues; a second run gives the same bits."""
+    n_out, n_in = 37, 1280 + (0 if block_size(t)[0] == 256 else 96)
+    w, p = packed_weight(t, n_out, n_in, seed=int(t) + 11)
+    x = random_x((1, n_in), torch.float32, seed=5)
+    bound = x.abs() @ dequantize(w, t, (n_out, n_in)).abs().T
+    e = random_x((1, n_out), torch.float32, seed=6) * 100
+    pp = PackedQuant.cat([p, p]).interleave_rows()
+    with gemv_split(splits):
+        got = qmatmul(x.to(DEVICE), p.to(DEVICE)).cpu()
+        again = qmatmul(x.to(DEVICE), p.to(DEVICE)).cpu()
+        gm = qmatmul(x.to(DEVICE), p.to(DEVICE), gelu_mul=e.to(DEVICE)).cpu()
+        glu = qmatmul(x.to(DEVICE), pp.to(DEVICE), glu=True).cpu()
+        two = qmatmul(torch.cat([x, x]).to(DEVICE), p.to(DEVICE)).cpu()  # 2 rows of x: never split
+    y = qmatmul_ref(x, p)
+    assert torch.equal(got, again)
+    assert_close_bound(got, y, bound, RTOL[torch.float32], f"{t.name} split {splits}")
+    assert_close_bound(two, torch.cat([y, y]), torch.cat([bound, bound]), RTOL[torch.float32], "two rows")
+    g = torch.nn.functional.gelu(y, approximate="tanh")
+    assert_close_bound(gm, g * e, bound * e.abs() * 1.2 + 1e-6, 1e-5, f"{t.name} gelu_mul split")
+    assert_close_bound(glu, g * y, bound * (bound + 1) * 1.2 + 1e-6, 1e-5, f"{t.name} glu split")
+
+
+def test_gemv_split_needs_at_least_one_split():
+    for bad in (0, 65):
+        with pytest.raises(ValueError, match="splits must be 1..64"):
+            with gemv_split(bad):
+                pass
