@@ -92,7 +92,8 @@ def open_model(path: Path, exact: bool = True, device: str = "cpu", embed_weight
         and not Path(path).is_dir() else {}
     lm = load_model(path, device=device, host_embeddings=host, progress=progress, mmproj=mmproj, runtime=runtime,
                     host_tensors=frozenset(placed.get("host_tensors", ())), **runtime.load_flags(exact))
-    attach_host_experts(lm.model, placed, device)
+    if placed.get("host_expert_layers"):
+        attach_host_experts(lm.model, placed, device)
     return lm
 
 
