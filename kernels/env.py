@@ -34,7 +34,7 @@ __all__ = ["ConfigError", "Env", "VARIABLES", "env", "reload"]
 # docs/configuration.md documents each).
 VARIABLES = ("EDGEGEM_CPU_KERNELS", "EDGEGEM_CPU_ATTENTION", "EDGEGEM_CPU_LAYER_GRAPH", "EDGEGEM_CPU_STEP_GRAPH",
              "EDGEGEM_CPU_REPACK", "EDGEGEM_IMAGE_PREVIEW", "EDGEGEM_FAILPOINTS", "EDGEGEM_DATA_DIR", "EDGEGEM_MODELS_DIR",
-             "EDGEGEM_COMPILE_CACHE")
+             "EDGEGEM_COMPILE_CACHE", "EDGEGEM_GEMV_SPLIT")
 
 _TRUE = ("1", "true", "on", "yes")
 _FALSE = ("0", "false", "off", "no")
@@ -57,6 +57,7 @@ class Env:
     data_dir: Optional[Path] = None   # EDGEGEM_DATA_DIR (~ expanded); None: the platform's user data dir
     models_dir: Optional[Path] = None  # EDGEGEM_MODELS_DIR (~ expanded); None: <data dir>/models
     compile_cache: Optional[Path] = None  # EDGEGEM_COMPILE_CACHE; None: ~/.cache/edgegem/compile-check
+    gemv_split: int = 1               # EDGEGEM_GEMV_SPLIT: one-row CUDA GEMVs split over K (1..64)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> "Env":
@@ -72,6 +73,7 @@ class Env:
             data_dir=_folder(environ, "EDGEGEM_DATA_DIR", expand=True),
             models_dir=_folder(environ, "EDGEGEM_MODELS_DIR", expand=True),
             compile_cache=_folder(environ, "EDGEGEM_COMPILE_CACHE", expand=False),
+            gemv_split=_count(environ, "EDGEGEM_GEMV_SPLIT", 1, 64, default=1),
         )
 
 
@@ -94,6 +96,19 @@ def _switch(environ: Mapping[str, str], name: str, default: bool) -> bool:
         raise ConfigError(f"{name}={raw!r}: expected 1 or 0 (also true/false, on/off, yes/no; "
                           f"default {int(default)})")
     return value in _TRUE
+
+
+def _count(environ: Mapping[str, str], name: str, lo: int, hi: int, default: int) -> int:
+    raw = environ.get(name, "")
+    if not raw:
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = lo - 1
+    if not lo <= value <= hi:
+        raise ConfigError(f"{name}={raw!r}: expected a whole number from {lo} to {hi} (default {default})")
+    return value
 
 
 def _folder(environ: Mapping[str, str], name: str, expand: bool) -> Optional[Path]:

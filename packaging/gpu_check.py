@@ -13,6 +13,7 @@ does not stop the others):
   3. bench     `edgegem --debug bench --synthetic e2b|e4b --device cuda --gpu-memory-budget 8GiB
                --rows --profile`, KV bf16 (and int8_per_token_head): engine.bench.throughput.gpu_bench,
                each decode context's top kernels and GPU busy time per step;
+  3b. split    (--quick) the E2B bench again with EDGEGEM_GEMV_SPLIT=4 (decode end to end, K split);
   4. host      the 26B-A4B at real size beside a 10 GiB budget, built in memory: the plan's expert
                banks in host RAM, computed by llama.cpp's CPU kernels, the hot-expert cache in
                what the budget leaves; prefill and decode rows with PCIe bytes and CPU ms a token;
@@ -20,7 +21,8 @@ does not stop the others):
 The figures come first: the tests compile kernels the bench has already compiled. Each part has
 planned seconds (PLAN); what one leaves unused rolls over to the next, and the whole run stays
 inside --budget. `--quick` (what `make gpu-check` runs): the GEMV table at E2B's shapes and one E2B
-bench (bf16 KV), inside 440 s, python's start and the report included in well under 8 minutes.
+bench (bf16 KV) and its split-K rerun, the 26B-A4B part and the CUDA tests, inside 470 s,
+python's start and the report included in under 8.5 minutes (a device call's limit is 10).
 
 Nothing finished is lost to a part killed at its limit: the gemv and bench parts print one JSON line
 (`{"row": ...}`) per measured row the moment it is measured, this script collects the rows from the
@@ -64,9 +66,9 @@ QUICK_BENCH_RUNS = [("e2b", "bf16")]
 # of the plans up to it, so what earlier parts left unused rolls over. The first bench of a
 # process also JIT-compiles every kernel it launches (~1 s each); later runs reuse Triton's cache.
 PLAN = {"install": 30, "gemv": 150, "bench": 150, "host": 300, "pytest": 120}  # 1,200 s with four benches
-QUICK_PLAN = {"install": 30, "gemv": 80, "bench": 80, "host": 150, "pytest": 100}  # 440 s
+QUICK_PLAN = {"install": 30, "gemv": 80, "bench": 80, "split": 40, "host": 140, "pytest": 100}  # 470 s
 FULL_BUDGET = 1200.0
-QUICK_BUDGET = 440.0
+QUICK_BUDGET = 470.0
 NO_CUDA = "torch sees no CUDA device"  # app/cli_bench.py's error: where the dry run's bench stops
 TAIL_LINES = 25  # of a failing part, printed here
 # the CUDA tests: the compiled kernels against the CPU, graph replay, host expert banks and layers
@@ -179,6 +181,16 @@ def bench_cmd(variant: str, kv: str, quick: bool = False) -> list[str]:
 
 
 HOST_BENCH = "bench 26b-a4b host experts"
+SPLIT = 4  # EDGEGEM_GEMV_SPLIT of the E2B bench's second run: the decode end to end with K split
+SPLIT_BENCH = f"bench e2b bf16 split{SPLIT}"
+
+
+def split_bench_cmd(quick: bool = False) -> list[str]:
+    """The E2B bench again with every one-row GEMV split over K (kernels/env.py EDGEGEM_GEMV_SPLIT):
+    the decode rows beside the default's; one prompt length, the prefill path does not change."""
+    cmd = bench_cmd("e2b", "bf16", quick)
+    cmd[cmd.index("--prompt-lengths") + 1] = "512"
+    return ["env", f"EDGEGEM_GEMV_SPLIT={SPLIT}", *cmd]
 
 
 def host_bench_cmd(quick: bool = False) -> list[str]:
@@ -244,10 +256,12 @@ def plan_parts(args) -> list[tuple[str, list[str], str, bool]]:
     if not args.dry_run:
         return ([("gemv", me + ["_microbench", str(args.iters), "e2b" if args.quick else "e2b,e4b"], "gemv", False)]
                 + [(f"bench {v} {kv}", bench_cmd(v, kv, args.quick), "bench", False) for v, kv in runs]
+                + [(SPLIT_BENCH, split_bench_cmd(args.quick), "split", False)] * args.quick
                 + [(HOST_BENCH, host_bench_cmd(args.quick), "host", False), ("pytest", pytest, "pytest", False)])
     v, kv = runs[0]
     return [("gemv", me + ["_microbench", "1", "tiny", "--cpu"], "gemv", True),
             (f"bench {v} {kv}", bench_cmd(v, kv, args.quick), "bench", False),
+            *[(SPLIT_BENCH, split_bench_cmd(args.quick), "split", False)] * args.quick,
             (HOST_BENCH, host_bench_cmd(args.quick), "host", False),
             ("bench tiny cpu", me + ["_cpu_bench"], "bench", True),
             ("pytest", pytest + ["--collect-only"], "pytest", False),

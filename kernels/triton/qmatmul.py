@@ -32,6 +32,7 @@ import contextlib
 
 import torch
 
+from ..env import env
 from .launch import check_device, interpreting
 from .qformats import LAYOUT, Q4_K, Q5_K, Q6_K, Q8_0
 from .qpack import PackedQuant, dequantize_packed_ref
@@ -482,10 +483,11 @@ def gemv_split(splits: int):
 
 
 def _splits(m: int, n_in: int) -> tuple[int, int]:
-    """(splits, K steps a split) of a GEMV: 1 unless `gemv_split` asks more for one x row; never an
-    empty split (K steps: whole 256-value steps; the partial one goes to the last split)."""
+    """(splits, K steps a split) of a GEMV: 1 unless `gemv_split` (else EDGEGEM_GEMV_SPLIT) asks
+    more for one x row; never an empty split (K steps: whole 256-value steps; the partial one goes
+    to the last split)."""
     steps = n_in // 256
-    want = _SPLITS[-1] if _SPLITS and m == 1 else 1
+    want = (_SPLITS[-1] if _SPLITS else env().gemv_split) if m == 1 else 1
     if want <= 1 or steps < 2:
         return 1, steps
     per = -(-steps // min(want, steps))

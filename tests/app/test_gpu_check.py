@@ -179,8 +179,8 @@ def test_figures_come_first_and_unused_seconds_roll_over_to_the_next_part(monkey
     sum of the plans so far, so the seconds the install and gemv leave unused go to the bench, and
     so on."""
     clock, caps = _Clock(), []
-    host = gpu_check.HOST_BENCH
-    used = {"gemv": 20.0, "bench e2b bf16": 100.0, host: 150.0, "pytest": 10.0}
+    host, split = gpu_check.HOST_BENCH, gpu_check.SPLIT_BENCH
+    used = {"gemv": 20.0, "bench e2b bf16": 100.0, split: 30.0, host: 150.0, "pytest": 10.0}
 
     def fake_run_part(name, cmd, timeout, env=None, log=None, echo=None):
         caps.append((name, round(timeout, 6)))
@@ -194,11 +194,12 @@ def test_figures_come_first_and_unused_seconds_roll_over_to_the_next_part(monkey
     assert gpu_check.main(["--quick", "--out", str(tmp_path / "r.md")]) == 0
     q = gpu_check.QUICK_PLAN
     assert caps == [("gemv", q["install"] + q["gemv"]), ("bench e2b bf16", q["install"] + q["gemv"] + q["bench"] - 20),
-                    (host, gpu_check.QUICK_BUDGET - q["pytest"] - 120), ("pytest", gpu_check.QUICK_BUDGET - 270)]
+                    (split, q["install"] + q["gemv"] + q["bench"] + q["split"] - 120),
+                    (host, gpu_check.QUICK_BUDGET - q["pytest"] - 150), ("pytest", gpu_check.QUICK_BUDGET - 300)]
     caps.clear()
     clock.now = 0.0
     gpu_check.main(["--quick", "--budget", "200", "--out", str(tmp_path / "r.md")])  # the budget's end caps
-    assert caps == [("gemv", 110), ("bench e2b bf16", 170), (host, 80), ("pytest", 0)]
+    assert caps == [("gemv", 110), ("bench e2b bf16", 170), (split, 80), (host, 50), ("pytest", 0)]
 
 
 def test_the_report_has_every_part_its_figures_and_the_failures(tmp_path):
@@ -243,10 +244,14 @@ def test_without_a_gpu_every_part_fails_on_its_own_logs_it_and_prints_its_last_l
 
 def test_quick_mode_runs_the_e2b_gemv_table_one_e2b_bench_and_the_cuda_tests():
     a = gpu_check.parse_args(["--quick"])
-    assert a.quick and a.budget == gpu_check.QUICK_BUDGET <= 450  # + python start and report: < 8 min
+    assert a.quick and a.budget == gpu_check.QUICK_BUDGET <= 480  # + python start and report: < 8.5 min
     assert sum(gpu_check.QUICK_PLAN.values()) == a.budget
     assert gpu_check.parse_args([]).budget == 1200.0 == sum(gpu_check.PLAN.values()) + 3 * gpu_check.PLAN["bench"] and gpu_check.parse_args(["--quick", "--budget", "99"]).budget == 99
-    assert [name for name, *_ in gpu_check.plan_parts(a)] == ["gemv", "bench e2b bf16", gpu_check.HOST_BENCH, "pytest"]
+    assert [name for name, *_ in gpu_check.plan_parts(a)] == ["gemv", "bench e2b bf16", gpu_check.SPLIT_BENCH,
+                                                              gpu_check.HOST_BENCH, "pytest"]
+    split = gpu_check.split_bench_cmd(quick=True)
+    assert split[:2] == ["env", "EDGEGEM_GEMV_SPLIT=4"] and split[split.index("--prompt-lengths") + 1] == "512"
+    assert gpu_check.SPLIT_BENCH not in [n for n, *_ in gpu_check.plan_parts(gpu_check.parse_args([]))]
     cmd = gpu_check.bench_cmd("e2b", "bf16", quick=True)
     assert cmd[cmd.index("--contexts") + 1] == "0,4096" and "--synthetic" in cmd and "--rows" in cmd
     assert "--profile" in cmd
@@ -282,7 +287,8 @@ def test_the_report_is_written_after_every_part(monkeypatch, tmp_path):
     monkeypatch.setattr(gpu_install, "missing", lambda site: ["gguf"])
     monkeypatch.setattr(gpu_check, "_MACHINE", ["- GPU: test"])
     assert gpu_check.main(["--quick", "--out", str(out)]) == 0
-    assert [name for name, _ in seen] == ["install", "gemv", "bench e2b bf16", gpu_check.HOST_BENCH, "pytest"]
+    assert [name for name, _ in seen] == ["install", "gemv", "bench e2b bf16", gpu_check.SPLIT_BENCH,
+                                          gpu_check.HOST_BENCH, "pytest"]
     for i, (name, report) in enumerate(seen[1:], 1):
         for earlier, _ in seen[:i]:
             assert f"| {earlier} | ok |" in report, (name, earlier)
@@ -303,6 +309,7 @@ def test_dry_run_reaches_every_gpu_part_and_stops_where_cuda_is_needed(tmp_path)
     assert "| install | skipped (nothing to install) |" in text  # this venv has every GPU import
     assert "| bench e2b bf16 | skipped (dry run: stopped where it needs CUDA) |" in text and "bench e4b" not in text
     assert f"| {gpu_check.HOST_BENCH} | skipped (dry run: stopped where it needs CUDA) |" in text
+    assert f"| {gpu_check.SPLIT_BENCH} | skipped (dry run: stopped where it needs CUDA) |" in text
     for line in ("| gemv | ok |", "| bench tiny cpu | ok |", "| pytest | ok |", "| quantizer | ok |"):
         assert line in text, line
     assert "test_cuda.py::" in text and "llama_cpp 0.3.36" in text and "| tiny | ffn_up | Q4_K | 16x256 |" in text

@@ -44,6 +44,8 @@ def test_unset_variables_are_the_dataclass_defaults():
     ("EDGEGEM_DATA_DIR", "~/chats", "data_dir", Path("~/chats").expanduser()),
     ("EDGEGEM_MODELS_DIR", "~/gguf", "models_dir", Path("~/gguf").expanduser()),
     ("EDGEGEM_COMPILE_CACHE", "~/cc", "compile_cache", Path("~/cc")),  # not expanded, as before
+    ("EDGEGEM_GEMV_SPLIT", "4", "gemv_split", 4),
+    ("EDGEGEM_GEMV_SPLIT", " 64", "gemv_split", 64),
 ])
 def test_each_variable_parses(name, raw, field, want):
     parsed = Env.from_environ({name: raw})
@@ -57,6 +59,9 @@ def test_each_variable_parses(name, raw, field, want):
     ("EDGEGEM_CPU_LAYER_GRAPH", "2"),
     ("EDGEGEM_CPU_STEP_GRAPH", "nope"),
     ("EDGEGEM_IMAGE_PREVIEW", "sixel"),
+    ("EDGEGEM_GEMV_SPLIT", "0"),
+    ("EDGEGEM_GEMV_SPLIT", "65"),
+    ("EDGEGEM_GEMV_SPLIT", "four"),
 ])
 def test_a_bad_value_is_one_line_naming_the_variable(name, raw):
     with pytest.raises(ConfigError) as e:

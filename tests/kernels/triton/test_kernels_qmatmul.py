@@ -369,3 +369,24 @@ def test_gemv_split_needs_at_least_one_split():
         with pytest.raises(ValueError, match="splits must be 1..64"):
             with gemv_split(bad):
                 pass
+
+
+def test_edgegem_gemv_split_sets_the_split_of_one_row_gemvs(monkeypatch):
+    """EDGEGEM_GEMV_SPLIT (read once, kernels/env.py) splits every one-row GEMV as `gemv_split`
+    does (5 K steps in 3 splits of 2, 2, 1 steps; the context manager still wins); rows of more
+    than one x row never split."""
+    from kernels.env import reload
+    from kernels.triton.qmatmul import _splits
+
+    assert _splits(1, 1280) == (1, 5)
+    monkeypatch.setenv("EDGEGEM_GEMV_SPLIT", "3")
+    reload()
+    assert _splits(1, 1280) == (3, 2) and _splits(2, 1280) == (1, 5) and _splits(1, 256) == (1, 1)
+    with gemv_split(5):
+        assert _splits(1, 1280) == (5, 1)
+    t, n_in = GGMLType.Q4_K, 1280
+    w, p = packed_weight(t, 37, n_in, seed=4)
+    x = random_x((1, n_in), torch.float32, seed=8)
+    bound = x.abs() @ dequantize(w, t, (37, n_in)).abs().T
+    assert_close_bound(qmatmul(x.to(DEVICE), p.to(DEVICE)).cpu(), qmatmul_ref(x, p), bound, RTOL[torch.float32],
+                       "split by the variable")
