@@ -123,10 +123,11 @@ def _engine_specs(out, model, variant, kv_formats, batches, verify_rows, prefill
 
 
 def gpu_check_specs(variant: str = "e2b", kv: str = "bf16", arch: str = "sm_90",
-                    prefills=(2048, 512)) -> dict:
+                    prefills=(2048, 512), split_bench: int = 4) -> dict:
     """{KernelSpec: [labels]} of what the quick GPU check (packaging/gpu_check.py --quick) launches,
     as built for `arch`: the engine bench's B = 1 decode step and `prefills`-token chunks with KV
-    `kv`, and the GEMV table's `QuantWeight.linear` launches (every decode GEMV format at the
+    `kv`, the decode step again with its GEMVs split over K `split_bench` ways (the split rerun),
+    and the GEMV table's `QuantWeight.linear` launches (every decode GEMV format at the
     variant's matrix shapes, engine.bench.gemv.SHAPES, and its tile and K-split variants; a shape
     that is no whole number of a format's blocks is left out, as the table reports it)."""
     from kernels.arch import assume_gpu
@@ -135,12 +136,18 @@ def gpu_check_specs(variant: str = "e2b", kv: str = "bf16", arch: str = "sm_90",
     from .gemv import BLOCK_FORMATS, BLOCK_MATRICES, SHAPES, VARIANTS
     from .gemv import variant as gemv_variant
 
+    from kernels.triton.qmatmul import gemv_split
+
     specs: dict = {}
-    for i, prefill in enumerate(prefills):
-        for spec, labels in engine_specs(variant, (kv,), batches=(1,) if i == 0 else (), verify_rows=0,
-                                         prefill=prefill, arch=arch, exact_kv_formats=()).items():
+    runs = [((1,) if i == 0 else (), prefill, 1) for i, prefill in enumerate(prefills)]
+    runs.append(((1,), 0, split_bench))  # the split-K rerun's decode step (EDGEGEM_GEMV_SPLIT)
+    for batches, prefill, splits in runs:
+        with gemv_split(splits):
+            got = engine_specs(variant, (kv,), batches=batches, verify_rows=0, prefill=prefill, arch=arch,
+                               exact_kv_formats=())
+        for spec, labels in got.items():
             have = specs.setdefault(spec, [])
-            have.extend(lab for lab in labels if lab not in have)
+            have.extend(lab + (f" split{splits}" if splits > 1 else "") for lab in labels if lab not in have)
     with assume_gpu((int(arch[3:-1]), int(arch[-1]))):
         for fmt in gemv_formats():
             for name, n_out, n_in in SHAPES[variant]:

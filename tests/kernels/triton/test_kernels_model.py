@@ -108,6 +108,23 @@ def test_kernel_path_matches_reference(q4, kv):
     assert cos.min() > 0.9999, cos
 
 
+def test_decode_with_gemvs_split_over_k_keeps_the_reference_tokens(q4, monkeypatch):
+    """EDGEGEM_GEMV_SPLIT=3 (the quick GPU check's split rerun): every one-row decode GEMV of the
+    tiny model split over K, the GLU and per-layer-input epilogues in the reduction launch; the
+    greedy tokens and logits of the reference, as without the split."""
+    from kernels.env import reload
+
+    ref = load_model(q4).model
+    prompt = [2] + np.random.default_rng(4).integers(11, 384, size=10).tolist()
+    want_ids, want = _run(ref, "torch", "fp32", prompt)
+    monkeypatch.setenv("EDGEGEM_GEMV_SPLIT", "3")
+    reload()
+    with kernels_on_cpu(), launched_kernels() as names:
+        got_ids, got = _run(load_model(q4, quantized=True).model, "triton", "fp32", prompt)
+    assert names["_gemv_reduce_kernel"] > 0 and got_ids == want_ids
+    assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > 0.9999
+
+
 def test_kernel_path_without_attn_v_and_dense_cache(tmp_path):
     """31B-style layers without attn_v (V = the raw K) and a plain DenseKVCache (no slabs: the
     prologue kernel returns K/V and the cache stores them), through `forward`."""
