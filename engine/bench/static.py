@@ -147,7 +147,10 @@ def gpu_check_specs(variant: str = "e2b", kv: str = "bf16", arch: str = "sm_90",
                                exact_kv_formats=())
         for spec, labels in got.items():
             have = specs.setdefault(spec, [])
-            have.extend(lab + (f" split{splits}" if splits > 1 else "") for lab in labels if lab not in have)
+            for lab in labels:
+                lab += f" split{splits}" if splits > 1 else ""
+                if lab not in have:
+                    have.append(lab)
     with assume_gpu((int(arch[3:-1]), int(arch[-1]))):
         for fmt in gemv_formats():
             for name, n_out, n_in in SHAPES[variant]:
