@@ -96,17 +96,18 @@ def cmd_bench(a) -> int:
         # a file (the plan keeps expert banks / first layers in host RAM); an MoE layout, or one with
         # placement flags, is built in memory with the plan's expert banks in host RAM; the others
         # are built in memory on the device.
+        from .cli_options import placement_options
+        place = placement_options(a)
+        flags_given = place["placement"].given or place["ctx_size"] is not None or place["moe_cache"] is not None
         on_file = a.device == "cuda" and bool(a.synthetic) and bool(a.keep_gguf)
-        placed = a.device == "cuda" and bool(a.synthetic) and (
-            _placement_given(a) or has_experts(a.synthetic))
+        placed = a.device == "cuda" and bool(a.synthetic) and (flags_given or has_experts(a.synthetic))
         with synthetic_gguf(a.synthetic if on_file else None, Path(a.keep_gguf) if a.keep_gguf else None) as written:
             model = written if on_file else None if a.synthetic else api.resolve_model(a.model)
             options = None
             if a.device == "cuda" and (model is not None or placed):
-                from .cli_options import placement_options
                 options = api.EngineOptions(gpu_memory_budget=a.gpu_memory_budget, kv_cache_dtype=a.kv_cache_dtype,
                                             swa_kv_cache_dtype=a.swa_kv_cache_dtype, embed_weights=a.embed_weights,
-                                            **placement_options(a))
+                                            **place)
             out = gpu_bench(model, device=a.device, budget=a.gpu_memory_budget, kv_cache_dtype=a.kv_cache_dtype,
                             on_row=_print_row if a.rows else None,
                             swa_kv_cache_dtype=a.swa_kv_cache_dtype, embed_weights=a.embed_weights,
@@ -120,12 +121,6 @@ def cmd_bench(a) -> int:
     else:
         print(out["table"])
     return 0
-
-
-def _placement_given(a) -> bool:
-    """Whether any of llama.cpp's offload flags was given (`cli_options.placement_args`)."""
-    return bool(a.cpu_moe or a.n_cpu_moe is not None or a.n_gpu_layers is not None or a.override_tensor
-                or a.ctx_size is not None or str(a.moe_cache).lower() != "auto")
 
 
 def _print_row(kind: str, row: dict) -> None:
