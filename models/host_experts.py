@@ -193,26 +193,26 @@ def _count(model, to_host: int, to_device: int, t0: float) -> None:
     traffic["cpu_ms"] += (time.perf_counter() - t0) * 1e3
 
 
-def expert_ffn(mats, x: torch.Tensor, I: int) -> torch.Tensor:
-    """One expert on its rows x [n, d]: down(gelu_tanh(gate) * up), `mats` its matrices (ExpertMatrix
-    or tensors), [gate_up, down] or [gate, up, down]; I the expert's FFN width."""
+def _gated_ffn(product, mats, x: torch.Tensor, I: int) -> torch.Tensor:
+    """down(gelu_tanh(gate) * up) of rows x, `mats` [gate_up, down] or [gate, up, down] and
+    product(m, rows) their product; I the expert's FFN width."""
     if len(mats) == 3:
-        gate, up = linear(x, mats[0]), linear(x, mats[1])
+        gate, up = product(mats[0], x), product(mats[1], x)
     else:
-        gu = linear(x, mats[0])
+        gu = product(mats[0], x)
         gate, up = gu[:, :I], gu[:, I:]
-    return linear(gelu_tanh(gate) * up, mats[-1])
+    return product(mats[-1], gelu_tanh(gate) * up)
+
+
+def expert_ffn(mats, x: torch.Tensor, I: int) -> torch.Tensor:
+    """One expert on its rows x [n, d], `mats` its matrices (ExpertMatrix or tensors)."""
+    return _gated_ffn(lambda m, rows: linear(rows, m), mats, x, I)
 
 
 def grouped_expert_ffn(banks, x: torch.Tensor, experts: torch.Tensor, I: int) -> torch.Tensor:
     """`expert_ffn` for P pairs at once: row p of x [P, d] float32 through expert experts[p] of
-    `banks` ([gate_up, down] or [gate, up, down] ExpertBanks), one grouped product a bank."""
-    if len(banks) == 3:
-        gate, up = banks[0].grouped(x, experts), banks[1].grouped(x, experts)
-    else:
-        gu = banks[0].grouped(x, experts)
-        gate, up = gu[:, :I], gu[:, I:]
-    return banks[-1].grouped((gelu_tanh(gate) * up).contiguous(), experts)
+    `banks` (ExpertBanks), one grouped product a bank."""
+    return _gated_ffn(lambda bank, rows: bank.grouped(rows, experts), banks, x, I)
 
 
 def _dense(model, i: int, r: torch.Tensor) -> torch.Tensor:
