@@ -36,11 +36,13 @@ class DryRun:
         return self.record.total
 
 
-def dry_model(variant: str, dtype=torch.bfloat16):
-    """The synthetic `variant` model on the meta device, quantized matrices, host embedding tables."""
+def dry_model(variant: str, dtype=torch.bfloat16, host_tensors: frozenset = frozenset()):
+    """The synthetic `variant` model on the meta device, quantized matrices, host embedding tables
+    (and `host_tensors`: expert banks in host RAM, uninitialised)."""
     from models.synthetic import synthetic_model
 
-    return synthetic_model(variant, META, dtype=dtype, host_embeddings=True, quantized=True, fill="empty")
+    return synthetic_model(variant, META, dtype=dtype, host_embeddings=True, quantized=True, fill="empty",
+                           host_tensors=host_tensors)
 
 
 def dry_host_expert_model(variant: str = "26b-a4b", cache_slots: int = 0, dtype=torch.bfloat16):
@@ -50,22 +52,14 @@ def dry_host_expert_model(variant: str = "26b-a4b", cache_slots: int = 0, dtype=
     cache). The banks are the layout's GGUF bytes at full size, uninitialised: 26B-A4B's 30 layers
     x (gate_up Q4_K 285 MB + down 282 MB) are 17 GB of address space, but a step touches only the
     k picked experts' pages (fresh pages read as zeros), so RSS grows by about k/E of it."""
-    from gguf import GGMLQuantizationType as T
-
     from models.expert_cache import ExpertCache
-    from models.formats import ExpertBank
-    from models.host_experts import cache_banks, check_host_banks
+    from models.host_experts import cache_banks
     from models.synthetic import synthetic_specs
 
-    model = dry_model(variant, dtype)
-    banks = [s for s in synthetic_specs(variant) if s["name"].endswith("_exps.weight")]
+    banks = frozenset(s["name"] for s in synthetic_specs(variant) if s["name"].endswith("_exps.weight"))
     if not banks:
         raise ValueError(f"{variant}: no expert banks (an MoE variant has them: 26b-a4b)")
-    for s in banks:  # shape (E, out, in); n_bytes is the file's, 64-byte aligned by torch's allocator
-        raw = torch.empty(s["n_bytes"], dtype=torch.uint8)
-        model.w[s["name"]] = ExpertBank(raw, int(T[s["type"]]), s["shape"])
-    model.host_expert_layers = frozenset(int(s["name"].split(".")[1]) for s in banks)
-    check_host_banks(model)
+    model = dry_model(variant, dtype, host_tensors=banks)  # banks [E, out, row bytes], 64-byte aligned
     if cache_slots:
         cache = ExpertCache(cache_banks(model), cache_slots, device=META)
         held = torch.arange(cache.slots).reshape(1, -1)
