@@ -81,16 +81,12 @@ def gemv_bandwidth(fmt: str, n_out: int, n_in: int, device="cuda", iters: int = 
     x = torch.randn((1, n_in), generator=gen, device=device).to(dtype)
     for i in range(warmup):
         weights[i % copies].linear(x)
-    start, stop = _timer(device)
-    start()
-    for i in range(iters):
-        weights[i % copies].linear(x)
-    host_seconds = stop() / iters
 
     def calls():
         for i in range(iters):
             weights[i % copies].linear(x)
 
+    host_seconds = _eager_seconds(calls, device) / iters
     seconds = _graph_seconds(calls, device) / iters if device.type == "cuda" else host_seconds
     moved = first.numel() + x.numel() * x.element_size() + n_out * x.element_size()
     gbps = moved / seconds / 1e9
@@ -102,13 +98,7 @@ def gemv_bandwidth(fmt: str, n_out: int, n_in: int, device="cuda", iters: int = 
         for name in variants:
             with variant(name):
                 calls()  # compiles this variant outside the timing (and the graph's capture)
-                if device.type == "cuda":
-                    t = _graph_seconds(calls, device)
-                else:
-                    start, stop = _timer(device)
-                    start()
-                    calls()
-                    t = stop()
+                t = _graph_seconds(calls, device) if device.type == "cuda" else _eager_seconds(calls, device)
             row["variants_us"][name] = t / iters * 1e6
     return row
 
@@ -121,6 +111,14 @@ def variant(name: str):
     tile, splits = VARIANTS[name]
     with gemv_blocks(*tile) if tile else contextlib.nullcontext(), gemv_split(splits):
         yield
+
+
+def _eager_seconds(calls, device: torch.device) -> float:
+    """Seconds of `calls()` launched from Python (CUDA events on a GPU, wall clock elsewhere)."""
+    start, stop = _timer(device)
+    start()
+    calls()
+    return stop()
 
 
 def _graph_seconds(calls, device: torch.device, replays: int = 3) -> float:
