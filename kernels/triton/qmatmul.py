@@ -276,22 +276,18 @@ if triton is not None:
         one = (one | N) & -8388608   # = one (N < 2**23): a register value, so ptxas fuses the LOP3s
         acc = tl.zeros([BLOCK_M, BLOCK_N, 8], dtype=tl.float32)
         if SPLIT_K == 1:
-            for kb in range(0, K // 256):
-                acc += _k_step(x_ptr, q_ptr, h_ptr, s_ptr, d_ptr, r3, r4, m4, M, kb, n_blk, one, stride_xm,
-                               q_stride, h_stride, s_stride, d_stride, FMT, BLOCK_M, BLOCK_N, False)
-            if not EVEN_K:
+            kb0 = 0
+            kb1 = K // 256
+        else:
+            kb0 = tl.program_id(1) * k_steps
+            kb1 = tl.minimum(kb0 + k_steps, K // 256)
+        for kb in range(kb0, kb1):
+            acc += _k_step(x_ptr, q_ptr, h_ptr, s_ptr, d_ptr, r3, r4, m4, M, kb, n_blk, one, stride_xm,
+                           q_stride, h_stride, s_stride, d_stride, FMT, BLOCK_M, BLOCK_N, False)
+        if not EVEN_K:
+            if _last_split(SPLIT_K):  # the partial step: the last split's
                 acc += _k_step(x_ptr, q_ptr, h_ptr, s_ptr, d_ptr, r3, r4, m4, M, K // 256, n_blk, one, stride_xm,
                                q_stride, h_stride, s_stride, d_stride, FMT, BLOCK_M, BLOCK_N, True)
-        else:
-            split = tl.program_id(1)
-            kb0 = split * k_steps
-            for kb in range(kb0, tl.minimum(kb0 + k_steps, K // 256)):
-                acc += _k_step(x_ptr, q_ptr, h_ptr, s_ptr, d_ptr, r3, r4, m4, M, kb, n_blk, one, stride_xm,
-                               q_stride, h_stride, s_stride, d_stride, FMT, BLOCK_M, BLOCK_N, False)
-            if not EVEN_K:
-                if split == SPLIT_K - 1:
-                    acc += _k_step(x_ptr, q_ptr, h_ptr, s_ptr, d_ptr, r3, r4, m4, M, K // 256, n_blk, one,
-                                   stride_xm, q_stride, h_stride, s_stride, d_stride, FMT, BLOCK_M, BLOCK_N, True)
         y = tl.sum(acc, axis=2)                                 # [BM, BN]: the one cross-lane reduction
         ms = tl.arange(0, BLOCK_M)[:, None]
         if SPLIT_K == 1:
@@ -300,6 +296,14 @@ if triton is not None:
         else:
             pmask = (ms < M) & (rows[None, :] < N)
             tl.store(p_ptr + tl.program_id(1) * M * N + ms * N + rows[None, :], y, mask=pmask)
+
+    @triton.jit
+    def _last_split(SPLIT_K: tl.constexpr):
+        """Whether this program's split is the last (always, unsplit)."""
+        if SPLIT_K == 1:
+            return True
+        else:
+            return tl.program_id(1) == SPLIT_K - 1
 
     @triton.jit
     def _k_step(x_ptr, q_ptr, h_ptr, s_ptr, d_ptr, r3, r4, m4, M, kb, n_blk, one, stride_xm,
@@ -475,11 +479,8 @@ def gemv_split(splits: int):
     never sets it."""
     if not 1 <= splits <= 64:
         raise ValueError(f"gemv_split: splits must be 1..64, got {splits}")
-    _SPLITS.append(int(splits))
-    try:
+    with _pushed(_SPLITS, int(splits)):
         yield
-    finally:
-        _SPLITS.pop()
 
 
 def _splits(m: int, n_in: int) -> tuple[int, int]:
@@ -502,11 +503,18 @@ def gemv_blocks(block_n: int, warps: int):
     if warps not in (1, 2, 4, 8) or block_n % (4 * warps) or block_n // (4 * warps) not in (1, 2, 4):
         raise ValueError(f"gemv_blocks: block_n must be 4 x warps x (1, 2 or 4) rows a thread, warps 1-8; "
                          f"got block_n={block_n}, warps={warps}")
-    _BLOCKS.append((block_n, warps))
+    with _pushed(_BLOCKS, (block_n, warps)):
+        yield
+
+
+@contextlib.contextmanager
+def _pushed(stack: list, value):
+    """`value` on top of an override stack for the block's duration (nested overrides restore)."""
+    stack.append(value)
     try:
         yield
     finally:
-        _BLOCKS.pop()
+        stack.pop()
 
 
 def _check_gelu_mul(fn: str, e, x: torch.Tensor, n_out: int) -> None:
