@@ -37,6 +37,8 @@ def cmd_info(a) -> int:
     print(f"  {d['n_layer']} layers, d_model {d['d_model']}, vocab {d['vocab_size']}, "
           f"context {d['context_length']}, sliding window {d['sliding_window']}")
     print(f"  runtime on {a.device}{' --exact' if a.exact else ''}: {d['runtime']['name']} ({d['runtime']['detail']})")
+    if d["runtime"].get("weight_pages"):
+        print(f"  {d['runtime']['weight_pages']}")
     for k in ("ple_width", "kv_shared_layers", "fast_prefill", "final_softcap", "n_expert", "n_expert_used",
               "expert_ffn"):
         if k in d:

@@ -156,7 +156,13 @@ def runtime_info(device: str = "cpu", exact: bool = False, path: Optional[Path] 
     (models/runtime.py: the rules; `path` an HF folder: no ggml) for `edgegem info` and `doctor`;
     a loaded model's own is `lm.runtime` (in `LocalClient.model_info`)."""
     rt = choose_runtime(device, exact, gguf=path is None or not Path(path).is_dir())
-    return {"name": rt.value, "detail": rt.detail}
+    out = {"name": rt.value, "detail": rt.detail}
+    if rt is Runtime.GGML:  # where the matrices' bytes live (kernels/ggml/pages.py)
+        from kernels.env import env
+        from kernels.ggml.pages import describe
+
+        out["weight_pages"] = describe(env().cpu_hugepages)
+    return out
 
 
 def load_error_kind(e: BaseException) -> ErrorKind:

@@ -33,7 +33,7 @@ __all__ = ["ConfigError", "Env", "VARIABLES", "env", "reload"]
 # Every variable Env.from_environ reads (tests/kernels/test_env.py checks the two agree and that
 # docs/configuration.md documents each).
 VARIABLES = ("EDGEGEM_CPU_KERNELS", "EDGEGEM_CPU_ATTENTION", "EDGEGEM_CPU_LAYER_GRAPH", "EDGEGEM_CPU_STEP_GRAPH",
-             "EDGEGEM_CPU_REPACK", "EDGEGEM_IMAGE_PREVIEW", "EDGEGEM_FAILPOINTS", "EDGEGEM_DATA_DIR", "EDGEGEM_MODELS_DIR",
+             "EDGEGEM_CPU_REPACK", "EDGEGEM_CPU_HUGEPAGES", "EDGEGEM_IMAGE_PREVIEW", "EDGEGEM_FAILPOINTS", "EDGEGEM_DATA_DIR", "EDGEGEM_MODELS_DIR",
              "EDGEGEM_COMPILE_CACHE", "EDGEGEM_GEMV_SPLIT")
 
 _TRUE = ("1", "true", "on", "yes")
@@ -52,6 +52,7 @@ class Env:
     cpu_layer_graph: bool = True      # EDGEGEM_CPU_LAYER_GRAPH: a decode layer as one ggml graph
     cpu_step_graph: bool = True       # EDGEGEM_CPU_STEP_GRAPH: a decode token as one ggml graph
     cpu_repack: str = "auto"          # EDGEGEM_CPU_REPACK: "auto" | "on" | "off" (models/formats/ggml.py)
+    cpu_hugepages: str = "auto"       # EDGEGEM_CPU_HUGEPAGES: "auto" | "on" | "off" (models/formats/ggml.py)
     image_preview: str = "auto"       # EDGEGEM_IMAGE_PREVIEW: "auto" (graphics where the terminal has them) | "blocks"
     failpoints: str = ""              # EDGEGEM_FAILPOINTS: "NAME@N[,NAME@N...]", parsed by engine/failpoints.py
     data_dir: Optional[Path] = None   # EDGEGEM_DATA_DIR (~ expanded); None: the platform's user data dir
@@ -68,6 +69,7 @@ class Env:
             cpu_layer_graph=_switch(environ, "EDGEGEM_CPU_LAYER_GRAPH", default=True),
             cpu_step_graph=_switch(environ, "EDGEGEM_CPU_STEP_GRAPH", default=True),
             cpu_repack=_choice(environ, "EDGEGEM_CPU_REPACK", ("auto", "on", "off")),
+            cpu_hugepages=_choice(environ, "EDGEGEM_CPU_HUGEPAGES", ("auto", "on", "off")),
             image_preview=_choice(environ, "EDGEGEM_IMAGE_PREVIEW", ("auto", "blocks")),
             failpoints=environ.get("EDGEGEM_FAILPOINTS", ""),
             data_dir=_folder(environ, "EDGEGEM_DATA_DIR", expand=True),

@@ -134,19 +134,38 @@ def repack_cpu(weights: dict, tables: frozenset) -> None:
     as each is repacked)."""
     ggml = runtime.ggml_available()
     copies = ggml and ggml_format.keeps_repacked_copies(repacked_bytes(weights, tables))
+    arena = huge_arena(ggml_bytes(weights, tables)) if ggml else None
     for name in list(weights):
         w = weights[name]
         if isinstance(w, QuantWeight) and w.packed is None and name not in tables:
             weights[name] = None
             if ggml and ggml_format.takes(w.ggml_type, w.shape):
-                weights[name] = GGMLWeight(w.raw, w.ggml_type, w.shape, repacked_copy=copies)
-                del w
+                raw = w.raw
+                if arena is not None:  # the file's pages (or a fused copy) go once the bytes moved
+                    raw = arena.copy(raw).view(raw.shape)
+                    release_mapped(w.raw)
+                weights[name] = GGMLWeight(raw, w.ggml_type, w.shape, repacked_copy=copies)
+                del w, raw
                 continue
             q = _int8_head(w, weights.get("token_embd.host")) if name == "token_embd.weight" else None
             if q is None:
                 q = cpu_weight(w.raw, w.ggml_type, w.shape)
             weights[name] = HalfWeight(q) if isinstance(q, torch.Tensor) else q
             del w, q
+
+
+def ggml_bytes(weights: dict, tables: frozenset) -> int:
+    """Bytes of the matrices `repack_cpu` hands to ggml (the ggml runtime's products)."""
+    return sum(w.raw.numel() for n, w in weights.items() if isinstance(w, QuantWeight) and w.packed is None
+               and n not in tables and ggml_format.takes(w.ggml_type, w.shape))
+
+
+def huge_arena(n_bytes: int):
+    """A kernels.ggml.pages.Arena for the ggml matrices' bytes (`n_bytes` in all) when the
+    policy copies them into 2 MB pages (formats/ggml.py `keeps_huge_pages`), else None."""
+    from kernels.ggml import pages
+
+    return pages.Arena() if n_bytes and ggml_format.keeps_huge_pages(n_bytes) else None
 
 
 def repacked_bytes(weights: dict, tables: frozenset) -> int:

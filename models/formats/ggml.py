@@ -38,6 +38,7 @@ import torch
 
 PACKED_ROWS = 8  # rows up to which the repacked layout runs (crossover measured between 4 and 16)
 REPACK_SHARE = 0.25  # most of the memory free at load the repacked copies may take
+HUGE_SHARE = 0.5  # most of the memory free at load the 2 MB-page copies may take
 
 
 def keeps_repacked_copies(copy_bytes: int, free_bytes: Optional[int] = None) -> bool:
@@ -56,6 +57,25 @@ def keeps_repacked_copies(copy_bytes: int, free_bytes: Optional[int] = None) -> 
     if free_bytes is None:
         free_bytes = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return copy_bytes <= REPACK_SHARE * free_bytes
+
+
+def keeps_huge_pages(copy_bytes: int, free_bytes: Optional[int] = None) -> bool:
+    """Whether the model's ggml matrices (`copy_bytes` in all) are copied into 2 MB pages at load
+    (kernels/ggml/pages.py: ~5% faster decode products on the AVX2 VM): where the kernel gives
+    huge pages (THP always or madvise) and the copies take at most HUGE_SHARE of the memory free
+    now (MemAvailable). Anonymous copies cannot be dropped and re-read from the file under pressure as the map's
+    pages can, so a model near the machine's memory stays mapped (a 31B on 24 GB).
+    EDGEGEM_CPU_HUGEPAGES=on|off decides instead (on: copied even where THP is off)."""
+    from kernels.env import env
+    from kernels.ggml import pages
+
+    if env().cpu_hugepages != "auto":
+        return env().cpu_hugepages == "on"
+    if not pages.available():
+        return False
+    if free_bytes is None:  # MemAvailable: the page cache the copies may take back counts as free
+        free_bytes = pages.available_bytes()
+    return copy_bytes <= HUGE_SHARE * free_bytes
 
 
 def takes(ggml_type: int, shape) -> bool:

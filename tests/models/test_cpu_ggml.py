@@ -167,3 +167,27 @@ def test_without_copies_every_matrix_is_the_files_bytes_once(tiny_q4km, monkeypa
     assert any(ggml.repacks(m.ggml_type, m.shape[0]) for m in mats)  # there was something to copy
     ref = llama_cpp_greedy_until_near_tie(tiny_q4km, list(PROMPTS[0]), 16, TIE)
     assert len(ref) >= 8 and greedy_forward(one, list(PROMPTS[0]), 16)[:len(ref)] == ref
+
+
+def test_matrices_in_2mb_pages_give_the_same_logits_and_leave_the_files_map(tiny_q4km, monkeypatch):
+    """EDGEGEM_CPU_HUGEPAGES=on: every ggml matrix's bytes are copied out of the file's map into
+    2 MB-page chunks (kernels/ggml/pages.py), the same bytes: the logits are bit for bit those
+    of the mapped model (off)."""
+    from models.gguf import in_cow_map
+    from models.loader import load_model
+
+    models = {}
+    for mode in ("off", "on"):
+        monkeypatch.setenv("EDGEGEM_CPU_HUGEPAGES", mode)
+        reload_env()
+        models[mode] = load_model(tiny_q4km, with_tokenizer=False, weight_dtype=torch.float16, cpu_quant=True).model
+    mapped = {n: in_cow_map(v.plain.raw.data_ptr(), v.plain.nbytes)
+              for mode, m in models.items() for n, v in m.w.items() if isinstance(v, GGMLWeight) and mode == "on"}
+    assert mapped and not any(mapped.values())
+    head = models["off"].w["token_embd.weight"].plain
+    assert in_cow_map(head.raw.data_ptr(), head.nbytes)  # off: the tied head is the file's map
+    for n, v in models["on"].w.items():
+        if isinstance(v, GGMLWeight):
+            assert torch.equal(v.raw, models["off"].w[n].raw), n
+    tokens = torch.tensor(PROMPTS[1])
+    assert torch.equal(models["on"].forward(tokens), models["off"].forward(tokens))

@@ -12,6 +12,7 @@ import torch
 from app import doctor
 from app.cli import main
 from app.doctor_probes import Facts, probe_runtimes
+from kernels.ggml.pages import describe as describe_pages
 from models import runtime
 from models.runtime import Runtime, choose_runtime, runtime_of_flags
 from tiny_models import TinySpec, quantize_gguf, write_tiny_gemma4
@@ -121,7 +122,9 @@ def test_load_model_with_flags_labels_the_model(tiny_q4km, monkeypatch):
 def test_info_prints_the_runtime(tiny_q4km, ggml, expected, monkeypatch, capsys):
     monkeypatch.setattr(runtime, "ggml_available", lambda: ggml)
     assert main(["info", str(tiny_q4km), "--device", "cpu"]) == 0
-    assert f"runtime on cpu: {expected.value} ({expected.detail})" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"runtime on cpu: {expected.value} ({expected.detail})" in out
+    assert (f"  {describe_pages('auto')}\n" in out) is ggml
     assert main(["info", str(tiny_q4km), "--device", "cpu", "--exact", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["runtime"] == {"name": "reference", "detail": R.REFERENCE.detail}
 
@@ -131,7 +134,8 @@ def test_doctor_prints_the_runtime_per_device(monkeypatch):
     monkeypatch.setattr(runtime, "triton_available", lambda d: True)
     f = Facts(python=(3, 11, 0), executable="python", torch_version="2.9.0", cuda_available=True)
     probe_runtimes(f)
-    assert f.runtimes == {"cpu": {"name": "ggml", "detail": R.GGML.detail},
+    pages = describe_pages("auto")  # where the matrices' bytes live
+    assert f.runtimes == {"cpu": {"name": "ggml", "detail": R.GGML.detail, "weight_pages": pages},
                           "cuda": {"name": "triton", "detail": R.TRITON.detail}}
     c = doctor.check_runtime(f)
     assert c.status == doctor.OK and c.finding == f"cpu: ggml ({R.GGML.detail}); cuda: triton ({R.TRITON.detail})"

@@ -1,0 +1,77 @@
+"""Weight bytes in 2 MB pages (kernels/ggml/pages.py): pieces aligned for ggml, the bytes kept,
+chunks kept alive by their pieces, the kernel's THP mode read, and the loader's policy
+(models/formats/ggml.py `keeps_huge_pages`)."""
+from __future__ import annotations
+
+import gc
+import sys
+
+import pytest
+import torch
+
+from kernels.env import reload as reload_env
+from kernels.ggml import pages
+
+
+def test_pieces_hold_the_bytes_at_ggml_alignment_in_2mb_aligned_chunks():
+    arena = pages.Arena(chunk=3 << 20)  # rounded up to 4 MB
+    srcs = [torch.arange(n, dtype=torch.int16) for n in (7, 1001, 333_333)] + [torch.randn(5, 3).t()]
+    pieces = [arena.copy(t) for t in srcs]
+    for t, p in zip(srcs, pieces):
+        assert p.dtype == torch.uint8 and p.data_ptr() % pages.ALIGN == 0
+        assert torch.equal(p, t.contiguous().view(torch.uint8).reshape(-1))
+    assert arena.chunk == 4 << 20 and arena.chunks == 1
+    assert arena.bytes_held == sum(t.numel() * t.element_size() for t in srcs)
+    assert pieces[0].data_ptr() % pages.HUGE == 0  # the first piece opens the chunk
+    big = arena.empty(9 << 20)  # larger than a chunk: a chunk of its own
+    assert arena.chunks == 2 and big.data_ptr() % pages.HUGE == 0 and big.numel() == 9 << 20
+
+
+def test_a_piece_keeps_its_chunk_mapped_after_the_arena_goes():
+    arena = pages.Arena()
+    p = arena.copy(torch.full((4097,), 7, dtype=torch.uint8))
+    del arena
+    gc.collect()
+    p[4096] = 9  # still mapped and writable
+    assert int(p[:4096].sum()) == 7 * 4096 and int(p[4096]) == 9
+
+
+def test_the_thp_mode_is_the_bracketed_word(tmp_path):
+    f = tmp_path / "enabled"
+    for text, mode in (("always [madvise] never\n", "madvise"), ("[always] madvise never", "always"),
+                       ("always madvise [never]", "never"), ("garbage", "never")):
+        f.write_text(text)
+        assert pages.thp_mode(f) == mode
+    assert pages.thp_mode(tmp_path / "missing") == "never"
+
+
+@pytest.mark.skipif(not pages.available(), reason="no transparent huge pages here (THP never, or not Linux)")
+def test_huge_bytes_reads_the_chunks_pages():
+    p = pages.Arena().empty(8 << 20)
+    p.fill_(1)  # touch every page: the kernel backs the marked range with 2 MB pages where it has them
+    got = pages.huge_bytes([p])
+    assert got is not None and 0 <= got <= 10 << 20 and got % pages.HUGE == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/meminfo")
+def test_available_bytes_is_memavailable():
+    with open("/proc/meminfo") as f:
+        want = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    assert abs(pages.available_bytes() - want) < 256 << 20  # moments apart
+
+
+def test_huge_pages_are_used_where_they_are_given_and_the_copies_fit(monkeypatch):
+    """auto: copied where the kernel gives huge pages and the copies take at most HUGE_SHARE of
+    the memory available; on/off force it (on: even without THP)."""
+    from models.formats import ggml as ggml_format
+
+    for thp in (False, True):
+        monkeypatch.setattr(pages, "available", lambda thp=thp: thp)
+        assert ggml_format.keeps_huge_pages(10, free_bytes=1000) is thp
+        assert ggml_format.keeps_huge_pages(600, free_bytes=1000) is False  # a 31B near the machine's memory
+        for forced, want in (("on", True), ("off", False)):
+            monkeypatch.setenv("EDGEGEM_CPU_HUGEPAGES", forced)
+            reload_env()
+            assert ggml_format.keeps_huge_pages(600, free_bytes=1000) is want
+            monkeypatch.delenv("EDGEGEM_CPU_HUGEPAGES")
+            reload_env()
