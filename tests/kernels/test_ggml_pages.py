@@ -60,18 +60,15 @@ def test_available_bytes_is_memavailable():
     assert abs(pages.available_bytes() - want) < 256 << 20  # moments apart
 
 
-def test_huge_pages_are_used_where_they_are_given_and_the_copies_fit(monkeypatch):
+@pytest.mark.parametrize("setting,thp,want", [("auto", False, (False, False)), ("auto", True, (True, False)),
+                                               ("on", False, (True, True)), ("off", True, (False, False))])
+def test_huge_pages_are_used_where_they_are_given_and_the_copies_fit(setting, thp, want, monkeypatch):
     """auto: copied where the kernel gives huge pages and the copies take at most HUGE_SHARE of
-    the memory available; on/off force it (on: even without THP)."""
+    the memory available (not a 31B near the machine's memory); on/off force it (on: even without
+    THP). want: (a small model, one of 60% of the memory)."""
     from models.formats import ggml as ggml_format
 
-    for thp in (False, True):
-        monkeypatch.setattr(pages, "available", lambda thp=thp: thp)
-        assert ggml_format.keeps_huge_pages(10, free_bytes=1000) is thp
-        assert ggml_format.keeps_huge_pages(600, free_bytes=1000) is False  # a 31B near the machine's memory
-        for forced, want in (("on", True), ("off", False)):
-            monkeypatch.setenv("EDGEGEM_CPU_HUGEPAGES", forced)
-            reload_env()
-            assert ggml_format.keeps_huge_pages(600, free_bytes=1000) is want
-            monkeypatch.delenv("EDGEGEM_CPU_HUGEPAGES")
-            reload_env()
+    monkeypatch.setattr(pages, "available", lambda: thp)
+    monkeypatch.setenv("EDGEGEM_CPU_HUGEPAGES", setting)
+    reload_env()
+    assert (ggml_format.keeps_huge_pages(10, free_bytes=1000), ggml_format.keeps_huge_pages(600, free_bytes=1000)) == want
