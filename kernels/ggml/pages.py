@@ -96,9 +96,12 @@ class Arena:
 
     def _new_chunk(self, n_bytes: int) -> np.ndarray:
         size = max(self.chunk, -(-n_bytes // HUGE) * HUGE)
-        m = mmap.mmap(-1, size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        m.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: faults then take whole 2 MB pages
-        whole = np.frombuffer(m, dtype=np.uint8)  # holds m open while any view of it lives
+        if hasattr(mmap, "MAP_ANONYMOUS") and hasattr(mmap, "MADV_HUGEPAGE"):
+            m = mmap.mmap(-1, size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            m.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: faults then take whole 2 MB pages
+            whole = np.frombuffer(m, dtype=np.uint8)  # holds m open while any view of it lives
+        else:  # no such mapping here (macOS, Windows: EDGEGEM_CPU_HUGEPAGES=on): same bytes, small pages
+            whole = np.empty(size + HUGE, dtype=np.uint8)
         skip = (-whole.ctypes.data) % HUGE
         self.chunks += 1
         return whole[skip:skip + size]

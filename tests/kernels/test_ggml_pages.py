@@ -27,6 +27,14 @@ def test_pieces_hold_the_bytes_at_ggml_alignment_in_2mb_aligned_chunks():
     assert arena.chunks == 2 and big.data_ptr() % pages.HUGE == 0 and big.numel() == 9 << 20
 
 
+def test_without_huge_page_mappings_the_arena_holds_the_bytes_all_the_same(monkeypatch):
+    """EDGEGEM_CPU_HUGEPAGES=on where mmap has no MADV_HUGEPAGE (macOS, Windows): plain memory."""
+    monkeypatch.delattr(pages.mmap, "MADV_HUGEPAGE", raising=False)
+    arena = pages.Arena()
+    p = arena.copy(torch.arange(1000, dtype=torch.int32))
+    assert p.data_ptr() % pages.HUGE == 0 and torch.equal(p.view(torch.int32), torch.arange(1000, dtype=torch.int32))
+
+
 def test_a_piece_keeps_its_chunk_mapped_after_the_arena_goes():
     arena = pages.Arena()
     p = arena.copy(torch.full((4097,), 7, dtype=torch.uint8))
