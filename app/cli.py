@@ -182,6 +182,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="reopening a conversation from its KV file against prefilling it, and file size per "
                         "token per KV format")
     g.add_argument("--kv-lengths", default="2048,8192,32000", metavar="N,N,...", help="conversation lengths")
+    g = b.add_argument_group("decode together (--batch: the CPU, beside llama.cpp's batched decode)")
+    g.add_argument("--batch", metavar="B,B,...",
+                   help="decode B sequences together on the CPU, edgegem's engine beside llama.cpp's own batched "
+                        "decode (one llama_decode of B tokens a step): step ms, aggregate tok/s, gain over B=1 "
+                        "(--prompt-tokens per sequence; --decode-tokens timed steps)")
     g = b.add_argument_group("API server (--serve)")
     g.add_argument("--serve", action="store_true",
                    help="edgegem serve beside llama_cpp.server on the same GGUF: aggregate decode tok/s with "

@@ -67,6 +67,16 @@ def cmd_bench(a) -> int:
         out = spec_bench(api.resolve_model(a.model), Path(a.spec_draft_model), a.prompt_tokens, a.decode_tokens,
                          a.spec_tokens, device=a.device)
         out.pop("ids", None)
+    elif a.batch:  # B sequences decoded together, beside llama.cpp's batched decode
+        if a.device != "cpu":
+            raise ValueError("--batch measures the CPU: use --device cpu")
+        from engine import api
+        from engine.bench import batched_side_by_side
+        out = batched_side_by_side(path=None if a.synthetic else api.resolve_model(a.model), synthetic=a.synthetic,
+                                   batches=_int_list(a.batch, "--batch"), n_prompt=a.prompt_tokens,
+                                   n_steps=a.decode_tokens, threads=a.threads,
+                                   kinds=("engine",) if a.no_llama_cpp else ("llama.cpp", "engine"),
+                                   keep=Path(a.keep_gguf) if a.keep_gguf else None)
     elif a.device == "cpu" and a.profile:  # one decode step, piece by piece
         from engine import api
         from engine.bench import synthetic_gguf

@@ -32,6 +32,7 @@ _EXPORTS = {
     "kv_bytes_read": "throughput",
     "spec_bench": "spec",
     "cpu_side_by_side": "cpu", "synthetic_gguf": "cpu", "bench_prompt": "cpu",
+    "batched_side_by_side": "batched",
     "profile_decode": "cpu_profile",
     "static_report": "static", "compile_engine_kernels": "static", "compile_summary": "static",
     "decode_step": "dry_run", "dry_model": "dry_run", "prefill_chunk": "dry_run",

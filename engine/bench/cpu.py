@@ -154,9 +154,15 @@ def _child(kind: str, path: str, prompt: list[int], n_decode: int, threads: int,
 def run_child(kind: str, path: Path, prompt: list[int], n_decode: int, threads: int) -> dict:
     """One measurement in a fresh process (spawned: nothing of ours is inherited, so its RSS is
     its own)."""
+    return run_in_child(_child, kind, (kind, str(path), prompt, n_decode, threads))
+
+
+def run_in_child(target, kind: str, args: tuple) -> dict:
+    """target(*args, queue) in a spawned process: the dict it puts on the queue, or a one-line
+    RuntimeError naming `kind` when it reports an error or dies without a word."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_child, args=(kind, str(path), prompt, n_decode, threads, q))
+    p = ctx.Process(target=target, args=(*args, q))
     p.start()
     while True:  # a child that dies without reporting (killed, out of memory) must not hang us
         try:

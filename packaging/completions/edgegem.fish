@@ -192,6 +192,7 @@ complete -c edgegem -n '__fish_seen_subcommand_from bench' -l audio-seconds -x -
 complete -c edgegem -n '__fish_seen_subcommand_from bench' -l mmproj -x -d '--audio, the mmproj whose audio tower to time'
 complete -c edgegem -n '__fish_seen_subcommand_from bench' -l kv-resume -d 'reopening a conversation from its KV file against prefilling it, and f'
 complete -c edgegem -n '__fish_seen_subcommand_from bench' -l kv-lengths -x -d 'conversation lengths'
+complete -c edgegem -n '__fish_seen_subcommand_from bench' -l batch -x -d 'decode B sequences together on the CPU, edgegems engine beside llama.c'
 complete -c edgegem -n '__fish_seen_subcommand_from bench' -l serve -d 'edgegem serve beside llama_cpp.server on the same GGUF, aggregate deco'
 complete -c edgegem -n '__fish_seen_subcommand_from bench' -l clients -x -d '--serve, concurrent clients per run'
 complete -c edgegem -n '__fish_seen_subcommand_from bench' -l serve-tokens -x -d '--serve, tokens per answer'

@@ -51,3 +51,22 @@ def test_side_by_side_without_llama_cpp_has_no_agreement_column(tiny_q4km):
                            repeat=1)
     assert "greedy_tokens_equal" not in out["runs"]["loop"]
     assert "greedy" not in out["table"]
+
+
+@pytest.mark.skipif(not ggml.available(), reason="llama.cpp's libraries are needed for its run")
+def test_batched_decode_beside_llama_cpp_keeps_each_sequences_tokens(tiny_q4km):
+    """`bench --batch`: a row per kind and B; edgegem's first sequence decodes the tokens it
+    decodes alone whatever runs beside it (decode together keeps a row's bits), llama.cpp's are
+    counted, not asserted (its products of 4+ rows take other kernels)."""
+    from engine.bench.batched import WARM, batched_side_by_side
+
+    out = batched_side_by_side(path=tiny_q4km, batches=(1, 3, 2), n_prompt=N_PROMPT, n_steps=N_DECODE, threads=1)
+    n_tokens = N_DECODE + WARM + 1
+    for kind in ("llama.cpp", "engine"):
+        rows = out["runs"][kind]
+        assert list(rows) == ["1", "3", "2"]
+        assert all(r["step_ms"] > 0 and r["tok_s"] > 0 for r in rows.values())
+        assert rows["1"]["first_tokens_as_alone"] == n_tokens
+        assert all(0 <= r["first_tokens_as_alone"] <= n_tokens for r in rows.values())
+    assert all(r["first_tokens_as_alone"] == n_tokens for r in out["runs"]["engine"].values())
+    assert f"{n_tokens} of {n_tokens}" in out["table"].splitlines()[-1]
