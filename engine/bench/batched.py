@@ -122,7 +122,7 @@ def batched_side_by_side(path: Optional[Path] = None, synthetic: Optional[str] =
     same kind's B = 1 row (when measured)."""
     from models.gguf import GGUFFile
 
-    from .cpu import _leading_equal, run_in_child, synthetic_gguf
+    from .cpu import leading_equal, run_in_child, synthetic_gguf
     from .cpu_profile import cpu_flags
     from ..cpu_runtime import default_threads, kernels
 
@@ -142,7 +142,7 @@ def batched_side_by_side(path: Optional[Path] = None, synthetic: Optional[str] =
         for r in v.values():
             ids = r.pop("ids")
             if alone is not None:
-                r["first_tokens_as_alone"] = _leading_equal(ids, alone)
+                r["first_tokens_as_alone"] = leading_equal(ids, alone)
     out = {"model": f"synthetic {synthetic.upper()}" if synthetic else Path(path).name, "threads": threads,
            "prompt_tokens": n_prompt, "steps": n_steps, "cpu": cpu_flags(), "kernels": kernels()["detail"],
            "runs": {k: {str(B): r for B, r in v.items()} for k, v in rows.items()}}

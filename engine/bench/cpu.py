@@ -206,7 +206,7 @@ CPU_COLUMNS = (Column("", 36, align="<"), Column("load s", 7, ".1f"), Column("pr
                Column("greedy = llama.cpp's", 21))
 
 
-def _leading_equal(a: list[int], b: list[int]) -> int:
+def leading_equal(a: list[int], b: list[int]) -> int:
     """How many tokens two greedy runs agree on before they first differ."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -242,7 +242,7 @@ def cpu_side_by_side(path: Optional[Path] = None, synthetic: Optional[str] = Non
     if "llama.cpp" in kinds:
         for k in kinds:
             if k != "llama.cpp":
-                rows[k]["greedy_tokens_equal"] = min(_leading_equal(r[k]["ids"], r["llama.cpp"]["ids"]) for r in rounds)
+                rows[k]["greedy_tokens_equal"] = min(leading_equal(r[k]["ids"], r["llama.cpp"]["ids"]) for r in rounds)
     out = {"model": f"synthetic {synthetic.upper()}" if synthetic else Path(path).name, "file_bytes": file_bytes,
            "threads": threads, "prompt_tokens": n_prompt, "decode_tokens": n_decode, "runs": rows,
            "cpu": cpu_flags(), "kernels": kernels()["detail"], "repeat": repeat,

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from engine.bench.cpu import _leading_equal, cpu_side_by_side
+from engine.bench.cpu import cpu_side_by_side, leading_equal
 from kernels import ggml
 from tiny_models import TinySpec, quantize_gguf, write_tiny_gemma4
 
@@ -21,10 +21,10 @@ def tiny_q4km(tmp_path_factory):
 
 
 def test_leading_equal_counts_tokens_before_the_first_difference():
-    assert _leading_equal([4, 5, 6, 7], [4, 5, 9, 7]) == 2
-    assert _leading_equal([4, 5], [4, 5]) == 2
-    assert _leading_equal([1], [2, 3]) == 0
-    assert _leading_equal([4, 5, 6], [4, 5]) == 2  # a run that stopped early agrees on no more than it made
+    assert leading_equal([4, 5, 6, 7], [4, 5, 9, 7]) == 2
+    assert leading_equal([4, 5], [4, 5]) == 2
+    assert leading_equal([1], [2, 3]) == 0
+    assert leading_equal([4, 5, 6], [4, 5]) == 2  # a run that stopped early agrees on no more than it made
 
 
 @pytest.mark.skipif(not ggml.available(), reason="llama.cpp's libraries are needed for its run")
