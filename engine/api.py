@@ -159,9 +159,9 @@ def runtime_info(device: str = "cpu", exact: bool = False, path: Optional[Path] 
     out = {"name": rt.value, "detail": rt.detail}
     if rt is Runtime.GGML:  # where the matrices' bytes live (kernels/ggml/pages.py)
         from kernels.env import env
-        from kernels.ggml.pages import describe
+        from models.formats.ggml import describe_huge_pages
 
-        out["weight_pages"] = describe(env().cpu_hugepages)
+        out["weight_pages"] = describe_huge_pages(env().cpu_hugepages)
     return out
 
 

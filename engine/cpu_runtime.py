@@ -116,14 +116,14 @@ def kernels() -> dict:
     "reason": why not ggml ('' when it is), "features": ggml's CPU features}."""
     from kernels import ggml
     from kernels.env import env
-    from kernels.ggml.pages import describe as describe_pages
+    from models.formats.ggml import describe_huge_pages
     from models.runtime import ggml_available
 
     if ggml_available():
         feats = ggml.cpu_features()
         names = [n.upper().replace("_", "-") for n in ("avx2", "avx512", "avx512_vnni", "avx512_bf16", "avx_vnni")
                  if feats.get(n)]
-        pages = describe_pages(env().cpu_hugepages)
+        pages = describe_huge_pages(env().cpu_hugepages)
         return {"name": "ggml", "reason": "", "features": feats, "pages": pages,
                 "detail": f"llama.cpp's ggml (llama-cpp-python {ggml.PINNED}; {', '.join(names) or 'no AVX2'}); {pages}"}
     return {"name": "torch", "reason": ggml.reason() or "disabled", "features": {},

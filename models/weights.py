@@ -132,21 +132,26 @@ def repack_cpu(weights: dict, tables: frozenset) -> None:
     bytes themselves, multiplied by ggml (the tied head too: exact logits); without them
     models/cpu_quant.cpu_weight's torch formats and the int8-ranked head (the GGUF copy is dropped
     as each is repacked)."""
-    ggml = runtime.ggml_available()
-    copies = ggml and ggml_format.keeps_repacked_copies(repacked_bytes(weights, tables))
-    arena = huge_arena(ggml_bytes(weights, tables)) if ggml else None
+    from kernels import ggml
+    from kernels.ggml import pages
+
+    to_ggml = set(_ggml_matrices(weights, tables)) if runtime.ggml_available() else set()
+    repacked = sum(weights[n].raw.numel() for n in to_ggml  # what the repacked copies would take
+                   if ggml.repacks(weights[n].ggml_type, weights[n].shape[0]))
+    copies = bool(to_ggml) and ggml_format.keeps_repacked_copies(repacked)
+    n_bytes = sum(weights[n].raw.numel() for n in to_ggml)
+    arena = pages.Arena() if n_bytes and ggml_format.keeps_huge_pages(n_bytes) else None
     for name in list(weights):
         w = weights[name]
-        if isinstance(w, QuantWeight) and w.packed is None and name not in tables:
+        if name in to_ggml:
+            raw = w.raw
+            if arena is not None:  # the file's pages (or a fused copy) go once the bytes moved
+                raw = arena.copy(raw).view(raw.shape)
+                release_mapped(w.raw)
+            weights[name] = GGMLWeight(raw, w.ggml_type, w.shape, repacked_copy=copies)
+            del w, raw
+        elif isinstance(w, QuantWeight) and w.packed is None and name not in tables:
             weights[name] = None
-            if ggml and ggml_format.takes(w.ggml_type, w.shape):
-                raw = w.raw
-                if arena is not None:  # the file's pages (or a fused copy) go once the bytes moved
-                    raw = arena.copy(raw).view(raw.shape)
-                    release_mapped(w.raw)
-                weights[name] = GGMLWeight(raw, w.ggml_type, w.shape, repacked_copy=copies)
-                del w, raw
-                continue
             q = _int8_head(w, weights.get("token_embd.host")) if name == "token_embd.weight" else None
             if q is None:
                 q = cpu_weight(w.raw, w.ggml_type, w.shape)
@@ -154,26 +159,10 @@ def repack_cpu(weights: dict, tables: frozenset) -> None:
             del w, q
 
 
-def ggml_bytes(weights: dict, tables: frozenset) -> int:
-    """Bytes of the matrices `repack_cpu` hands to ggml (the ggml runtime's products)."""
-    return sum(w.raw.numel() for n, w in weights.items() if isinstance(w, QuantWeight) and w.packed is None
-               and n not in tables and ggml_format.takes(w.ggml_type, w.shape))
-
-
-def huge_arena(n_bytes: int):
-    """A kernels.ggml.pages.Arena for the ggml matrices' bytes (`n_bytes` in all) when the
-    policy copies them into 2 MB pages (formats/ggml.py `keeps_huge_pages`), else None."""
-    from kernels.ggml import pages
-
-    return pages.Arena() if n_bytes and ggml_format.keeps_huge_pages(n_bytes) else None
-
-
-def repacked_bytes(weights: dict, tables: frozenset) -> int:
-    """Bytes of the repacked copies `repack_cpu` could add on the ggml runtime (formats/ggml.py)."""
-    from kernels import ggml
-
-    return sum(w.raw.numel() for n, w in weights.items() if isinstance(w, QuantWeight) and w.packed is None
-               and n not in tables and ggml_format.takes(w.ggml_type, w.shape) and ggml.repacks(w.ggml_type, w.shape[0]))
+def _ggml_matrices(weights: dict, tables: frozenset) -> list[str]:
+    """Names of the GGUF-row matrices `repack_cpu` hands to ggml on the ggml runtime."""
+    return [n for n, w in weights.items() if isinstance(w, QuantWeight) and w.packed is None and n not in tables
+            and ggml_format.takes(w.ggml_type, w.shape)]
 
 
 def _int8_head(w: "QuantWeight", table) -> object | None:

@@ -31,8 +31,6 @@ def _prompts(vocab: int, B: int, n: int) -> list[list[int]]:
 
 
 def _llama_cpp(path: str, prompts: list[list[int]], n_steps: int, threads: int) -> tuple[list[float], list[int]]:
-    import ctypes
-
     import llama_cpp
 
     B, n = len(prompts), len(prompts[0])
@@ -53,9 +51,8 @@ def _llama_cpp(path: str, prompts: list[list[int]], n_steps: int, threads: int) 
             if llama_cpp.llama_decode(ctx, batch) != 0:
                 raise RuntimeError("llama_decode failed")
 
-        def argmax(i: int) -> int:
-            lg = llama_cpp.llama_get_logits_ith(ctx, i)
-            return int(np.argmax(np.ctypeslib.as_array(ctypes.cast(lg, ctypes.POINTER(ctypes.c_float)), (n_vocab,))))
+        def argmax(i: int) -> int:  # row i's logits straight from the context, as engine/bench/cpu.py reads them
+            return int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(n_vocab,))))
 
         toks = []
         for s, prompt in enumerate(prompts):

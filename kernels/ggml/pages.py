@@ -14,8 +14,8 @@ that it maps anonymously and marks `madvise(MADV_HUGEPAGE)`; the kernel then bac
 A piece is a uint8 torch tensor whose storage keeps its chunk mapped: a model's weights free
 their chunks when the model goes. The cost: the bytes are copied once at load (~0.3 s a GB) and,
 being anonymous, cannot be dropped and re-read from the file under memory pressure, so the
-loader asks `wanted` first (models/formats/ggml.py: only when the copies take a small share of
-the free memory, as the repacked copies).
+loader asks the policy first (models/formats/ggml.py `keeps_huge_pages`: only while the copies
+take at most half of the available memory).
 
 `thp_mode()` reads the kernel's setting: "always" and "madvise" give huge pages to these chunks,
 "never" (or a system without the file) none: no chunks are made then.
@@ -70,19 +70,6 @@ def available_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def describe(setting: str) -> str:
-    """One line for `doctor`, `info` and the benches: where the ggml matrices' bytes live under
-    EDGEGEM_CPU_HUGEPAGES=`setting` (the loader's policy: models/formats/ggml.py)."""
-    mode = thp_mode()
-    if setting == "off":
-        return "weights mapped (4 KB pages: EDGEGEM_CPU_HUGEPAGES=off)"
-    if setting == "on":
-        return f"weights in 2 MB pages (forced; THP {mode})"
-    if not available():
-        return f"weights mapped (4 KB pages: THP {mode})"
-    return f"weights in 2 MB pages where they take at most half the available memory (THP {mode})"
-
-
 class Arena:
     """Pieces of 2 MB-page chunks (module doc). `copy(t)` -> a uint8 tensor in a chunk holding t's
     bytes; `bytes_held` counts the pieces handed out. Thread-safe (a loader may run in a thread)."""
@@ -124,23 +111,3 @@ class Arena:
         out = self.empty(src.numel())
         out.copy_(src)
         return out
-
-
-def huge_bytes(tensors) -> Optional[int]:
-    """Bytes the kernel backs with huge pages now in the mappings that `tensors` lie in (each
-    mapping once: /proc/self/smaps AnonHugePages), or None where the file cannot be read. For
-    reports and tests: a chunk gets 4 KB pages where no 2 MB page was free."""
-    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors]
-    total, inside = 0, False
-    try:
-        with open("/proc/self/smaps") as f:
-            for line in f:
-                head = line.split(maxsplit=1)[0]
-                if not head.endswith(":"):  # a mapping's first line: "start-end perms ..."
-                    start, end = (int(x, 16) for x in head.split("-"))
-                    inside = any(lo < end and hi > start for lo, hi in spans)
-                elif inside and head == "AnonHugePages:":
-                    total += int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        return None
-    return total

@@ -63,9 +63,9 @@ def keeps_huge_pages(copy_bytes: int, free_bytes: Optional[int] = None) -> bool:
     """Whether the model's ggml matrices (`copy_bytes` in all) are copied into 2 MB pages at load
     (kernels/ggml/pages.py: ~5% faster decode products on the AVX2 VM): where the kernel gives
     huge pages (THP always or madvise) and the copies take at most HUGE_SHARE of the memory free
-    now (MemAvailable). Anonymous copies cannot be dropped and re-read from the file under pressure as the map's
-    pages can, so a model near the machine's memory stays mapped (a 31B on 24 GB).
-    EDGEGEM_CPU_HUGEPAGES=on|off decides instead (on: copied even where THP is off)."""
+    now (MemAvailable). Anonymous copies cannot be dropped and re-read from the file under
+    pressure as the map's pages can, so a model near the machine's memory stays mapped (a 31B on
+    24 GB). EDGEGEM_CPU_HUGEPAGES=on|off decides instead (on: copied even where THP is off)."""
     from kernels.env import env
     from kernels.ggml import pages
 
@@ -76,6 +76,21 @@ def keeps_huge_pages(copy_bytes: int, free_bytes: Optional[int] = None) -> bool:
     if free_bytes is None:  # MemAvailable: the page cache the copies may take back counts as free
         free_bytes = pages.available_bytes()
     return copy_bytes <= HUGE_SHARE * free_bytes
+
+
+def describe_huge_pages(setting: str) -> str:
+    """One line for `doctor`, `info` and the benches: where the ggml matrices' bytes live under
+    EDGEGEM_CPU_HUGEPAGES=`setting` (`keeps_huge_pages`)."""
+    from kernels.ggml import pages
+
+    mode = pages.thp_mode()
+    if setting == "off":
+        return "weights mapped (4 KB pages: EDGEGEM_CPU_HUGEPAGES=off)"
+    if setting == "on":
+        return f"weights in 2 MB pages (forced; THP {mode})"
+    if not pages.available():
+        return f"weights mapped (4 KB pages: THP {mode})"
+    return f"weights in 2 MB pages where they take at most {HUGE_SHARE:.0%} of the available memory (THP {mode})"
 
 
 def takes(ggml_type: int, shape) -> bool:

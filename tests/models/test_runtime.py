@@ -12,8 +12,8 @@ import torch
 from app import doctor
 from app.cli import main
 from app.doctor_probes import Facts, probe_runtimes
-from kernels.ggml.pages import describe as describe_pages
 from models import runtime
+from models.formats.ggml import describe_huge_pages as describe_pages
 from models.runtime import Runtime, choose_runtime, runtime_of_flags
 from tiny_models import TinySpec, quantize_gguf, write_tiny_gemma4
 
